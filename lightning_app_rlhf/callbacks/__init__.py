@@ -1,0 +1,5 @@
+"""Lightning callbacks for RLHF runs."""
+
+from lightning_app_rlhf.callbacks.run_summary import RLHFRunSummary
+
+__all__ = ["RLHFRunSummary"]

@@ -1,0 +1,142 @@
+"""The model calls of one PPO iteration, besides ``actor.generate`` (see ``generation.py``).
+
+``reference.forward``, ``critic.forward`` and ``reward.forward`` score a rollout; ``actor.train`` and
+``critic.train`` are built from :func:`actor_loss` and :func:`critic_loss`. Each call takes only the tensors
+it needs, so a placement can run it on any group of ranks. Plain PyTorch, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_app_rlhf import ppo
+from lightning_app_rlhf.config import PPOConfig
+from lightning_app_rlhf.generation import Rollout, position_ids_from_mask
+from lightning_app_rlhf.roles import RewardFunction
+
+
+def response_logits(
+    model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+) -> torch.Tensor:
+    """Logits [B, T, V] that predict the T response tokens; the LM head runs on those positions only."""
+    response_length = sequences.shape[1] - prompt_length
+    logits = model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=response_length + 1,
+    ).logits
+    return logits[:, :-1, :]
+
+
+@torch.no_grad()
+def reference_forward(reference: nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
+    """Reference log-probabilities [B, T] of the sampled response tokens."""
+    logits = response_logits(reference, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+    return ppo.logprobs_from_logits(logits / temperature, rollout.responses) * rollout.response_mask
+
+
+@torch.no_grad()
+def critic_forward(critic: nn.Module, rollout: Rollout) -> torch.Tensor:
+    """Critic values [B, T] of the states before each response token."""
+    values = critic(
+        rollout.sequences, rollout.attention_mask, position_ids_from_mask(rollout.attention_mask)
+    )
+    return values[:, rollout.prompt_length - 1 : -1] * rollout.response_mask
+
+
+@torch.no_grad()
+def reward_forward(
+    reward: nn.Module | RewardFunction, rollout: Rollout, tokenizer: PreTrainedTokenizerBase
+) -> torch.Tensor:
+    """Scores [B] in float32: a reward model's output, or a reward function's on decoded text."""
+    if isinstance(reward, nn.Module):
+        logits = reward(
+            input_ids=rollout.sequences,
+            attention_mask=rollout.attention_mask,
+            position_ids=position_ids_from_mask(rollout.attention_mask),
+        ).logits
+        return logits[:, 0].float()
+    prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
+    responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
+    scores = torch.as_tensor(reward(prompts, responses), dtype=torch.float32).flatten()
+    if scores.numel() != len(prompts):
+        raise ValueError(
+            f"The reward function returned {scores.numel()} scores for {len(prompts)} responses: it must "
+            "return one float per (prompt, response) pair."
+        )
+    return scores.to(rollout.sequences.device)
+
+
+@dataclass
+class Experience:
+    """A scored rollout, ready for PPO updates. Every tensor has the batch as its first dimension."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    prompt_length: int
+
+    def minibatch(self, indices: torch.Tensor) -> Experience:
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Experience(**{k: v[indices] if torch.is_tensor(v) else v for k, v in parts.items()})
+
+
+def actor_loss(
+    actor: nn.Module, batch: Experience, config: PPOConfig, temperature: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The ``actor.train`` loss on one minibatch: clipped surrogate minus the entropy bonus."""
+    logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length) / temperature
+    responses = batch.sequences[:, batch.prompt_length :]
+    logprobs = ppo.logprobs_from_logits(logits, responses)
+    loss, clipfrac, approx_kl = ppo.policy_loss(
+        logprobs, batch.logprobs, batch.advantages, batch.response_mask, config.clip_range
+    )
+    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), batch.response_mask)
+    total = loss - config.entropy_coef * entropy
+    stats = {"policy/loss": loss, "policy/clipfrac": clipfrac, "policy/approx_kl": approx_kl}
+    return total, {**stats, "policy/entropy": entropy.detach()}
+
+
+def critic_loss(
+    critic: nn.Module, batch: Experience, config: PPOConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The ``critic.train`` loss on one minibatch: the clipped value loss, scaled by ``value_loss_coef``."""
+    values = critic(batch.sequences, batch.attention_mask, position_ids_from_mask(batch.attention_mask))
+    values = values[:, batch.prompt_length - 1 : -1]
+    loss, clipfrac = ppo.value_loss(
+        values, batch.values, batch.returns, batch.response_mask, config.clip_range_value
+    )
+    return config.value_loss_coef * loss, {"value/loss": loss.detach(), "value/clipfrac": clipfrac}
+
+
+def nonfinite_score_mask(scores: torch.Tensor) -> torch.Tensor:
+    """[B] True where a score is NaN or inf."""
+    return ~torch.isfinite(scores)
+
+
+def describe_nonfinite(scores: torch.Tensor) -> str:
+    bad = nonfinite_score_mask(scores).nonzero().flatten().tolist()
+    shown = ", ".join(f"#{i}={scores[i].item()}" for i in bad[:5])
+    return f"{len(bad)} of {len(scores)} scores are NaN or inf ({shown}{', ...' if len(bad) > 5 else ''})"
+
+
+def minibatch_permutation(batch_size: int, seed: int, iteration: int, epoch: int) -> torch.Tensor:
+    """The order of samples in one PPO epoch, keyed by (seed, iteration, epoch) only."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 1_009 + epoch)
+    return torch.randperm(batch_size, generator=generator)
+
+
+def split_minibatches(permutation: torch.Tensor, num_minibatches: int) -> list[torch.Tensor]:
+    size = math.ceil(len(permutation) / num_minibatches)
+    return [permutation[i : i + size] for i in range(0, len(permutation), size)]

@@ -1,0 +1,28 @@
+"""The command line, built on LightningCLI: ``python -m lightning_app_rlhf fit --config CONFIG.yaml``."""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+from lightning_app_rlhf.data import PromptDataModule
+from lightning_app_rlhf.module import RLHFModule
+
+
+class RLHFCLI(LightningCLI):
+    """LightningCLI for :class:`RLHFModule` and :class:`PromptDataModule`; the model's tokenizer feeds the data."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.tokenizer", "data.tokenizer")
+
+
+def main(args: list[str] | None = None) -> RLHFCLI:
+    """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script."""
+    return RLHFCLI(
+        RLHFModule,
+        PromptDataModule,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,  # the module builds its own two optimizers
+    )

@@ -1,0 +1,95 @@
+"""Configuration dataclasses for generation and PPO. Plain Python: no Lightning, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class GenerationConfig:
+    """How the actor samples responses during a rollout."""
+
+    max_new_tokens: int = 32
+    """Largest number of tokens generated per response. Generation stops earlier when every sequence hit EOS."""
+    temperature: float = 1.0
+    """Softmax temperature. Log-probabilities for PPO are computed at this temperature too."""
+    top_k: int = 0
+    """Keep only the k most likely tokens when sampling (0 disables)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"generation.temperature must be > 0, got {self.temperature}. Use a small value such as 0.01 "
+                "for near-greedy sampling."
+            )
+        if self.top_k < 0:
+            raise ValueError(f"generation.top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}.")
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyper-parameters. Names follow TRL and OpenRLHF where they exist."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    num_minibatches: int = 1
+    """Minibatches per PPO epoch; the rollout batch size must be divisible by it."""
+    clip_range: float = 0.2
+    """Policy ratio clipping epsilon."""
+    clip_range_value: float = 0.2
+    """Value clipping epsilon, around the values seen at rollout time."""
+    value_loss_coef: float = 0.5
+    """Scale of the critic's squared-error loss (0.5 * MSE by default)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight in the actor loss."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise advantages over the valid response tokens of the rollout batch."""
+    kl_coef: float = 0.05
+    """Initial (or fixed) coefficient of the per-token KL penalty added to the reward."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """KL estimator in the reward: k1 = log p - log p_ref, k3 = exp(-d) + d - 1 with d = log p - log p_ref."""
+    kl_target: float | None = None
+    """Adaptive KL controller target (sum over the response, in nats). None keeps kl_coef fixed."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon, in samples."""
+    reward_norm: bool = False
+    """Normalise scores by a running mean and std across iterations."""
+    reward_clip: float | None = None
+    """Clip scores (after normalisation) to [-reward_clip, reward_clip]."""
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of responses that hit max_new_tokens without EOS."""
+    nonfinite_rewards: Literal["raise", "skip"] = "raise"
+    """NaN or inf scores: "raise" stops with an error; "skip" warns and leaves those samples out of the update."""
+    max_grad_norm: float | None = 1.0
+    """Gradient clipping by global norm for actor and critic (None disables)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ppo_epochs", "num_minibatches", "kl_horizon"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("clip_range", "clip_range_value"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ppo.{name} must be > 0, got {getattr(self, name)}.")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma} and {self.lam}.")
+        if self.kl_coef < 0:
+            raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}.")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"ppo.kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}.")
+        if self.kl_target is not None and self.kl_target <= 0:
+            raise ValueError(f"ppo.kl_target must be > 0 or None (fixed coefficient), got {self.kl_target}.")
+        if self.reward_clip is not None and self.reward_clip <= 0:
+            raise ValueError(f"ppo.reward_clip must be > 0 or None, got {self.reward_clip}.")
+        if self.nonfinite_rewards not in ("raise", "skip"):
+            raise ValueError(f"ppo.nonfinite_rewards must be 'raise' or 'skip', got {self.nonfinite_rewards!r}.")

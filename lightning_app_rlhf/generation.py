@@ -1,0 +1,164 @@
+"""Batched sampling with a KV cache: the ``actor.generate`` call. Plain PyTorch, no Lightning.
+
+Every random draw is keyed by a per-sample integer (derived from the seed, the iteration and the sample's
+global index), never by the batch it happens to sit in. A prompt therefore gets the same response whether
+it is generated alone, in a batch of 32, or on any rank of a placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lightning_app_rlhf.config import GenerationConfig
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class Rollout:
+    """What ``actor.generate`` produces for one batch of left-padded prompts."""
+
+    sequences: torch.Tensor
+    """[B, P + T] prompt tokens (left-padded) followed by response tokens (pad after EOS)."""
+    attention_mask: torch.Tensor
+    """[B, P + T] 1 for real prompt tokens and for response tokens up to and including EOS."""
+    response_mask: torch.Tensor
+    """[B, T] 1 for response tokens up to and including EOS."""
+    logprobs: torch.Tensor
+    """[B, T] behaviour log-probabilities of the sampled tokens at the sampling temperature (no top-k/top-p)."""
+    prompt_length: int
+    """P, the padded prompt length."""
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_length :]
+
+
+def sample_keys(seed: int, iteration: int, sample_indices: torch.Tensor) -> torch.Tensor:
+    """One 63-bit key per sample from (seed, iteration, global sample index), by a splitmix64-style mix."""
+    keys = []
+    for index in sample_indices.tolist():
+        z = (seed * 0x9E3779B97F4A7C15 + iteration * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
+        z = ((z ^ (z >> 31)) * 0xD6E8FEAC8F3A5A1D) & _MASK64
+        keys.append(z ^ (z >> 29))
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+def keyed_uniforms(keys: torch.Tensor, num: int) -> torch.Tensor:
+    """[B, num] uniforms in [0, 1); row b depends only on ``keys[b]``."""
+    rows = []
+    for key in keys.tolist():
+        generator = torch.Generator().manual_seed(key)
+        rows.append(torch.rand(num, generator=generator, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+def filter_probs(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Zero out tokens outside the top-k and outside the top-p nucleus (the most likely token always stays)."""
+    if top_k > 0 and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p * sorted_probs.sum(-1, keepdim=True), 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row of (unnormalised) ``probs`` [B, V] with the given uniforms [B]."""
+    cdf = probs.double().cumsum(-1)
+    targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
+    return tokens.clamp(max=probs.shape[-1] - 1)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, so a padded prompt sees the same positions as an unpadded one."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The model's maximum sequence length from its Hugging Face config, if it declares one."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_length(model: torch.nn.Module, prompt_length: int, max_new_tokens: int) -> None:
+    """Raise a clear error when prompts plus the requested new tokens do not fit the model's context."""
+    limit = context_length(model)
+    if limit is not None and prompt_length + max_new_tokens > limit:
+        raise ValueError(
+            f"Prompts of up to {prompt_length} tokens plus generation.max_new_tokens={max_new_tokens} need "
+            f"{prompt_length + max_new_tokens} positions, but the actor's context holds {limit}. Lower "
+            f"generation.max_new_tokens, cap prompts with data.max_prompt_length "
+            f"(<= {max(limit - max_new_tokens, 0)}), or use a model with a longer context."
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    keys: torch.Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> Rollout:
+    """Sample responses for left-padded prompts with a KV cache, stopping each row at EOS.
+
+    Args:
+        model: A Hugging Face causal LM (or anything with the same call signature and output).
+        input_ids: [B, P] left-padded prompt tokens.
+        attention_mask: [B, P] 1 for real prompt tokens.
+        config: Sampling settings.
+        keys: [B] per-sample keys from :func:`sample_keys`; they fix every random draw of that row.
+        eos_token_id: Token that ends a response (it is kept, with mask 1).
+        pad_token_id: Token written after EOS.
+    """
+    batch_size, prompt_length = input_ids.shape
+    check_context_length(model, prompt_length, config.max_new_tokens)
+    uniforms = keyed_uniforms(keys, config.max_new_tokens)
+    position_ids = position_ids_from_mask(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    done = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
+    tokens, logprobs, masks = [], [], []
+    mask = attention_mask
+    for step in range(config.max_new_tokens):
+        logits = out.logits[:, -1, :].float() / config.temperature
+        log_probs = F.log_softmax(logits, dim=-1)
+        probs = filter_probs(log_probs.exp(), config.top_k, config.top_p)
+        token = inverse_cdf_sample(probs, uniforms[:, step])
+        token = torch.where(done, torch.full_like(token, pad_token_id), token)
+        masks.append(~done)
+        logprobs.append(log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done))
+        tokens.append(token)
+        done = done | (token == eos_token_id)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+        out = model(
+            input_ids=token.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+    response_mask = torch.stack(masks, dim=1).to(attention_mask.dtype)
+    return Rollout(
+        sequences=torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1),
+        attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+        response_mask=response_mask,
+        logprobs=torch.stack(logprobs, dim=1),
+        prompt_length=prompt_length,
+    )

@@ -1,0 +1,350 @@
+"""``RLHFModule``: PPO over the four roles as a LightningModule. One ``training_step`` is one PPO iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+from typing_extensions import override
+
+from lightning_app_rlhf.ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    RunningMoments,
+    gae_advantages,
+    kl_penalty,
+    masked_whiten,
+    token_rewards,
+)
+from lightning_app_rlhf.calls import (
+    Experience,
+    actor_loss,
+    critic_forward,
+    critic_loss,
+    describe_nonfinite,
+    minibatch_permutation,
+    reference_forward,
+    reward_forward,
+    split_minibatches,
+)
+from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.generation import Rollout, generate, sample_keys
+from lightning_app_rlhf.roles import (
+    ModelSpec,
+    RewardFunction,
+    as_model_spec,
+    build_causal_lm,
+    build_critic,
+    build_reference,
+    build_reward_model,
+    check_vocabularies,
+    load_tokenizer,
+    resolve_import,
+)
+
+ModelSource = ModelSpec | dict[str, Any] | str
+
+
+def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-5)
+
+
+class RLHFModule(pl.LightningModule):
+    """PPO for a causal LM with a critic, a frozen reference and a reward model or function.
+
+    Args:
+        actor: The policy: a :class:`ModelSpec`, its fields as a dict, or a local model directory.
+        tokenizer: The actor's tokenizer, a local directory, or ``"package.module:function"`` building one.
+        critic: The value model's backbone. Defaults to the actor's spec (a fresh copy, with a value head).
+        reference: The frozen reference policy. Defaults to an exact copy of the initial actor.
+        reward_model: A sequence classifier with one label. Give this or ``reward_fn``.
+        reward_fn: ``(prompts, responses) -> scores`` on decoded text, or its import path.
+        generation: Sampling settings for rollouts.
+        ppo: PPO hyper-parameters.
+        actor_optimizer: Builds the actor's optimizer from its parameters. Default: AdamW, lr 1e-5.
+        critic_optimizer: Builds the critic's optimizer. Default: AdamW, lr 1e-5.
+        actor_scheduler: Builds the actor's LR scheduler; stepped once per PPO iteration.
+        critic_scheduler: Builds the critic's LR scheduler; stepped once per PPO iteration.
+        seed: Keys sampling noise and minibatch order. Default: the seed of ``seed_everything``, else 0.
+    """
+
+    def __init__(
+        self,
+        actor: ModelSource,
+        tokenizer: str | PreTrainedTokenizerBase,
+        critic: ModelSource | None = None,
+        reference: ModelSource | None = None,
+        reward_model: ModelSource | None = None,
+        reward_fn: Callable[[list[str], list[str]], Any] | str | None = None,
+        generation: GenerationConfig = GenerationConfig(),
+        ppo: PPOConfig = PPOConfig(),
+        actor_optimizer: OptimizerCallable | None = None,
+        critic_optimizer: OptimizerCallable | None = None,
+        actor_scheduler: LRSchedulerCallable | None = None,
+        critic_scheduler: LRSchedulerCallable | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError(
+                "Give exactly one reward: `reward_model` (a sequence classifier) or `reward_fn` (a function "
+                f"`(prompts, responses) -> scores`). Got reward_model={reward_model!r}, reward_fn={reward_fn!r}."
+            )
+        self.automatic_optimization = False
+        self.actor_spec = as_model_spec(actor)
+        self.critic_spec = as_model_spec(critic) if critic is not None else self.actor_spec
+        self.reference_spec = as_model_spec(reference) if reference is not None else None
+        self.reward_spec = as_model_spec(reward_model) if reward_model is not None else None
+        self.reward_fn: RewardFunction | None = resolve_import(reward_fn) if isinstance(reward_fn, str) else reward_fn
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.generation = dataclasses.replace(generation)  # a copy: the default instance is shared
+        self.ppo = dataclasses.replace(ppo)
+        self.actor_optimizer = actor_optimizer or _default_optimizer
+        self.critic_optimizer = critic_optimizer or _default_optimizer
+        self.actor_scheduler = actor_scheduler
+        self.critic_scheduler = critic_scheduler
+        self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self.kl_controller = (
+            AdaptiveKLController(self.ppo.kl_coef, self.ppo.kl_target, self.ppo.kl_horizon)
+            if self.ppo.kl_target is not None
+            else FixedKLController(self.ppo.kl_coef)
+        )
+        self.reward_moments = RunningMoments()
+        self.actor: nn.Module | None = None
+        self.critic: nn.Module | None = None
+        self.reference: nn.Module | None = None
+        self.reward_model: nn.Module | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.actor is not None:
+            return
+        self.actor = build_causal_lm(self.actor_spec)
+        self.reference = build_reference(self.actor, self.reference_spec)
+        self.critic = build_critic(self.critic_spec)
+        if self.reward_spec is not None:
+            self.reward_model = build_reward_model(self.reward_spec, self.tokenizer.pad_token_id)
+        check_vocabularies(self.tokenizer, self.actor, self.reference, self.critic, self.reward_model)
+
+    @override
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        batch_size = getattr(datamodule, "batch_size", None)
+        if stage == "fit" and batch_size is not None:
+            self._check_minibatches(batch_size)
+
+    def _check_minibatches(self, batch_size: int) -> None:
+        if batch_size % self.ppo.num_minibatches:
+            raise ValueError(
+                f"The rollout batch size {batch_size} is not divisible by ppo.num_minibatches="
+                f"{self.ppo.num_minibatches}. Pick a data.batch_size that is a multiple of it, or a "
+                f"num_minibatches that divides {batch_size}."
+            )
+
+    @override
+    def configure_optimizers(self) -> Any:
+        actor_opt = self.actor_optimizer(p for p in self.actor.parameters() if p.requires_grad)
+        critic_opt = self.critic_optimizer(p for p in self.critic.parameters() if p.requires_grad)
+        schedulers = [
+            build(opt) for build, opt in ((self.actor_scheduler, actor_opt), (self.critic_scheduler, critic_opt))
+            if build is not None
+        ]
+        return [actor_opt, critic_opt], schedulers
+
+    # ---- one PPO iteration ----
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        iteration = self.global_step
+        self._check_minibatches(batch["input_ids"].shape[0])
+        start = _now(self.device)
+        rollout = self.generate_rollout(batch, iteration)
+        generated = _now(self.device)
+        experience, stats = self.score_rollout(rollout)
+        scored = _now(self.device)
+        stats.update(self.train_actor(experience, iteration))
+        stats.update(self.train_critic(experience, iteration))
+        trained = _now(self.device)
+        self.kl_controller.update(stats["kl/mean"].item(), n_samples=len(rollout.sequences))
+        self._step_schedulers()
+        self._count_one_optimizer_step()
+        batch_size = len(rollout.sequences)
+        stats.update({
+            "time/generate_s": generated - start,
+            "time/score_s": scored - generated,
+            "time/train_s": trained - scored,
+            "perf/samples_per_sec": batch_size / (trained - start),
+            "perf/gen_tokens_per_sec": rollout.response_mask.sum().item() / (generated - start),
+        })
+        self._log_stats(stats, batch_size)
+
+    def generate_rollout(self, batch: dict[str, torch.Tensor], iteration: int) -> Rollout:
+        """``actor.generate`` on one batch of prompts."""
+        keys = sample_keys(self.seed, iteration, batch["index"])
+        return generate(
+            self.actor,
+            batch["input_ids"],
+            batch["attention_mask"],
+            self.generation,
+            keys,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+
+    def score_rollout(self, rollout: Rollout) -> tuple[Experience, dict[str, torch.Tensor]]:
+        """``reference.forward``, ``reward.forward`` and ``critic.forward``, then KL-shaped rewards and GAE."""
+        ref_logprobs = reference_forward(self.reference, rollout, self.generation.temperature)
+        scores = reward_forward(self.reward_model or self.reward_fn, rollout, self.tokenizer)
+        values = critic_forward(self.critic, rollout)
+        mask = rollout.response_mask.clone()
+        finite = self._handle_nonfinite(scores)
+        scores = torch.where(finite, scores, torch.zeros_like(scores))
+        mask = mask * finite.unsqueeze(1).to(mask.dtype)
+        raw_scores = scores[finite]
+        if self.ppo.missing_eos_penalty is not None:
+            last = rollout.responses.gather(1, (rollout.response_mask.sum(1, keepdim=True) - 1).clamp(min=0))
+            scores = scores - self.ppo.missing_eos_penalty * (last.squeeze(1) != self.tokenizer.eos_token_id)
+        scores = self._normalise_scores(scores, finite)
+        kl = kl_penalty(rollout.logprobs, ref_logprobs, self.ppo.kl_estimator) * mask
+        rewards = token_rewards(scores, kl, self.kl_controller.value, mask)
+        advantages, returns = gae_advantages(rewards, values, mask, self.ppo.gamma, self.ppo.lam)
+        if self.ppo.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        experience = Experience(
+            sequences=rollout.sequences,
+            attention_mask=rollout.attention_mask,
+            response_mask=mask,
+            logprobs=rollout.logprobs,
+            values=values,
+            advantages=advantages,
+            returns=returns,
+            prompt_length=rollout.prompt_length,
+        )
+        kept = finite.float().sum().clamp(min=1.0)
+        stats = {
+            "reward/mean": raw_scores.mean() if raw_scores.numel() else scores.new_tensor(float("nan")),
+            "reward/std": raw_scores.std() if raw_scores.numel() > 1 else scores.new_tensor(0.0),
+            "kl/mean": kl.sum(1).sum() / kept,
+            "kl/coef": torch.tensor(self.kl_controller.value),
+            "response/length_mean": rollout.response_mask.sum(1).float().mean(),
+        }
+        return experience, stats
+
+    def _handle_nonfinite(self, scores: torch.Tensor) -> torch.Tensor:
+        finite = torch.isfinite(scores)
+        if bool(finite.all()):
+            return finite
+        message = describe_nonfinite(scores)
+        if self.ppo.nonfinite_rewards == "raise":
+            raise ValueError(
+                f"{message}. Fix the reward, or set ppo.nonfinite_rewards='skip' to leave such samples out of "
+                "the update with a warning."
+            )
+        warnings.warn(f"{message}; these samples are left out of this PPO update (ppo.nonfinite_rewards='skip').")
+        return finite
+
+    def _normalise_scores(self, scores: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        if self.ppo.reward_norm:
+            self.reward_moments.update(scores[finite])
+            scores = (scores - self.reward_moments.mean) / (self.reward_moments.std + 1e-8)
+        if self.ppo.reward_clip is not None:
+            scores = scores.clamp(-self.ppo.reward_clip, self.ppo.reward_clip)
+        return scores * finite
+
+    def train_actor(self, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
+        """``actor.train``: PPO epochs over minibatches of the clipped policy loss."""
+        optimizer = self.optimizers()[0].optimizer
+        loss_fn = lambda mb: actor_loss(self.actor, mb, self.ppo, self.generation.temperature)  # noqa: E731
+        return self._ppo_epochs(self.actor, optimizer, loss_fn, experience, iteration)
+
+    def train_critic(self, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
+        """``critic.train``: PPO epochs over minibatches of the clipped value loss."""
+        optimizer = self.optimizers()[1].optimizer
+        loss_fn = lambda mb: critic_loss(self.critic, mb, self.ppo)  # noqa: E731
+        return self._ppo_epochs(self.critic, optimizer, loss_fn, experience, iteration)
+
+    def _ppo_epochs(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Experience], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        experience: Experience,
+        iteration: int,
+    ) -> dict[str, torch.Tensor]:
+        totals: dict[str, list[torch.Tensor]] = defaultdict(list)
+        batch_size = len(experience.sequences)
+        for epoch in range(self.ppo.ppo_epochs):
+            order = minibatch_permutation(batch_size, self.seed, iteration, epoch)
+            for indices in split_minibatches(order, self.ppo.num_minibatches):
+                loss, stats = loss_fn(experience.minibatch(indices))
+                self.manual_backward(loss)
+                if self.ppo.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
+                # Through the strategy (precision plugin, hooks) but not the LightningOptimizer, which would
+                # add one to global_step for every minibatch: see _count_one_optimizer_step.
+                self.trainer.strategy.optimizer_step(optimizer, closure=_no_closure, model=self)
+                optimizer.zero_grad(set_to_none=True)
+                for name, value in stats.items():
+                    totals[name].append(value.detach())
+        return {name: torch.stack(values).mean() for name, values in totals.items()}
+
+    def _step_schedulers(self) -> None:
+        schedulers = self.lr_schedulers()
+        if schedulers is None:
+            return
+        for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+            scheduler.step()
+
+    def _count_one_optimizer_step(self) -> None:
+        """Advance ``global_step`` by exactly one per PPO iteration, however many optimizer steps it took.
+
+        Lightning counts every ``LightningOptimizer.step`` as a global step; with two optimizers and many
+        minibatches, ``max_steps`` and checkpoint names would drift from the iteration count.
+        """
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
+
+    def _log_stats(self, stats: dict[str, Any], batch_size: int) -> None:
+        values = {k: float(v.item() if torch.is_tensor(v) else v) for k, v in stats.items()}
+        progress_bar = {"reward/mean", "kl/mean"}
+        self.log_dict({k: v for k, v in values.items() if k in progress_bar}, prog_bar=True, batch_size=batch_size)
+        self.log_dict({k: v for k, v in values.items() if k not in progress_bar}, batch_size=batch_size)
+
+    # ---- checkpoint state beyond weights and optimizers ----
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rlhf"] = {
+            "kl_controller": self.kl_controller.state_dict(),
+            "reward_moments": self.reward_moments.state_dict(),
+            "seed": self.seed,
+        }
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("rlhf")
+        if state is not None:
+            self.kl_controller.load_state_dict(state["kl_controller"])
+            self.reward_moments.load_state_dict(state["reward_moments"])
+            self.seed = state["seed"]
+
+
+def _no_closure() -> None:
+    return None
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

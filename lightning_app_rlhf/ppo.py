@@ -1,0 +1,228 @@
+"""PPO math on padded [batch, time] tensors with a 0/1 response mask. Plain PyTorch, no Lightning.
+
+Conventions: ``mask[b, t] = 1`` for response tokens up to and including EOS, 0 after. Means over tokens are
+token-level over the whole batch (every valid token weighs the same), as in TRL and OpenRLHF.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1 (over all positions, or along ``dim``)."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked entries; ``unbiased`` applies Bessel's correction n / (n - 1)."""
+    mask = mask.to(values.dtype)
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n < 2:
+            raise ValueError(f"Whitening needs at least 2 valid tokens, got {int(n.item())}.")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise the masked entries to unit variance (and zero mean if ``shift_mean``); masked-out entries -> 0."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(values.dtype)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``tokens`` [B, T] under ``logits`` [B, T, V]."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [B, T] of the categorical distributions given by ``logits`` [B, T, V]."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: Literal["k1", "k3"] = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from log-probabilities of the sampled tokens.
+
+    k1 = log p - log q is unbiased but can be negative; k3 = (r - 1) - log r with r = q / p is unbiased and
+    never negative (Schulman, "Approximating KL divergence").
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"Unknown KL estimator {estimator!r}: use 'k1' or 'k3'.")
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_samples: int) -> None:
+        """A fixed controller ignores the measured KL."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController:
+    """Proportional KL controller of Ziegler et al. (2019), "Fine-Tuning Language Models from Human Preferences".
+
+    ``error = clip(kl / target - 1, -0.2, 0.2)`` and ``value *= 1 + error * n_samples / horizon``.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_samples: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_samples / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+class RunningMoments:
+    """Running mean and std over every score seen so far (Chan et al. parallel update)."""
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.count = 0.0, 1.0, 0
+
+    def update(self, values: torch.Tensor) -> None:
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean = values.double().mean().item()
+        batch_var = values.double().var(unbiased=False).item() if n > 1 else 0.0
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var) if self.count > 1 else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index [B] of the last valid token of each row (0 for an all-zero row)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return (positions * mask.long()).amax(dim=1)
+
+
+def token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-token rewards: ``-kl_coef * kl`` on every response token, plus the score on the last one."""
+    rewards = -kl_coef * kl * mask.to(kl.dtype)
+    last = last_token_index(mask)
+    has_tokens = mask.sum(dim=1) > 0
+    rewards[torch.arange(len(scores), device=scores.device), last] += scores.to(rewards.dtype) * has_tokens
+    return rewards
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over the response tokens.
+
+    Positions after the last valid token are terminal: their values and rewards count as zero, so the
+    bootstrap value after EOS is 0.
+
+    Returns:
+        ``(advantages, returns)`` with ``returns = advantages + values``; both zero where ``mask`` is 0.
+    """
+    mask_f = mask.to(values.dtype)
+    values = values * mask_f
+    rewards = rewards * mask_f
+    advantages = torch.zeros_like(values)
+    last_gae = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last_gae)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages[:, t] = last_gae
+    advantages = advantages * mask_f
+    return advantages, (advantages + values) * mask_f
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate objective of PPO, as a loss to minimise.
+
+    Returns:
+        ``(loss, clipfrac, approx_kl)``: the token-mean of ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``,
+        the fraction of tokens where the clipped term is the larger one, and the k3 estimate of
+        KL(old || new), ``mean((r - 1) - log r)``.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
+    return loss, clipfrac, approx_kl
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: ``0.5 * mean(max((v - R)^2, (v_clip - R)^2))`` with
+    ``v_clip = old + clip(v - old, -eps, eps)``.
+
+    Returns:
+        ``(loss, clipfrac)``, the fraction of tokens where the clipped error is the larger one.
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(error, clipped_error), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped_error > error).float(), mask)
+    return loss, clipfrac

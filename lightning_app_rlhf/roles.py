@@ -1,0 +1,227 @@
+"""The four RLHF roles built from Hugging Face models, offline. Plain PyTorch + transformers, no Lightning.
+
+- actor, reference: ``AutoModelForCausalLM``;
+- critic: :class:`ValueModel`, a causal-LM backbone with a scalar value head per token;
+- reward: ``AutoModelForSequenceClassification`` with one label, or a Python function
+  ``(prompts, responses) -> scores``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+RewardFunction = Callable[[list[str], list[str]], "Sequence[float] | torch.Tensor"]
+"""``(prompts, responses) -> one score per sample``, on decoded text."""
+
+
+@dataclass
+class ModelSpec:
+    """Where a role's weights come from: a local Hugging Face directory, or a config with random weights."""
+
+    path: str | None = None
+    """Local directory with ``config.json`` and weights. Nothing is fetched from a hub."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """With ``path``: config fields to override. Without: the full config for random init, with
+    ``model_type`` (e.g. ``{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}``)."""
+    init_seed: int = 0
+    """Seed for random initialisation, so every rank and every placement builds the same weights."""
+    dtype: str = "float32"
+    """Parameter dtype: ``float32`` or ``bfloat16``."""
+
+    def __post_init__(self) -> None:
+        if self.path is None and "model_type" not in self.config:
+            raise ValueError(
+                "A model spec needs either `path` (a local Hugging Face model directory) or `config` with a "
+                "`model_type` for random init, e.g. {'model_type': 'gpt2', 'n_layer': 2, 'n_embd': 64, "
+                f"'n_head': 4, 'vocab_size': 512}}. Got config={self.config}."
+            )
+        if self.path is not None and not os.path.isdir(self.path):
+            raise FileNotFoundError(
+                f"Model path {self.path!r} is not a local directory. Models are loaded offline only: download "
+                "it first (e.g. `huggingface-cli download NAME --local-dir DIR`) and pass that directory."
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+
+    def load_config(self, **overrides: Any) -> PretrainedConfig:
+        fields = {**self.config, **overrides}
+        if self.path is not None:
+            return AutoConfig.from_pretrained(self.path, local_files_only=True, **fields)
+        fields = dict(fields)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def as_model_spec(spec: ModelSpec | dict[str, Any] | str) -> ModelSpec:
+    """Accept a :class:`ModelSpec`, its fields as a dict, or a local path."""
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, str):
+        return ModelSpec(path=spec)
+    return ModelSpec(**spec)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO ratios assume the same function at rollout and update time: dropout must be off."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _build(auto_class: Any, spec: ModelSpec, **config_overrides: Any) -> PreTrainedModel:
+    config = spec.load_config(**config_overrides)
+    dtype = getattr(torch, spec.dtype)
+    if spec.path is not None:
+        model = auto_class.from_pretrained(spec.path, config=config, local_files_only=True, dtype=dtype)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.init_seed)
+            model = auto_class.from_config(config, dtype=dtype)
+    disable_dropout(model)
+    return model
+
+
+def build_causal_lm(spec: ModelSpec) -> PreTrainedModel:
+    """The actor (or a separately given reference)."""
+    return _build(AutoModelForCausalLM, spec)
+
+
+def build_reference(actor: nn.Module, spec: ModelSpec | None) -> PreTrainedModel:
+    """A frozen reference: an exact copy of the initial actor unless a spec is given."""
+    reference = copy.deepcopy(actor) if spec is None else build_causal_lm(spec)
+    return freeze(reference)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """No gradients. The module stays in train mode: dropout is already off, and Lightning warns on eval mode."""
+    return model.requires_grad_(False)
+
+
+class ValueModel(nn.Module):
+    """A causal-LM backbone with a linear value head: one scalar per token."""
+
+    def __init__(self, backbone: PreTrainedModel) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=backbone.dtype)
+        # A zero head starts every value at 0: deterministic and independent of the init RNG.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.backbone.config
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def build_critic(spec: ModelSpec) -> ValueModel:
+    """The critic: the spec's backbone (a causal LM's weights load without their LM head) plus a value head."""
+    return ValueModel(_build(AutoModel, spec))
+
+
+def build_reward_model(spec: ModelSpec, pad_token_id: int) -> PreTrainedModel:
+    """A frozen sequence classifier with one label; the score is read at the last non-pad token."""
+    return freeze(_build(AutoModelForSequenceClassification, spec, num_labels=1, pad_token_id=pad_token_id))
+
+
+def resolve_import(target: str) -> Any:
+    """Import ``"package.module:attr"`` or ``"package.module.attr"``."""
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{target!r} is not an import path: write it as 'package.module:name'.")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"Cannot import {target!r}: {err}. Write it as 'package.module:name'.") from err
+
+
+def load_tokenizer(spec: str | PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """A tokenizer from a local directory, or from ``"package.module:function"`` that builds one."""
+    if isinstance(spec, PreTrainedTokenizerBase):
+        tokenizer = spec
+    elif os.path.isdir(spec):
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    else:
+        target = resolve_import(spec)
+        tokenizer = target() if callable(target) and not isinstance(target, PreTrainedTokenizerBase) else target
+        if not isinstance(tokenizer, PreTrainedTokenizerBase):
+            raise TypeError(f"{spec!r} gave a {type(tokenizer).__name__}, not a Hugging Face tokenizer.")
+    check_tokenizer(tokenizer)
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Batched rollouts need a pad token and an EOS token."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}) has no pad token, which batched generation needs. "
+            "Set one before training, e.g. `tokenizer.pad_token = tokenizer.eos_token`, or add a new one with "
+            "`tokenizer.add_special_tokens({'pad_token': '<pad>'})` and resize the models' embeddings."
+        )
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}) has no EOS token, so responses could never end. "
+            "Set `tokenizer.eos_token` to the token your model emits at the end of a response."
+        )
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Rows of the input embedding table."""
+    backbone = model.backbone if isinstance(model, ValueModel) else model
+    return backbone.get_input_embeddings().num_embeddings
+
+
+def check_vocabularies(
+    tokenizer: PreTrainedTokenizerBase,
+    actor: nn.Module,
+    reference: nn.Module,
+    critic: nn.Module,
+    reward_model: nn.Module | None,
+) -> None:
+    """Every role reads the actor's tokens: the reference must share its vocabulary, the rest must cover it."""
+    actor_vocab, reference_vocab = vocab_size(actor), vocab_size(reference)
+    if actor_vocab != reference_vocab:
+        raise ValueError(
+            f"The actor has a vocabulary of {actor_vocab} tokens but the reference has {reference_vocab}. "
+            "KL needs both on the same tokens: build the reference from the actor's checkpoint (leave "
+            "`reference` unset to copy the actor) or resize its embeddings to match."
+        )
+    if len(tokenizer) > actor_vocab:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the actor's embedding has {actor_vocab} rows. "
+            "Resize the model (`model.resize_token_embeddings(len(tokenizer))`) or use the model's tokenizer."
+        )
+    for name, model in (("critic", critic), ("reward model", reward_model)):
+        if model is not None and vocab_size(model) < len(tokenizer):
+            raise ValueError(
+                f"The {name} has a vocabulary of {vocab_size(model)} tokens, fewer than the tokenizer's "
+                f"{len(tokenizer)}: it cannot read the actor's tokens. Build it from a model with the actor's "
+                "vocabulary."
+            )

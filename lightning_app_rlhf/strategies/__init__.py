@@ -1,0 +1,1 @@
+"""Placement strategies (Flattening, Interleaving, Separation) for Lightning's Trainer and Fabric."""
