@@ -93,29 +93,35 @@ class Experience:
 
 
 def actor_loss(
-    actor: nn.Module, batch: Experience, config: PPOConfig, temperature: float
+    actor: nn.Module,
+    batch: Experience,
+    config: PPOConfig,
+    temperature: float,
+    token_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The ``actor.train`` loss on one minibatch: clipped surrogate minus the entropy bonus."""
+    """The ``actor.train`` loss on one minibatch (or one data-parallel shard of it, with the minibatch's
+    ``token_count``): clipped surrogate minus the entropy bonus."""
     logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length) / temperature
     responses = batch.sequences[:, batch.prompt_length :]
     logprobs = ppo.logprobs_from_logits(logits, responses)
     loss, clipfrac, approx_kl = ppo.policy_loss(
-        logprobs, batch.logprobs, batch.advantages, batch.response_mask, config.clip_range
+        logprobs, batch.logprobs, batch.advantages, batch.response_mask, config.clip_range, token_count
     )
-    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), batch.response_mask)
+    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), batch.response_mask, count=token_count)
     total = loss - config.entropy_coef * entropy
     stats = {"policy/loss": loss, "policy/clipfrac": clipfrac, "policy/approx_kl": approx_kl}
     return total, {**stats, "policy/entropy": entropy.detach()}
 
 
 def critic_loss(
-    critic: nn.Module, batch: Experience, config: PPOConfig
+    critic: nn.Module, batch: Experience, config: PPOConfig, token_count: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The ``critic.train`` loss on one minibatch: the clipped value loss, scaled by ``value_loss_coef``."""
+    """The ``critic.train`` loss on one minibatch (or shard, see :func:`actor_loss`): the clipped value loss,
+    scaled by ``value_loss_coef``."""
     values = critic(batch.sequences, batch.attention_mask, position_ids_from_mask(batch.attention_mask))
     values = values[:, batch.prompt_length - 1 : -1]
     loss, clipfrac = ppo.value_loss(
-        values, batch.values, batch.returns, batch.response_mask, config.clip_range_value
+        values, batch.values, batch.returns, batch.response_mask, config.clip_range_value, token_count
     )
     return config.value_loss_coef * loss, {"value/loss": loss.detach(), "value/clipfrac": clipfrac}
 

@@ -36,6 +36,11 @@ class Rollout:
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_length :]
 
+    def select(self, rows: slice) -> Rollout:
+        """The rollout of a subset of rows."""
+        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
+                       self.logprobs[rows], self.prompt_length)
+
 
 def sample_keys(seed: int, iteration: int, sample_indices: torch.Tensor) -> torch.Tensor:
     """One 63-bit key per sample from (seed, iteration, global sample index), by a splitmix64-style mix."""

@@ -39,6 +39,7 @@ from lightning_app_rlhf.calls import (
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import Rollout, generate, sample_keys
+from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.roles import (
     ModelSpec,
     RewardFunction,
@@ -48,11 +49,14 @@ from lightning_app_rlhf.roles import (
     build_reference,
     build_reward_model,
     check_vocabularies,
+    freeze,
     load_tokenizer,
     resolve_import,
 )
 
 ModelSource = ModelSpec | dict[str, Any] | str
+ACTOR_STATS = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
+CRITIC_STATS = ("value/loss", "value/clipfrac")
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -124,15 +128,34 @@ class RLHFModule(pl.LightningModule):
         self.critic: nn.Module | None = None
         self.reference: nn.Module | None = None
         self.reward_model: nn.Module | None = None
+        self.placement: Placement | None = None
+        """Set by a placement strategy before ``configure_model``; None means one process holding every role."""
+        self.train_modules: dict[str, nn.Module] = {}
+        """Role -> the module its train call runs (DDP/FSDP2-wrapped by the strategy; a plain dict so the
+        wrappers are not registered as submodules)."""
+
+    def _placement(self) -> Placement:
+        if self.placement is None:
+            self.placement = Placement.single_process(self.device)
+        return self.placement
 
     @override
     def configure_model(self) -> None:
-        if self.actor is not None:
+        if any(m is not None for m in (self.actor, self.critic, self.reference, self.reward_model)):
             return
-        self.actor = build_causal_lm(self.actor_spec)
-        self.reference = build_reference(self.actor, self.reference_spec)
-        self.critic = build_critic(self.critic_spec)
-        if self.reward_spec is not None:
+        placement = self._placement()
+        # Each rank builds only the roles its calls need; random init is seeded per role, so every copy of
+        # a role (trained weights or a shadow) starts identical on every rank.
+        if placement.holds("actor"):
+            self.actor = build_causal_lm(self.actor_spec)
+        if placement.holds("reference"):
+            if self.reference_spec is None and self.actor is not None:
+                self.reference = build_reference(self.actor, None)
+            else:
+                self.reference = freeze(build_causal_lm(self.reference_spec or self.actor_spec))
+        if placement.holds("critic"):
+            self.critic = build_critic(self.critic_spec)
+        if self.reward_spec is not None and placement.holds("reward"):
             self.reward_model = build_reward_model(self.reward_spec, self.tokenizer.pad_token_id)
         check_vocabularies(self.tokenizer, self.actor, self.reference, self.critic, self.reward_model)
 
@@ -151,61 +174,122 @@ class RLHFModule(pl.LightningModule):
                 f"num_minibatches that divides {batch_size}."
             )
 
+    def trained_roles(self) -> list[str]:
+        """The trainable roles whose train call runs on this rank, in optimizer order."""
+        return [role for role in ("actor", "critic") if self._placement().runs(f"{role}.train")]
+
     @override
     def configure_optimizers(self) -> Any:
-        actor_opt = self.actor_optimizer(p for p in self.actor.parameters() if p.requires_grad)
-        critic_opt = self.critic_optimizer(p for p in self.critic.parameters() if p.requires_grad)
-        schedulers = [
-            build(opt) for build, opt in ((self.actor_scheduler, actor_opt), (self.critic_scheduler, critic_opt))
-            if build is not None
-        ]
-        return [actor_opt, critic_opt], schedulers
+        builders = {
+            "actor": (self.actor_optimizer, self.actor_scheduler),
+            "critic": (self.critic_optimizer, self.critic_scheduler),
+        }
+        optimizers, schedulers = [], []
+        for role in self.trained_roles():
+            build_optimizer, build_scheduler = builders[role]
+            optimizer = build_optimizer(p for p in getattr(self, role).parameters() if p.requires_grad)
+            optimizers.append(optimizer)
+            if build_scheduler is not None:
+                schedulers.append(build_scheduler(optimizer))
+        return optimizers, schedulers
+
+    def _optimizer(self, role: str) -> torch.optim.Optimizer:
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        return optimizers[self.trained_roles().index(role)].optimizer
 
     # ---- one PPO iteration ----
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         iteration = self.global_step
-        self._check_minibatches(batch["input_ids"].shape[0])
+        batch_size = batch["input_ids"].shape[0]
+        self._check_minibatches(batch_size)
         start = _now(self.device)
         rollout = self.generate_rollout(batch, iteration)
         generated = _now(self.device)
         experience, stats = self.score_rollout(rollout)
         scored = _now(self.device)
-        stats.update(self.train_actor(experience, iteration))
-        stats.update(self.train_critic(experience, iteration))
+        stats.update(self.train_role("actor", experience, iteration))
+        stats.update(self.train_role("critic", experience, iteration))
         trained = _now(self.device)
-        self.kl_controller.update(stats["kl/mean"].item(), n_samples=len(rollout.sequences))
+        stats["reallocate/bytes"] = float(sum(self.reallocate_shadows()))
+        reallocated = _now(self.device)
+        self.kl_controller.update(stats["kl/mean"].item(), n_samples=batch_size)
         self._step_schedulers()
         self._count_one_optimizer_step()
-        batch_size = len(rollout.sequences)
         stats.update({
             "time/generate_s": generated - start,
             "time/score_s": scored - generated,
             "time/train_s": trained - scored,
-            "perf/samples_per_sec": batch_size / (trained - start),
+            "time/reallocate_s": reallocated - trained,
+            "perf/samples_per_sec": batch_size / (reallocated - start),
             "perf/gen_tokens_per_sec": rollout.response_mask.sum().item() / (generated - start),
         })
         self._log_stats(stats, batch_size)
 
     def generate_rollout(self, batch: dict[str, torch.Tensor], iteration: int) -> Rollout:
-        """``actor.generate`` on one batch of prompts."""
-        keys = sample_keys(self.seed, iteration, batch["index"])
-        return generate(
-            self.actor,
-            batch["input_ids"],
-            batch["attention_mask"],
-            self.generation,
-            keys,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
+        """``actor.generate``: each rank of the call's group samples its shard of the global batch; every rank
+        receives the whole rollout."""
+        placement = self._placement()
+        local = None
+        if placement.runs("actor.generate"):
+            rows = placement.shard("actor.generate", batch["input_ids"].shape[0])
+            part = generate(
+                self.actor,
+                batch["input_ids"][rows],
+                batch["attention_mask"][rows],
+                self.generation,
+                sample_keys(self.seed, iteration, batch["index"][rows]),
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            local = {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
+        specs = {
+            "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
+            "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
+            "logprobs": TensorSpec(torch.float32, 2),
+        }
+        out = placement.gather_to_world("actor.generate", local, specs)
+        return Rollout(
+            sequences=torch.cat([batch["input_ids"], out["responses"]], dim=1),
+            attention_mask=torch.cat([batch["attention_mask"], out["response_mask"]], dim=1),
+            response_mask=out["response_mask"],
+            logprobs=out["logprobs"],
+            prompt_length=batch["input_ids"].shape[1],
         )
 
     def score_rollout(self, rollout: Rollout) -> tuple[Experience, dict[str, torch.Tensor]]:
-        """``reference.forward``, ``reward.forward`` and ``critic.forward``, then KL-shaped rewards and GAE."""
-        ref_logprobs = reference_forward(self.reference, rollout, self.generation.temperature)
-        scores = reward_forward(self.reward_model or self.reward_fn, rollout, self.tokenizer)
-        values = critic_forward(self.critic, rollout)
+        """``reference.forward``, ``reward.forward`` and ``critic.forward``, each on its group's ranks, then
+        KL-shaped rewards and GAE on every rank (cheap, and it saves a broadcast)."""
+        placement = self._placement()
+        batch_size = len(rollout.sequences)
+        # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
+        parts: dict[str, dict[str, torch.Tensor] | None] = {"reference": None, "reward": None, "critic": None}
+        if placement.runs("reference.forward"):
+            shard = rollout.select(placement.shard("reference.forward", batch_size))
+            parts["reference"] = {"ref_logprobs": reference_forward(self.reference, shard, self.generation.temperature)}
+        if placement.runs("reward.forward"):
+            shard = rollout.select(placement.shard("reward.forward", batch_size))
+            parts["reward"] = {"scores": reward_forward(self.reward_model or self.reward_fn, shard, self.tokenizer)}
+        if placement.runs("critic.forward"):
+            shard = rollout.select(placement.shard("critic.forward", batch_size))
+            parts["critic"] = {"values": critic_forward(self.critic, shard)}
+        response_length = rollout.response_mask.shape[1]
+        ref_logprobs = placement.gather_to_world(
+            "reference.forward", parts["reference"], {"ref_logprobs": TensorSpec(torch.float32, 2)}
+        )["ref_logprobs"][:, :response_length]
+        scores = placement.gather_to_world("reward.forward", parts["reward"], {"scores": TensorSpec(torch.float32, 1)})[
+            "scores"
+        ]
+        values = placement.gather_to_world("critic.forward", parts["critic"], {"values": TensorSpec(torch.float32, 2)})[
+            "values"
+        ][:, :response_length]
+        return self._experience(rollout, ref_logprobs, scores, values)
+
+    def _experience(
+        self, rollout: Rollout, ref_logprobs: torch.Tensor, scores: torch.Tensor, values: torch.Tensor
+    ) -> tuple[Experience, dict[str, torch.Tensor]]:
         mask = rollout.response_mask.clone()
         finite = self._handle_nonfinite(scores)
         scores = torch.where(finite, scores, torch.zeros_like(scores))
@@ -218,14 +302,14 @@ class RLHFModule(pl.LightningModule):
         kl = kl_penalty(rollout.logprobs, ref_logprobs, self.ppo.kl_estimator) * mask
         rewards = token_rewards(scores, kl, self.kl_controller.value, mask)
         advantages, returns = gae_advantages(rewards, values, mask, self.ppo.gamma, self.ppo.lam)
-        if self.ppo.whiten_advantages:
+        if self.ppo.whiten_advantages and mask.sum() > 1:  # every score skipped: nothing to whiten or learn
             advantages = masked_whiten(advantages, mask)
         experience = Experience(
             sequences=rollout.sequences,
             attention_mask=rollout.attention_mask,
             response_mask=mask,
             logprobs=rollout.logprobs,
-            values=values,
+            values=values * mask,
             advantages=advantages,
             returns=returns,
             prompt_length=rollout.prompt_length,
@@ -261,33 +345,37 @@ class RLHFModule(pl.LightningModule):
             scores = scores.clamp(-self.ppo.reward_clip, self.ppo.reward_clip)
         return scores * finite
 
-    def train_actor(self, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
-        """``actor.train``: PPO epochs over minibatches of the clipped policy loss."""
-        optimizer = self.optimizers()[0].optimizer
-        loss_fn = lambda mb: actor_loss(self.actor, mb, self.ppo, self.generation.temperature)  # noqa: E731
-        return self._ppo_epochs(self.actor, optimizer, loss_fn, experience, iteration)
+    def train_role(self, role: str, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
+        """``actor.train`` or ``critic.train`` on its group; the statistics reach every rank."""
+        placement = self._placement()
+        call = f"{role}.train"
+        stats = self._ppo_epochs(role, experience, iteration) if placement.runs(call) else None
+        names = ACTOR_STATS if role == "actor" else CRITIC_STATS
+        return placement.broadcast_stats(call, stats, names)
 
-    def train_critic(self, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
-        """``critic.train``: PPO epochs over minibatches of the clipped value loss."""
-        optimizer = self.optimizers()[1].optimizer
-        loss_fn = lambda mb: critic_loss(self.critic, mb, self.ppo)  # noqa: E731
-        return self._ppo_epochs(self.critic, optimizer, loss_fn, experience, iteration)
+    def _loss(self, role: str, model: nn.Module, batch: Experience, token_count: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if role == "actor":
+            return actor_loss(model, batch, self.ppo, self.generation.temperature, token_count)
+        return critic_loss(model, batch, self.ppo, token_count)
 
-    def _ppo_epochs(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[Experience], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-        experience: Experience,
-        iteration: int,
-    ) -> dict[str, torch.Tensor]:
-        totals: dict[str, list[torch.Tensor]] = defaultdict(list)
-        batch_size = len(experience.sequences)
+    def _ppo_epochs(self, role: str, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
+        """PPO epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every
+        minibatch and normalises by the whole minibatch's token count; the wrapper averages gradients over
+        D ranks, so the loss is scaled by D. The update is the same whatever D is."""
+        placement = self._placement()
+        call = f"{role}.train"
+        ranks, my_rank = placement.group_size(call), placement.group_rank(call)
+        model = self.train_modules.get(role, getattr(self, role))
+        optimizer = self._optimizer(role)
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        steps = 0
         for epoch in range(self.ppo.ppo_epochs):
-            order = minibatch_permutation(batch_size, self.seed, iteration, epoch)
+            order = minibatch_permutation(len(experience.sequences), self.seed, iteration, epoch)
             for indices in split_minibatches(order, self.ppo.num_minibatches):
-                loss, stats = loss_fn(experience.minibatch(indices))
-                self.manual_backward(loss)
+                token_count = experience.response_mask[indices].sum().clamp(min=1).float()
+                shard = experience.minibatch(indices.tensor_split(ranks)[my_rank])
+                loss, stats = self._loss(role, model, shard, token_count)
+                self.manual_backward(loss * ranks)
                 if self.ppo.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
                 # Through the strategy (precision plugin, hooks) but not the LightningOptimizer, which would
@@ -295,8 +383,21 @@ class RLHFModule(pl.LightningModule):
                 self.trainer.strategy.optimizer_step(optimizer, closure=_no_closure, model=self)
                 optimizer.zero_grad(set_to_none=True)
                 for name, value in stats.items():
-                    totals[name].append(value.detach())
-        return {name: torch.stack(values).mean() for name, values in totals.items()}
+                    totals[name] = totals[name] + value.detach()
+                steps += 1
+        names = sorted(totals)
+        summed = placement.all_reduce_sum(call, torch.stack([totals[n] for n in names]))
+        return {name: value / steps for name, value in zip(names, summed)}
+
+    def reallocate_shadows(self) -> list[int]:
+        """Refresh every shadow copy of a trained role after its update; bytes moved per role on this rank."""
+        placement = self._placement()
+        moved = []
+        for role in ("actor", "critic"):
+            shadows = placement.plan.shadow_ranks(role)
+            if shadows and (placement.runs(f"{role}.train") or placement.rank in shadows):
+                moved.append(placement.reallocate_weights(role, getattr(self, role)))
+        return moved
 
     def _step_schedulers(self) -> None:
         schedulers = self.lr_schedulers()

@@ -13,11 +13,18 @@ import torch
 import torch.nn.functional as F
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` over positions where ``mask`` is 1 (over all positions, or along ``dim``)."""
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, count: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1 (over all positions, or along ``dim``).
+
+    ``count`` replaces the local number of valid positions: a data-parallel shard of a minibatch divides by
+    the whole minibatch's count, so the shards' results add up to the minibatch mean.
+    """
     mask = mask.to(values.dtype)
     if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+        denominator = mask.sum().clamp(min=1.0) if count is None else count
+        return (values * mask).sum() / denominator
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
@@ -187,8 +194,9 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_range: float,
+    token_count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped surrogate objective of PPO, as a loss to minimise.
+    """Clipped surrogate objective of PPO, as a loss to minimise. ``token_count``: see :func:`masked_mean`.
 
     Returns:
         ``(loss, clipfrac, approx_kl)``: the token-mean of ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``,
@@ -199,10 +207,10 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count=token_count)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), mask)
-        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
+        clipfrac = masked_mean((clipped > unclipped).float(), mask, count=token_count)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask, count=token_count)
     return loss, clipfrac, approx_kl
 
 
@@ -212,8 +220,9 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip_range: float,
+    token_count: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped value loss: ``0.5 * mean(max((v - R)^2, (v_clip - R)^2))`` with
+    """Clipped value loss (``token_count``: see :func:`masked_mean`): ``0.5 * mean(max((v - R)^2, (v_clip - R)^2))`` with
     ``v_clip = old + clip(v - old, -eps, eps)``.
 
     Returns:
@@ -222,7 +231,7 @@ def value_loss(
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(error, clipped_error), mask)
+    loss = 0.5 * masked_mean(torch.maximum(error, clipped_error), mask, count=token_count)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_error > error).float(), mask)
+        clipfrac = masked_mean((clipped_error > error).float(), mask, count=token_count)
     return loss, clipfrac

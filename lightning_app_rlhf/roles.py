@@ -88,11 +88,12 @@ def disable_dropout(model: nn.Module) -> None:
 def _build(auto_class: Any, spec: ModelSpec, **config_overrides: Any) -> PreTrainedModel:
     config = spec.load_config(**config_overrides)
     dtype = getattr(torch, spec.dtype)
-    if spec.path is not None:
-        model = auto_class.from_pretrained(spec.path, config=config, local_files_only=True, dtype=dtype)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.init_seed)
+    # Seeded even when loading: weights missing from a checkpoint (a new classification head) are random.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.init_seed)
+        if spec.path is not None:
+            model = auto_class.from_pretrained(spec.path, config=config, local_files_only=True, dtype=dtype)
+        else:
             model = auto_class.from_config(config, dtype=dtype)
     disable_dropout(model)
     return model
@@ -200,13 +201,20 @@ def vocab_size(model: nn.Module) -> int:
 
 def check_vocabularies(
     tokenizer: PreTrainedTokenizerBase,
-    actor: nn.Module,
-    reference: nn.Module,
-    critic: nn.Module,
+    actor: nn.Module | None,
+    reference: nn.Module | None,
+    critic: nn.Module | None,
     reward_model: nn.Module | None,
 ) -> None:
-    """Every role reads the actor's tokens: the reference must share its vocabulary, the rest must cover it."""
-    actor_vocab, reference_vocab = vocab_size(actor), vocab_size(reference)
+    """Every role reads the actor's tokens: the reference must share its vocabulary, the rest must cover it.
+
+    Roles this rank does not hold are None and skipped.
+    """
+    policy = actor if actor is not None else reference
+    if policy is None:
+        return
+    actor_vocab = vocab_size(policy)
+    reference_vocab = vocab_size(reference) if reference is not None else actor_vocab
     if actor_vocab != reference_vocab:
         raise ValueError(
             f"The actor has a vocabulary of {actor_vocab} tokens but the reference has {reference_vocab}. "

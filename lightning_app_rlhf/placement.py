@@ -1,0 +1,222 @@
+"""``Placement``: a :class:`PlacementPlan` bound to process groups on this rank. Plain torch.distributed.
+
+It answers "does this rank run call X", splits a global batch into the shard this rank computes, gathers the
+shards of a call back to every rank, and reallocates a trainable role's weights to its shadow copies.
+With a world of one rank every operation is local and no process group is needed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_app_rlhf.plan import CALLS, TRAINABLE_ROLES, PlacementPlan, flattening_plan
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class TensorSpec:
+    """What every rank must know about a tensor that only some ranks produce."""
+
+    dtype: torch.dtype
+    ndim: int
+    pad_value: float = 0
+
+
+class Placement:
+    """A plan bound to this rank: group membership, batch sharding, gathers and weight reallocation.
+
+    Args:
+        plan: The placement plan.
+        rank: This process's global rank.
+        device: Where this rank's tensors live.
+        groups: Call name -> process group of its ranks (None when the world has one rank).
+        reallocation_groups: Trainable role -> group of its train leader plus its shadow ranks.
+    """
+
+    def __init__(
+        self,
+        plan: PlacementPlan,
+        rank: int = 0,
+        device: torch.device | None = None,
+        groups: dict[str, dist.ProcessGroup | None] | None = None,
+        reallocation_groups: dict[str, dist.ProcessGroup | None] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.device = device or torch.device("cpu")
+        self.groups = groups or {}
+        self.reallocation_groups = reallocation_groups or {}
+        self.weight_versions = {role: 0 for role in TRAINABLE_ROLES}
+
+    @classmethod
+    def single_process(cls, device: torch.device | None = None) -> Placement:
+        return cls(flattening_plan(1), 0, device)
+
+    @property
+    def distributed(self) -> bool:
+        return self.plan.world_size > 1
+
+    def runs(self, call: str) -> bool:
+        return self.rank in self.plan.ranks(call)
+
+    def holds(self, role: str) -> bool:
+        return self.plan.holds(role, self.rank)
+
+    def group_size(self, call: str) -> int:
+        return len(self.plan.ranks(call))
+
+    def group_rank(self, call: str) -> int:
+        return self.plan.ranks(call).index(self.rank)
+
+    def leader(self, call: str) -> int:
+        """The global rank that speaks for a call's group (its lowest rank)."""
+        return self.plan.ranks(call)[0]
+
+    def shard(self, call: str, batch_size: int) -> slice:
+        """The contiguous part of a global batch that this rank computes for ``call``."""
+        bounds = torch.linspace(0, batch_size, self.group_size(call) + 1).round().long().tolist()
+        i = self.group_rank(call)
+        return slice(bounds[i], bounds[i + 1])
+
+    # ---- data movement ----
+
+    def gather_to_world(
+        self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]
+    ) -> dict[str, torch.Tensor]:
+        """Concatenate the shards that ``call``'s ranks computed, in rank order, on every rank of the world.
+
+        Dimensions after the first are padded to the largest shard with each spec's ``pad_value``. Ranks
+        outside the call's group pass ``local=None``.
+        """
+        if not self.distributed:
+            assert local is not None
+            return local
+        members = self.plan.ranks(call)
+        shapes = self._all_gather_shapes(local, specs)
+        out = {}
+        for i, (name, spec) in enumerate(specs.items()):
+            rank_shapes = shapes[:, i, : spec.ndim]
+            max_shape = rank_shapes.amax(0).tolist()
+            mine = local[name] if local is not None else torch.empty(0, device=self.device, dtype=spec.dtype)
+            padded = _pad_to(mine.to(spec.dtype), max_shape, spec.pad_value, self.device)
+            parts = [torch.empty_like(padded) for _ in range(self.plan.world_size)]
+            dist.all_gather(parts, padded)
+            rows = [parts[r][: int(rank_shapes[r, 0])] for r in members]
+            out[name] = torch.cat(rows)
+        return out
+
+    def _all_gather_shapes(self, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]) -> torch.Tensor:
+        max_ndim = max(s.ndim for s in specs.values())
+        mine = torch.zeros(len(specs), max_ndim, dtype=torch.long, device=self.device)
+        if local is not None:
+            for i, name in enumerate(specs):
+                mine[i, : local[name].dim()] = torch.tensor(local[name].shape)
+        parts = [torch.empty_like(mine) for _ in range(self.plan.world_size)]
+        dist.all_gather(parts, mine)
+        return torch.stack(parts).cpu()
+
+    def broadcast_stats(self, call: str, stats: dict[str, torch.Tensor] | None, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Scalar statistics computed on ``call``'s leader, delivered to every rank (for the rank-0 logger)."""
+        names = list(names)
+        if not self.distributed:
+            assert stats is not None
+            return stats
+        values = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        if self.rank == self.leader(call):
+            values = torch.stack([stats[n].detach().double().to(self.device) for n in names])
+        dist.broadcast(values, src=self.leader(call))
+        return dict(zip(names, values.float().cpu()))
+
+    def all_reduce_sum(self, call: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ``call``'s group (only members call this)."""
+        if self.group_size(call) > 1:
+            dist.all_reduce(tensor, group=self.groups[call])
+        return tensor
+
+    # ---- weight reallocation ----
+
+    def reallocate_weights(self, role: str, module: nn.Module | None, bucket_bytes: int = 100 << 20) -> int:
+        """Send ``role``'s trained weights from its train leader to every shadow copy; return bytes moved.
+
+        Train ranks pass their (unwrapped) trained module, shadow ranks their shadow module. Only parameters
+        that train are sent (frozen ones never change). Ranks outside both must not call this.
+        """
+        group = self.reallocation_groups.get(role)
+        if group is None and not self.plan.shadow_ranks(role):
+            return 0
+        train_leader = self.leader(f"{role}.train")
+        params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        if self.runs(f"{role}.train"):
+            params = [_full_tensor(p) for p in params]  # FSDP2: a collective over the train group
+            if self.rank != train_leader:
+                return 0
+        moved = 0
+        for bucket in _buckets(params, bucket_bytes):
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+            dist.broadcast(flat, src=train_leader, group=group)
+            if self.rank != train_leader:
+                offset = 0
+                with torch.no_grad():
+                    for p in bucket:
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+            moved += flat.numel() * flat.element_size()
+        self.weight_versions[role] += 1
+        return moved
+
+
+def create_placement(
+    plan: PlacementPlan, rank: int, device: torch.device, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> Placement:
+    """Create every call's process group on every rank, in the same order, and bind the plan to this rank.
+
+    ``torch.distributed`` must already be initialised with ``plan.world_size`` ranks.
+    """
+    if plan.world_size == 1:
+        return Placement(plan, rank, device)
+    if not dist.is_initialized() or dist.get_world_size() != plan.world_size:
+        actual = dist.get_world_size() if dist.is_initialized() else 1
+        raise ValueError(f"The plan covers {plan.world_size} ranks but the job has {actual}. Launch "
+                         f"{plan.world_size} processes (e.g. --trainer.devices {plan.world_size}) or rebuild the plan.")
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    for call in CALLS:  # new_group is collective: same order on every rank
+        groups[call] = dist.new_group(list(plan.ranks(call)), timeout=timeout)
+    reallocation_groups: dict[str, dist.ProcessGroup | None] = {}
+    for role in TRAINABLE_ROLES:
+        shadows = plan.shadow_ranks(role)
+        if shadows:
+            ranks = sorted({plan.ranks(f"{role}.train")[0], *shadows})
+            reallocation_groups[role] = dist.new_group(ranks, timeout=timeout)
+    return Placement(plan, rank, device, groups, reallocation_groups)
+
+
+def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.device) -> torch.Tensor:
+    out = torch.full(shape, value, dtype=tensor.dtype, device=device)
+    if tensor.numel():
+        out[tuple(slice(0, s) for s in tensor.shape)] = tensor.to(device)
+    return out
+
+
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Group parameters of one dtype into buckets of at most ``bucket_bytes`` (one oversized param alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets

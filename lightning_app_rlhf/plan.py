@@ -1,0 +1,163 @@
+"""``PlacementPlan``: which ranks run each model call, and how each trainable role is wrapped. No Lightning.
+
+The three APP placements are presets of one mechanism:
+
+- Flattening: every call on every rank.
+- Interleaving: actor and critic on every rank; reference on one block of ranks, reward on another.
+- Separation: a generation group runs ``actor.generate`` and the three forwards on shadow copies; a training
+  group runs both train calls; weights flow from training to generation after every update.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward", "actor.train", "critic.train")
+"""The six model calls of one PPO iteration."""
+
+TRAINABLE_ROLES = ("actor", "critic")
+WRAPPERS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+"""Parallel wrappers of a trainable role on its train group: DDP, FSDP2, or DeepSpeed ZeRO stage 0-3."""
+
+
+def role_of(call: str) -> str:
+    return call.split(".")[0]
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Ranks of every model call and the parallel wrapper of every trainable role.
+
+    A trainable role's weights live on the ranks of its train call. Any other call of that role on ranks
+    outside that group runs on a shadow copy, refreshed after every update (weight reallocation).
+    """
+
+    world_size: int
+    """Number of ranks the plan covers."""
+    calls: dict[str, tuple[int, ...]]
+    """Call name -> the ranks that run it (sorted, no duplicates)."""
+    wrappers: dict[str, str] = field(default_factory=lambda: {"actor": "ddp", "critic": "ddp"})
+    """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3``."""
+    name: str = "custom"
+    """A label for summaries and logs."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` naming the fix for any plan that cannot run."""
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
+        missing = [c for c in CALLS if c not in self.calls]
+        unknown = [c for c in self.calls if c not in CALLS]
+        if missing or unknown:
+            raise ValueError(f"A plan must give ranks to exactly the calls {list(CALLS)}; missing {missing}, "
+                             f"unknown {unknown}.")
+        for call, ranks in self.calls.items():
+            if not ranks:
+                raise ValueError(f"Call {call!r} has an empty group: give it at least one rank.")
+            bad = [r for r in ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(f"Call {call!r} names ranks {bad} outside the world of {self.world_size} ranks "
+                                 f"(0..{self.world_size - 1}). Use ranks inside the world, or launch more devices.")
+        idle = sorted(set(range(self.world_size)) - {r for ranks in self.calls.values() for r in ranks})
+        if idle:
+            raise ValueError(f"Ranks {idle} run no call: the plan's ranks must cover the world of "
+                             f"{self.world_size}. Give them a call, or launch {self.world_size - len(idle)} devices.")
+        for role in TRAINABLE_ROLES:
+            wrapper = self.wrappers.get(role)
+            if wrapper not in WRAPPERS:
+                raise ValueError(f"Role {role!r} has wrapper {wrapper!r}; choose one of {list(WRAPPERS)}.")
+            if wrapper.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+                raise ValueError(f"Role {role!r} asks for DeepSpeed ({wrapper}) but deepspeed is not installed. "
+                                 "Install it with `pip install 'lightning-app-rlhf[deepspeed]'`, or use 'ddp' or "
+                                 "'fsdp2'.")
+
+    def ranks(self, call: str) -> tuple[int, ...]:
+        return self.calls[call]
+
+    def holds(self, role: str, rank: int) -> bool:
+        """Whether ``rank`` keeps a copy of ``role`` (trained weights or a shadow)."""
+        return any(rank in ranks for call, ranks in self.calls.items() if role_of(call) == role)
+
+    def shadow_ranks(self, role: str) -> tuple[int, ...]:
+        """Ranks that run a call of a trainable ``role`` without holding its trained weights."""
+        train = set(self.calls[f"{role}.train"])
+        users = {r for call, ranks in self.calls.items() if role_of(call) == role for r in ranks}
+        return tuple(sorted(users - train))
+
+
+def _count(ratio: float, world_size: int, what: str) -> int:
+    count = Fraction(ratio).limit_denominator(1000) * world_size
+    if not 0 < ratio <= 1 or count.denominator != 1:
+        raise ValueError(f"The {what} ratio {ratio} on {world_size} ranks gives {float(count):g} ranks; it must be "
+                         f"in (0, 1] and give a whole number. Use a multiple of 1/{world_size}.")
+    return int(count)
+
+
+def flattening_plan(world_size: int, wrapper: str = "ddp") -> PlacementPlan:
+    """Every call on every rank, data parallel (DeepSpeed-Chat / TRL style)."""
+    everyone = tuple(range(world_size))
+    return PlacementPlan(world_size, {c: everyone for c in CALLS}, {"actor": wrapper, "critic": wrapper},
+                         name="flattening")
+
+
+def interleaving_plan(
+    world_size: int, reference_ratio: float = 0.5, reward_ratio: float = 0.5, wrapper: str = "ddp"
+) -> PlacementPlan:
+    """Actor and critic on every rank; reference on the first block of ranks, reward on the next.
+
+    The blocks are contiguous and disjoint (APP's Model Placement Ratio): on 8 ranks with 0.5 / 0.5,
+    reference on ranks 0-3 and reward on ranks 4-7.
+    """
+    if world_size < 2:
+        raise ValueError("Interleaving needs at least 2 ranks (reference and reward on disjoint groups); "
+                         "use flattening on a single device.")
+    n_ref = _count(reference_ratio, world_size, "reference")
+    n_reward = _count(reward_ratio, world_size, "reward")
+    if n_ref + n_reward > world_size:
+        raise ValueError(f"Reference ({reference_ratio}) and reward ({reward_ratio}) ratios sum to more than 1: "
+                         "interleaving puts them on disjoint groups. Lower them so they sum to at most 1.")
+    everyone = tuple(range(world_size))
+    calls = {c: everyone for c in CALLS}
+    calls["reference.forward"] = tuple(range(n_ref))
+    calls["reward.forward"] = tuple(range(n_ref, n_ref + n_reward))
+    return PlacementPlan(world_size, calls, {"actor": wrapper, "critic": wrapper}, name="interleaving")
+
+
+def separation_plan(
+    world_size: int,
+    generation_ranks: tuple[int, ...] | list[int] | None = None,
+    training_ranks: tuple[int, ...] | list[int] | None = None,
+    generation_ratio: float = 0.5,
+    wrapper: str = "ddp",
+) -> PlacementPlan:
+    """Generation and the three forwards on one group, both train calls on another.
+
+    Args:
+        world_size: Ranks in the job.
+        generation_ranks: Explicit generation group. Default: the first ``generation_ratio`` of the ranks.
+        training_ranks: Explicit training group. Default: the ranks not generating.
+        generation_ratio: Fraction of ranks that generate, when no explicit lists are given.
+        wrapper: Parallel wrapper of actor and critic on the training group.
+    """
+    if world_size < 2:
+        raise ValueError("Separation needs at least 2 ranks (one generating, one training); use flattening on "
+                         "a single device.")
+    if generation_ranks is None:
+        generation_ranks = tuple(range(_count(generation_ratio, world_size, "generation")))
+    if training_ranks is None:
+        training_ranks = tuple(r for r in range(world_size) if r not in set(generation_ranks))
+    overlap = set(generation_ranks) & set(training_ranks)
+    if overlap:
+        raise ValueError(f"Ranks {sorted(overlap)} are in both the generation and the training group; separation "
+                         "needs disjoint groups. Use flattening or a custom PlacementPlan to share ranks.")
+    gen, train = tuple(generation_ranks), tuple(training_ranks)
+    calls = {
+        "actor.generate": gen, "reference.forward": gen, "reward.forward": gen, "critic.forward": gen,
+        "actor.train": train, "critic.train": train,
+    }
+    return PlacementPlan(world_size, calls, {"actor": wrapper, "critic": wrapper}, name="separation")

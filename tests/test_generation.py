@@ -1,0 +1,367 @@
+"""Tests for ``lightning_app_rlhf.generation``: keyed sampling, masks, early stop and behaviour log-probs.
+
+Exact mask and token checks use :class:`ScriptedLM`, a stand-in for a Hugging Face causal LM whose logits
+force a known token per row and step; the rest use a real tiny random-init GPT-2 built by the package.
+"""
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_app_rlhf import ppo
+from lightning_app_rlhf.calls import response_logits
+from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.data import collate_left_padded
+from lightning_app_rlhf.generation import (
+    check_context_length,
+    filter_probs,
+    generate,
+    inverse_cdf_sample,
+    keyed_uniforms,
+    position_ids_from_mask,
+    sample_keys,
+)
+from lightning_app_rlhf.roles import ModelSpec, build_causal_lm
+
+PAD, EOS = 0, 2
+VOCAB = 8
+LOG4 = math.log(4.0)
+
+
+@dataclass
+class FakeCache:
+    """Stands in for ``past_key_values``: only counts the decoding steps seen so far."""
+
+    step: int
+
+
+class ScriptedLM(nn.Module):
+    """Mimics a HF causal LM. At step t, row b puts logit log(4) on ``script[b][t]`` and 0 on the other tokens.
+
+    With ``top_k=1`` the scripted token is always sampled, and its log-probability at temperature tau is
+    log(4**(1/tau) / (4**(1/tau) + VOCAB - 1)), a number we know in advance. Every call is recorded.
+    """
+
+    def __init__(self, script: list[list[int]]) -> None:
+        super().__init__()
+        self.script = script
+        self.calls: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, **kwargs):
+        step = 0 if past_key_values is None else past_key_values.step
+        self.calls.append({
+            "input_ids": input_ids.clone(),
+            "attention_mask": attention_mask.clone(),
+            "position_ids": position_ids.clone(),
+            "use_cache": use_cache,
+        })
+        batch, length = input_ids.shape
+        logits = torch.zeros(batch, length, VOCAB)
+        for row in range(batch):
+            logits[row, -1, self.script[row][step]] = LOG4
+        return SimpleNamespace(logits=logits, past_key_values=FakeCache(step + 1))
+
+
+class EOSBiased(nn.Module):
+    """A real causal LM with ``bias`` added to the EOS logit, so that random-init responses do end."""
+
+    def __init__(self, inner: nn.Module, bias: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.bias = bias
+
+    @property
+    def config(self):
+        return self.inner.config
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        logits = out.logits.clone()
+        logits[..., EOS] += self.bias
+        out.logits = logits
+        return out
+
+
+def scripted_logprob(temperature: float) -> float:
+    boosted = 4.0 ** (1.0 / temperature)
+    return math.log(boosted / (boosted + VOCAB - 1))
+
+
+# Row 0 is left-padded by one token; row 1 is full.
+PROMPT_IDS = torch.tensor([[PAD, 6, 7], [3, 4, 5]])
+PROMPT_MASK = torch.tensor([[0, 1, 1], [1, 1, 1]])
+KEYS = sample_keys(0, 0, torch.tensor([0, 1]))
+
+
+@pytest.fixture
+def gpt2(tiny_gpt2_config):
+    """The tiny GPT-2 built by the package (init_seed 0, dropout off)."""
+    return build_causal_lm(ModelSpec(config=tiny_gpt2_config, init_seed=0))
+
+
+def encode_batch(tokenizer, prompts: list[str], indices: list[int]) -> dict[str, torch.Tensor]:
+    items = [
+        {"input_ids": tokenizer(p, add_special_tokens=False)["input_ids"], "index": i}
+        for p, i in zip(prompts, indices)
+    ]
+    return collate_left_padded(items, pad_token_id=tokenizer.pad_token_id)
+
+
+def run(model, batch, config, seed=0, iteration=0):
+    keys = sample_keys(seed, iteration, batch["index"])
+    return generate(model, batch["input_ids"], batch["attention_mask"], config, keys, EOS, PAD)
+
+
+# ---- exact masks with a scripted model ----
+
+
+def test_scripted_masks_pad_after_eos_and_logprobs():
+    """Row 0 emits EOS at step 2 and row 1 never: exact tokens, pad after EOS, masks and log-probs."""
+    model = ScriptedLM([[5, 3, EOS, 6, 6, 6], [4, 4, 4, 4, 4, 4]])
+    config = GenerationConfig(max_new_tokens=5, top_k=1)
+    rollout = generate(model, PROMPT_IDS, PROMPT_MASK, config, KEYS, EOS, PAD)
+
+    assert rollout.prompt_length == 3
+    assert rollout.responses.tolist() == [[5, 3, EOS, PAD, PAD], [4, 4, 4, 4, 4]]
+    assert rollout.sequences.tolist() == [[PAD, 6, 7, 5, 3, EOS, PAD, PAD], [3, 4, 5, 4, 4, 4, 4, 4]]
+    assert rollout.response_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert rollout.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]
+    assert torch.equal(rollout.attention_mask, torch.cat([PROMPT_MASK, rollout.response_mask], dim=1))
+    assert rollout.response_mask.dtype == PROMPT_MASK.dtype
+    lp = scripted_logprob(1.0)
+    expected = torch.tensor([[lp, lp, lp, 0.0, 0.0], [lp] * 5])
+    assert_close(rollout.logprobs, expected, rtol=0, atol=1e-6)
+    assert torch.all(rollout.logprobs[rollout.response_mask == 0] == 0)
+
+
+def test_scripted_early_stop_when_all_rows_done():
+    """When every row has emitted EOS, generation stops: T is shorter than max_new_tokens."""
+    model = ScriptedLM([[5, 3, EOS, 6, 6, 6, 6, 6], [4, 4, 4, EOS, 4, 4, 4, 4]])
+    config = GenerationConfig(max_new_tokens=8, top_k=1)
+    rollout = generate(model, PROMPT_IDS, PROMPT_MASK, config, KEYS, EOS, PAD)
+
+    assert rollout.responses.shape == (2, 4)
+    assert rollout.responses.tolist() == [[5, 3, EOS, PAD], [4, 4, 4, EOS]]
+    assert rollout.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert rollout.attention_mask.shape == (2, 3 + 4)
+    # One prompt forward plus one decode step per generated token except the last: no wasted steps.
+    assert len(model.calls) == 4
+
+
+def test_scripted_positions_and_cache_inputs():
+    """The prompt forward gets padding-skipping positions; each decode step feeds one token at the next position."""
+    model = ScriptedLM([[5, 3, EOS, 6], [4, 4, 4, EOS]])
+    generate(model, PROMPT_IDS, PROMPT_MASK, GenerationConfig(max_new_tokens=4, top_k=1), KEYS, EOS, PAD)
+
+    first = model.calls[0]
+    assert torch.equal(first["input_ids"], PROMPT_IDS)
+    assert first["position_ids"].tolist() == [[0, 0, 1], [0, 1, 2]]
+    assert torch.equal(first["attention_mask"], PROMPT_MASK)
+    assert first["use_cache"] is True
+    # Decode step s (1-based) feeds the token sampled at step s-1, one position further, mask grown by one.
+    fed = [[5, 4], [3, 4], [EOS, 4]]
+    for s, call in enumerate(model.calls[1:], start=1):
+        assert call["input_ids"].tolist() == [[t] for t in fed[s - 1]]
+        assert call["position_ids"].tolist() == [[1 + s], [2 + s]]
+        assert call["attention_mask"].shape == (2, 3 + s)
+        assert torch.equal(call["attention_mask"][:, :3], PROMPT_MASK)
+        assert torch.all(call["attention_mask"][:, 3:] == 1)
+
+
+def test_scripted_logprobs_use_temperature_without_top_k():
+    """Behaviour log-probs are at the sampling temperature over the full (unfiltered) distribution."""
+    model = ScriptedLM([[5, EOS, 6], [4, 4, EOS]])
+    rollout = generate(model, PROMPT_IDS, PROMPT_MASK, GenerationConfig(max_new_tokens=3, temperature=2.0, top_k=1),
+                       KEYS, EOS, PAD)
+    lp = scripted_logprob(2.0)  # log(2/9)
+    assert lp == pytest.approx(math.log(2 / 9))
+    assert_close(rollout.logprobs, torch.tensor([[lp, lp, 0.0], [lp, lp, lp]]), rtol=0, atol=1e-6)
+
+
+def test_position_ids_from_mask_skips_left_padding():
+    """Positions count only real tokens, so a left-padded prompt sees the positions of an unpadded one."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+
+
+# ---- a real tiny GPT-2 ----
+
+
+def test_gpt2_masks_follow_first_eos(gpt2, tokenizer):
+    """Real GPT-2: mask is 1 up to and including the first EOS, pad and zero log-prob after, 1s without EOS."""
+    model = EOSBiased(gpt2, bias=4.5)
+    prompts = ["list some fruit:", "red", "name a few animals: cat dog", "give me colors, like blue:"]
+    batch = encode_batch(tokenizer, prompts, [0, 1, 2, 3])
+    max_new = 8
+    rollout = run(model, batch, GenerationConfig(max_new_tokens=max_new))
+    responses, mask = rollout.responses, rollout.response_mask
+    T = responses.shape[1]
+
+    ended_early, never_ended = 0, 0
+    for row in range(len(prompts)):
+        eos_at = (responses[row] == EOS).nonzero().flatten().tolist()
+        if eos_at:
+            e = eos_at[0]
+            ended_early += e + 1 < max_new
+            assert mask[row, : e + 1].tolist() == [1] * (e + 1)
+            assert mask[row, e + 1 :].tolist() == [0] * (T - e - 1)
+            assert responses[row, e + 1 :].tolist() == [PAD] * (T - e - 1)
+        else:
+            never_ended += 1
+            assert mask[row].tolist() == [1] * T
+    # The scenario this test is about: both kinds of rows occur.
+    assert ended_early >= 1 and never_ended >= 1
+    assert T == max_new  # a row without EOS keeps generation going to the limit
+    assert torch.equal(rollout.attention_mask, torch.cat([batch["attention_mask"], mask], dim=1))
+    assert torch.equal(rollout.sequences[:, : rollout.prompt_length], batch["input_ids"])
+    assert torch.all(rollout.logprobs[mask == 0] == 0)
+    assert torch.all(rollout.logprobs[mask == 1] < 0)
+
+
+def test_gpt2_early_stop_when_all_end(gpt2, tokenizer):
+    """Real GPT-2 with EOS very likely: every row ends, and T is the latest EOS position + 1 < max_new_tokens."""
+    model = EOSBiased(gpt2, bias=8.0)
+    batch = encode_batch(tokenizer, ["list some fruit:", "red", "name a few animals:"], [0, 1, 2])
+    rollout = run(model, batch, GenerationConfig(max_new_tokens=16))
+    first_eos = [(row == EOS).nonzero().flatten()[0].item() for row in rollout.responses]
+    assert rollout.responses.shape[1] == max(first_eos) + 1 < 16
+    assert rollout.response_mask.sum(1).tolist() == [e + 1 for e in first_eos]
+
+
+def _until_eos(tokens: torch.Tensor) -> list[int]:
+    out = []
+    for token in tokens.tolist():
+        out.append(token)
+        if token == EOS:
+            break
+    return out
+
+
+def test_keyed_sampling_is_batch_invariant(gpt2, tokenizer):
+    """A prompt alone and inside a left-padded batch with the same key gets the same response tokens."""
+    model = EOSBiased(gpt2, bias=2.5)
+    config = GenerationConfig(max_new_tokens=10, temperature=1.0)
+    target = "red"
+    alone = run(model, encode_batch(tokenizer, [target], [5]), config, seed=3, iteration=2)
+    batch = encode_batch(tokenizer, ["list some fruit: apple banana", target, "name a few animals:"], [3, 5, 7])
+    assert batch["attention_mask"][1].sum() < batch["attention_mask"].shape[1]  # the target row is padded
+    together = run(model, batch, config, seed=3, iteration=2)
+
+    expected = _until_eos(alone.responses[0])
+    assert len(expected) >= 3 and expected[-1] == EOS  # the interesting case: a few tokens, then EOS
+    assert together.responses[1, : len(expected)].tolist() == expected
+    n = len(expected)
+    assert_close(together.logprobs[1, :n], alone.logprobs[0, :n], rtol=0, atol=1e-5)
+
+
+def test_same_keys_same_output_and_new_iteration_differs(gpt2, tokenizer):
+    """Same (seed, iteration, index) reproduces the rollout exactly; another iteration gives other responses."""
+    config = GenerationConfig(max_new_tokens=6)
+    batch = encode_batch(tokenizer, ["list some fruit:", "red"], [0, 1])
+    a = run(gpt2, batch, config, iteration=0)
+    b = run(gpt2, batch, config, iteration=0)
+    c = run(gpt2, batch, config, iteration=1)
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.responses[0], c.responses[0])
+    assert not torch.equal(a.responses[1], c.responses[1])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
+def test_behaviour_logprobs_match_full_forward(gpt2, tokenizer, top_k, top_p):
+    """Behaviour log-probs equal log_softmax(logits / 0.7) of a no-cache forward over the rollout, within 1e-4."""
+    temperature = 0.7
+    model = EOSBiased(gpt2, bias=2.5)
+    batch = encode_batch(tokenizer, ["list some fruit:", "red", "name a few animals: cat dog", "blue"], [0, 1, 2, 3])
+    rollout = run(model, batch, GenerationConfig(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p))
+    assert rollout.response_mask.min() == 0  # some positions past EOS, to check they are excluded
+    with torch.no_grad():
+        logits = response_logits(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+    full = ppo.logprobs_from_logits(logits / temperature, rollout.responses)
+    valid = rollout.response_mask.bool()
+    assert_close(rollout.logprobs[valid], full[valid], rtol=0, atol=1e-4)
+
+
+# ---- sampling primitives ----
+
+
+def test_sample_keys_depend_only_on_seed_iteration_index():
+    """A sample's key is the same whatever batch it sits in, and changes with seed, iteration and index."""
+    batch_keys = sample_keys(1, 4, torch.tensor([3, 5, 7]))
+    alone = sample_keys(1, 4, torch.tensor([5]))
+    assert batch_keys.dtype == torch.int64
+    assert batch_keys[1] == alone[0]
+    assert len(set(batch_keys.tolist())) == 3
+    assert sample_keys(2, 4, torch.tensor([5]))[0] != alone[0]
+    assert sample_keys(1, 5, torch.tensor([5]))[0] != alone[0]
+    assert all(0 <= k < 2**63 for k in batch_keys.tolist())
+
+
+def test_keyed_uniforms_rows_depend_only_on_their_key():
+    """Row b of keyed_uniforms is a function of keys[b] only, in [0, 1)."""
+    keys = sample_keys(0, 0, torch.tensor([0, 1, 2]))
+    u = keyed_uniforms(keys, 16)
+    assert u.shape == (3, 16) and u.dtype == torch.float64
+    assert torch.equal(u[2], keyed_uniforms(keys[2:], 16)[0])
+    assert torch.all((u >= 0) & (u < 1))
+    assert not torch.equal(u[0], u[1])
+
+
+def test_filter_probs_top_k_keeps_two_largest():
+    """top_k=2 keeps exactly the two most likely tokens of each row, untouched."""
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.7, 0.05, 0.05, 0.2]])
+    out = filter_probs(probs, top_k=2, top_p=1.0)
+    assert_close(out, torch.tensor([[0.0, 0.4, 0.0, 0.3], [0.7, 0.0, 0.0, 0.2]]))
+
+
+@pytest.mark.parametrize("top_p,expected", [
+    (0.7, [0.5, 0.3, 0.0, 0.0]),
+    (0.85, [0.5, 0.3, 0.15, 0.0]),
+    (0.4, [0.5, 0.0, 0.0, 0.0]),
+    (1.0, [0.5, 0.3, 0.15, 0.05]),
+])
+def test_filter_probs_top_p_keeps_smallest_nucleus(top_p, expected):
+    """top_p keeps the smallest set of most likely tokens whose mass reaches top_p."""
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
+    assert_close(filter_probs(probs, top_k=0, top_p=top_p), torch.tensor([expected], dtype=torch.float64))
+
+
+def test_filter_probs_top_p_unsorted_row():
+    """The nucleus is found by probability, not by position in the vocabulary."""
+    probs = torch.tensor([[0.05, 0.3, 0.15, 0.5]], dtype=torch.float64)
+    assert_close(filter_probs(probs, top_k=0, top_p=0.7), torch.tensor([[0.0, 0.3, 0.0, 0.5]], dtype=torch.float64))
+
+
+def test_inverse_cdf_sample_hand_uniforms():
+    """Inverse-CDF sampling picks the token whose CDF interval holds u (unnormalised probs work too)."""
+    probs = torch.tensor([[0.25, 0.25, 0.5]] * 3)
+    u = torch.tensor([0.1, 0.3, 0.6], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, u).tolist() == [0, 1, 2]
+    assert inverse_cdf_sample(probs * 4, u).tolist() == [0, 1, 2]
+    # A zeroed (filtered) token is never picked, even at the boundary of its empty interval.
+    filtered = torch.tensor([[0.5, 0.0, 0.5]] * 3)
+    assert inverse_cdf_sample(filtered, torch.tensor([0.0, 0.5, 0.999], dtype=torch.float64)).tolist() == [0, 2, 2]
+
+
+def test_check_context_length_message_names_the_fixes():
+    """Prompt + max_new_tokens beyond the context raises, naming generation.max_new_tokens and data.max_prompt_length."""
+    model = SimpleNamespace(config=SimpleNamespace(n_positions=16))
+    with pytest.raises(ValueError, match=r"generation\.max_new_tokens=12") as info:
+        check_context_length(model, prompt_length=10, max_new_tokens=12)
+    assert "data.max_prompt_length" in str(info.value)
+    assert "(<= 4)" in str(info.value)
+    check_context_length(model, prompt_length=4, max_new_tokens=12)  # exactly fits: no error
+    check_context_length(SimpleNamespace(), prompt_length=10_000, max_new_tokens=12)  # no declared limit
+
+
+def test_generate_checks_context_length(gpt2):
+    """generate() refuses prompts that cannot fit max_new_tokens into the model's 64 positions."""
+    ids = torch.full((1, 60), 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(gpt2, ids, torch.ones_like(ids), GenerationConfig(max_new_tokens=8),
+                 sample_keys(0, 0, torch.tensor([0])), EOS, PAD)
