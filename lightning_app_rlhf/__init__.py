@@ -3,6 +3,25 @@
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
+from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.roles import ModelSpec, ValueModel
+from lightning_app_rlhf.strategies import (
+    FlatteningStrategy,
+    InterleavingStrategy,
+    PlacementStrategy,
+    SeparationStrategy,
+)
 
-__all__ = ["GenerationConfig", "ModelSpec", "PPOConfig", "PromptDataModule", "RLHFModule", "ValueModel"]
+__all__ = [
+    "FlatteningStrategy",
+    "GenerationConfig",
+    "InterleavingStrategy",
+    "ModelSpec",
+    "PPOConfig",
+    "PlacementPlan",
+    "PlacementStrategy",
+    "PromptDataModule",
+    "RLHFModule",
+    "SeparationStrategy",
+    "ValueModel",
+]

@@ -148,7 +148,7 @@ def generate(
         logprobs.append(log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done))
         tokens.append(token)
         done = done | (token == eos_token_id)
-        if bool(done.all()):
+        if bool(done.all()) or step == config.max_new_tokens - 1:  # no forward for a token never sampled
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position_ids = position_ids[:, -1:] + 1

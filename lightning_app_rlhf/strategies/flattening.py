@@ -1,0 +1,29 @@
+"""``FlatteningStrategy`` (``rlhf_flattening``): every call on every rank, data parallel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+
+
+class FlatteningStrategy(PlacementStrategy):
+    """All four roles on every rank (DeepSpeed-Chat / TRL style); each call shards the global batch over all ranks.
+
+    Args:
+        wrapper: Data-parallel wrapper of actor and critic.
+        **kwargs: See :class:`PlacementStrategy` (timeout, start_method, ...).
+    """
+
+    strategy_name = "rlhf_flattening"
+
+    def __init__(self, wrapper: str = "ddp", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wrapper = wrapper
+
+    @override
+    def build_plan(self, world_size: int) -> PlacementPlan:
+        return flattening_plan(world_size, self.wrapper)

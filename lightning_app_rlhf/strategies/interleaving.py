@@ -1,0 +1,34 @@
+"""``InterleavingStrategy`` (``rlhf_interleaving``): reference and reward on disjoint groups of ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_app_rlhf.plan import PlacementPlan, interleaving_plan
+from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+
+
+class InterleavingStrategy(PlacementStrategy):
+    """Actor and critic on every rank; the reference on the first ``reference_ratio`` of the ranks and the reward
+    on the next ``reward_ratio`` (APP's Model Placement Ratio). The two forwards run at the same time.
+
+    Args:
+        reference_ratio: Fraction of ranks holding the reference (a multiple of 1 / world size).
+        reward_ratio: Fraction of ranks holding the reward model.
+        wrapper: Data-parallel wrapper of actor and critic.
+        **kwargs: See :class:`PlacementStrategy`.
+    """
+
+    strategy_name = "rlhf_interleaving"
+
+    def __init__(self, reference_ratio: float = 0.5, reward_ratio: float = 0.5, wrapper: str = "ddp", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.reference_ratio = reference_ratio
+        self.reward_ratio = reward_ratio
+        self.wrapper = wrapper
+
+    @override
+    def build_plan(self, world_size: int) -> PlacementPlan:
+        return interleaving_plan(world_size, self.reference_ratio, self.reward_ratio, self.wrapper)

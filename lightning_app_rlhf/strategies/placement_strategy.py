@@ -1,0 +1,196 @@
+"""``PlacementStrategy``: the Trainer strategy that runs an RLHFModule under a PlacementPlan."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
+from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.wrappers import wrap_for_training
+
+
+class PlacementStrategy(ParallelStrategy):
+    """Places the four RLHF roles by a :class:`PlacementPlan`: each role lives on the ranks of its calls and is
+    wrapped on its own process group, never the whole LightningModule.
+
+    Every rank receives the same global batch (``data.batch_size`` prompts per iteration); each call's group
+    splits it. Use the presets ``rlhf_flattening``, ``rlhf_interleaving`` and ``rlhf_separation``, or pass
+    ``plan`` for a custom placement.
+
+    Args:
+        plan: A plan, or a function from the world size to a plan.
+        timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
+        start_method: ``popen`` re-runs the script per process (the default, as DDP); ``fork``/``spawn`` for
+            notebooks and tests.
+        process_group_backend: ``gloo``/``nccl``; default by device.
+        threads_per_process: CPU threads per process (default: cores / local processes).
+    """
+
+    strategy_name = "rlhf_placement"
+
+    def __init__(
+        self,
+        plan: PlacementPlan | Callable[[int], PlacementPlan] | None = None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        threads_per_process: int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._plan = plan
+        self._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._threads_per_process = threads_per_process
+        self._num_nodes = 1
+        self.placement_plan: PlacementPlan | None = None
+
+    def build_plan(self, world_size: int) -> PlacementPlan:
+        """The plan for this world size. Presets override this."""
+        if self._plan is None:
+            raise ValueError("PlacementStrategy needs a `plan` (a PlacementPlan, or a function of the world size). "
+                             "Or use a preset: strategy='rlhf_flattening', 'rlhf_interleaving' or 'rlhf_separation'.")
+        plan = self._plan(world_size) if callable(self._plan) else self._plan
+        if plan.world_size != world_size:
+            raise ValueError(f"The plan covers {plan.world_size} ranks but the Trainer runs {world_size} "
+                             f"(devices x num_nodes). Set --trainer.devices so they match, or rebuild the plan.")
+        return plan
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank reads the same global batch; each call's group shards it (Placement.shard).
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self._limit_cpu_threads()
+        # Bad plans fail here, before any model is built.
+        self.placement_plan = self.build_plan(self.world_size)
+        module = self.lightning_module
+        if not hasattr(module, "placement"):
+            raise TypeError(f"{type(self).__name__} runs an RLHFModule; got {type(module).__name__}.")
+        module.placement = create_placement(self.placement_plan, self.global_rank, self.root_device, self._timeout)
+
+    def _limit_cpu_threads(self) -> None:
+        """CPU processes sharing cores must not each spawn a thread per core: oversubscribed OpenMP crawls."""
+        if self.root_device.type != "cpu":
+            return
+        threads = self._threads_per_process or max(1, (os.cpu_count() or 1) // max(1, self.num_processes))
+        torch.set_num_threads(threads)
+
+    @override
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        module = self.lightning_module
+        placement = module.placement
+        for role in module.trained_roles():
+            call = f"{role}.train"
+            module.train_modules[role] = wrap_for_training(
+                getattr(module, role), placement.plan.wrappers[role], placement.groups.get(call),
+                placement.group_size(call), self.root_device,
+            )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        module = self.lightning_module
+        if module is not None and hasattr(module, "train_modules"):
+            module.train_modules.clear()

@@ -1,0 +1,44 @@
+"""``SeparationStrategy`` (``rlhf_separation``): generation and training on separate ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_app_rlhf.plan import PlacementPlan, separation_plan
+from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+
+
+class SeparationStrategy(PlacementStrategy):
+    """A generation group runs ``actor.generate`` and the three forwards on shadow copies; a training group runs
+    both train calls. After every update the trained weights are reallocated to the shadows (on-policy).
+
+    Args:
+        generation_ranks: Explicit generation group. Default: the first ``generation_ratio`` of the ranks.
+        training_ranks: Explicit training group. Default: the other ranks.
+        generation_ratio: Fraction of ranks that generate.
+        wrapper: Data-parallel wrapper of actor and critic on the training group.
+        **kwargs: See :class:`PlacementStrategy`.
+    """
+
+    strategy_name = "rlhf_separation"
+
+    def __init__(
+        self,
+        generation_ranks: list[int] | None = None,
+        training_ranks: list[int] | None = None,
+        generation_ratio: float = 0.5,
+        wrapper: str = "ddp",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.generation_ranks = generation_ranks
+        self.training_ranks = training_ranks
+        self.generation_ratio = generation_ratio
+        self.wrapper = wrapper
+
+    @override
+    def build_plan(self, world_size: int) -> PlacementPlan:
+        return separation_plan(world_size, self.generation_ranks, self.training_ranks, self.generation_ratio,
+                               self.wrapper)
