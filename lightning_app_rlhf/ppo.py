@@ -228,7 +228,9 @@ def value_loss(
     Returns:
         ``(loss, clipfrac)``, the fraction of tokens where the clipped error is the larger one.
     """
-    clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    # clamp(v, old - eps, old + eps) rather than old + clamp(v - old, ...): inside the range it returns v
+    # exactly, so rounding never shows up as clipping in clipfrac.
+    clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
     error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(error, clipped_error), mask, count=token_count)
