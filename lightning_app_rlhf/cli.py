@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
@@ -19,6 +20,7 @@ class RLHFCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> RLHFCLI:
     """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script."""
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings in --help
     return RLHFCLI(
         RLHFModule,
         PromptDataModule,

@@ -46,7 +46,7 @@ class PPOConfig:
     clip_range_value: float = 0.2
     """Value clipping epsilon, around the values seen at rollout time."""
     value_loss_coef: float = 0.5
-    """Scale of the critic's squared-error loss (0.5 * MSE by default)."""
+    """Scale of the critic's loss, ``0.5 * mean(max(clipped and unclipped squared errors))`` (TRL's vf_coef)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss."""
     gamma: float = 1.0

@@ -58,7 +58,7 @@ def read_prompts(source: Any, prompt_key: str) -> list[str]:
             return [_prompt_of(row, prompt_key, source) for row in rows]
         if os.path.exists(source):
             raise ValueError(f"Prompt source {source!r} is not a file: give a .jsonl file with one object per line.")
-        looks_like_path = os.sep in source or source.endswith((".jsonl", ".json")) or not any(c in source for c in ".:")
+        looks_like_path = os.sep in source or source.endswith((".jsonl", ".json", ".txt", ".csv")) or not any(c in source for c in ".:")
         if looks_like_path:
             raise FileNotFoundError(f"Prompt file {source!r} does not exist. Give a .jsonl file with one prompt "
                                     "per line, or an import path 'package.module:name'.")

@@ -39,7 +39,9 @@ from lightning_app_rlhf.calls import (
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import Rollout, generate, sample_keys
+from lightning_app_rlhf.memory import RoleMemory, role_memory
 from lightning_app_rlhf.placement import Placement, TensorSpec
+from lightning_app_rlhf.plan import CALLS, PlacementPlan, role_of
 from lightning_app_rlhf.roles import (
     ModelSpec,
     RewardFunction,
@@ -111,6 +113,10 @@ class RLHFModule(pl.LightningModule):
         self.reward_spec = as_model_spec(reward_model) if reward_model is not None else None
         self.reward_fn: RewardFunction | None = resolve_import(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
+        if reward_model is not None and self.tokenizer.pad_token_id == self.tokenizer.eos_token_id:
+            warnings.warn("The tokenizer's pad token is its EOS token: Hugging Face sequence classifiers skip trailing "
+                          "pad ids, so the reward model scores the token before EOS. Add a distinct pad token if "
+                          "the reward model was trained to read EOS.")
         self.generation = dataclasses.replace(generation)  # a copy: the default instance is shared
         self.ppo = dataclasses.replace(ppo)
         self.actor_optimizer = actor_optimizer or _default_optimizer
@@ -161,6 +167,10 @@ class RLHFModule(pl.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
+        precision = str(getattr(self.trainer, "precision", "32-true")) if self._trainer is not None else "32-true"
+        if precision.startswith("16"):
+            raise ValueError(f"precision={precision!r} needs a gradient scaler, which the PPO update does not use. "
+                             "Use precision='bf16-mixed' (or 'bf16-true', '32-true').")
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         batch_size = getattr(datamodule, "batch_size", None)
         if stage == "fit" and batch_size is not None:
@@ -198,6 +208,37 @@ class RLHFModule(pl.LightningModule):
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         return optimizers[self.trained_roles().index(role)].optimizer
 
+    # ---- placement summary ----
+
+    @override
+    def on_fit_start(self) -> None:
+        rows = self.gather_memory()
+        if self.trainer.is_global_zero:
+            print_placement_summary(self._placement(), rows)
+        metrics: dict[str, float] = {}
+        for rank, rank_rows in enumerate(rows):
+            metrics[f"memory/param_bytes_rank{rank}"] = float(sum(r.param_bytes for r in rank_rows))
+            metrics[f"memory/state_bytes_rank{rank}"] = float(sum(r.grad_bytes + r.optimizer_bytes for r in rank_rows))
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=0)
+
+    def gather_memory(self) -> list[list[RoleMemory]]:
+        """Every rank's :class:`RoleMemory` rows, on every rank (one object all-gather)."""
+        placement = self._placement()
+        mine = []
+        for role in ("actor", "critic", "reference", "reward"):
+            module = self.reward_model if role == "reward" else getattr(self, role)
+            if module is None:
+                continue
+            calls = [call.split(".")[1] for call in CALLS if role_of(call) == role and placement.runs(call)]
+            optimizer = self._optimizer(role) if role in self.trained_roles() else None
+            mine.append(role_memory(role, module, calls, optimizer))
+        if not placement.distributed:
+            return [mine]
+        everyone: list[Any] = [None] * placement.plan.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        return everyone
+
     # ---- one PPO iteration ----
 
     @override
@@ -210,10 +251,12 @@ class RLHFModule(pl.LightningModule):
         generated = _now(self.device)
         experience, stats = self.score_rollout(rollout)
         scored = _now(self.device)
-        stats.update(self.train_role("actor", experience, iteration))
-        stats.update(self.train_role("critic", experience, iteration))
+        updated = bool(experience.response_mask.any())  # False when every score was skipped as NaN/inf
+        if updated:
+            stats.update(self.train_role("actor", experience, iteration))
+            stats.update(self.train_role("critic", experience, iteration))
         trained = _now(self.device)
-        stats["reallocate/bytes"] = float(sum(self.reallocate_shadows()))
+        stats["reallocate/bytes"] = float(sum(self.reallocate_shadows())) if updated else 0.0
         reallocated = _now(self.device)
         self.kl_controller.update(stats["kl/mean"].item(), n_samples=batch_size)
         self._step_schedulers()
@@ -439,6 +482,38 @@ class RLHFModule(pl.LightningModule):
             self.kl_controller.load_state_dict(state["kl_controller"])
             self.reward_moments.load_state_dict(state["reward_moments"])
             self.seed = state["seed"]
+
+
+def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) -> None:
+    """Rich tables: every call with its ranks and wrapper, then bytes per rank and role."""
+    from rich.console import Console
+    from rich.table import Table
+
+    plan = placement.plan
+    calls = Table(title=f"Placement plan: {plan.name}, {plan.world_size} rank(s)")
+    for column in ("call", "ranks", "wrapper"):
+        calls.add_column(column)
+    for call in CALLS:
+        calls.add_row(call, ",".join(map(str, plan.ranks(call))), _call_wrapper(plan, call))
+    memory = Table(title="Memory per rank (MB)")
+    for column in ("rank", "role", "calls", "params", "grads", "optimizer"):
+        memory.add_column(column, justify="right" if column in ("params", "grads", "optimizer") else "left")
+    for rank, rank_rows in enumerate(rows):
+        for row in rank_rows:
+            memory.add_row(str(rank), row.role, row.calls, *(f"{b / 2**20:.2f}" for b in (
+                row.param_bytes, row.grad_bytes, row.optimizer_bytes)))
+    console = Console()
+    console.print(calls)
+    console.print(memory)
+
+
+def _call_wrapper(plan: PlacementPlan, call: str) -> str:
+    role = role_of(call)
+    if role not in plan.wrappers:
+        return "frozen"
+    if call.endswith(".train"):
+        return plan.wrappers[role]
+    return "shadow copy" if set(plan.ranks(call)) - set(plan.ranks(f"{role}.train")) else "trained copy"
 
 
 def _no_closure() -> None:

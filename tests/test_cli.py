@@ -47,3 +47,4 @@ def test_cli_help_lists_ppo_options(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--model.ppo.kl_estimator" in result.stdout
     assert "--model.generation.max_new_tokens" in result.stdout
+    assert "Passes over each rollout batch" in result.stdout  # field docstrings reach --help

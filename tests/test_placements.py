@@ -36,17 +36,45 @@ def run_demo(tmp_path: Path, name: str, *args: str, steps: int = 3) -> list[dict
 @pytest.mark.parametrize("devices", [2, 4])
 def test_placements_give_the_same_trajectory(tmp_path, devices):
     """Same seed and global batch: Flattening, Interleaving and Separation log the same values step by step."""
-    runs = {s: run_demo(tmp_path, f"{s}_{devices}", "--trainer.devices", str(devices), "--trainer.strategy", s)
-            for s in STRATEGIES}
+    logged = {s: run_demo(tmp_path, f"{s}_{devices}", "--trainer.devices", str(devices), "--trainer.strategy", s)
+              for s in STRATEGIES}
+    runs = {s: [r for r in rows if "reward/mean" in r] for s, rows in logged.items()}
     reference = runs["rlhf_flattening"]
     assert [r["step"] for r in reference] == [0, 1, 2]
     for strategy, rows in runs.items():
-        for step, (got, want) in enumerate(zip(rows, reference)):
+        for step, (got, want) in enumerate(zip(rows, reference, strict=True)):
             for metric in COMPARED:
                 assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (strategy, step, metric)
     # Only Separation has shadow copies to refresh: actor + critic trainable parameters, fp32.
     assert all(r["reallocate/bytes"] == 0 for r in runs["rlhf_flattening"] + runs["rlhf_interleaving"])
     assert all(r["reallocate/bytes"] > 1_000_000 for r in runs["rlhf_separation"])
+    if devices == 4:
+        check_memory_figures({s: next(r for r in rows if "memory/param_bytes_rank0" in r) for s, rows in logged.items()})
+
+
+def check_memory_figures(memory_rows: dict[str, dict[str, float]]) -> None:
+    """The logged per-rank bytes show each role only where the plan puts it (4 ranks, fp32, AdamW)."""
+    import yaml
+
+    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
+
+    config = yaml.safe_load((ROOT / "examples/configs/demo_cpu.yaml").read_text())
+    spec = as_model_spec(config["model"]["actor"])
+    actor = sum(p.numel() for p in build_causal_lm(spec).parameters()) * 4
+    critic = sum(p.numel() for p in build_critic(spec).parameters()) * 4
+    reference = actor  # the demo's reward is a function: no reward model bytes
+    adam = 3  # gradient + two AdamW moments per trainable byte
+    expected = {
+        "rlhf_flattening": [(actor + critic + reference, adam * (actor + critic))] * 4,
+        # reference on ranks 0-1, reward (a function) on ranks 2-3
+        "rlhf_interleaving": [(actor + critic + reference, adam * (actor + critic))] * 2
+        + [(actor + critic, adam * (actor + critic))] * 2,
+        # generation ranks 0-1: shadows + reference, no optimizer state; training ranks 2-3: no reference
+        "rlhf_separation": [(actor + critic + reference, 0)] * 2 + [(actor + critic, adam * (actor + critic))] * 2,
+    }
+    for strategy, memory in memory_rows.items():
+        got = [(memory[f"memory/param_bytes_rank{r}"], memory[f"memory/state_bytes_rank{r}"]) for r in range(4)]
+        assert got == expected[strategy], strategy
 
 
 def test_plan_presets_assign_the_documented_ranks():
