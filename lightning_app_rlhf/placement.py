@@ -7,8 +7,9 @@ With a world of one rank every operation is local and no process group is needed
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,10 @@ from torch import nn
 from lightning_app_rlhf.plan import CALLS, TRAINABLE_ROLES, PlacementPlan, flattening_plan
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class PlacementError(RuntimeError):
+    """A collective of a call failed: another rank died, failed, or did not answer within the timeout."""
 
 
 @dataclass
@@ -47,8 +52,10 @@ class Placement:
         device: torch.device | None = None,
         groups: dict[str, dist.ProcessGroup | None] | None = None,
         reallocation_groups: dict[str, dist.ProcessGroup | None] | None = None,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.plan = plan
+        self.timeout = timeout
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.groups = groups or {}
@@ -85,6 +92,19 @@ class Placement:
         i = self.group_rank(call)
         return slice(bounds[i], bounds[i + 1])
 
+    @contextlib.contextmanager
+    def _collective(self, call: str, what: str) -> Iterator[None]:
+        """Turn a failed collective into an error that names this rank, the call, its role and its ranks."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as err:
+            raise PlacementError(
+                f"Rank {self.rank}: the {what} of call {call!r} (role {call.split('.')[0]!r}, ranks "
+                f"{list(self.plan.ranks(call))}, plan {self.plan.name!r}) failed: another rank died, raised, or did "
+                f"not answer within the timeout of {self.timeout}. Look for the first error in the other ranks' logs. "
+                f"Cause: {err}"
+            ) from err
+
     # ---- data movement ----
 
     def gather_to_world(
@@ -98,6 +118,12 @@ class Placement:
         if not self.distributed:
             assert local is not None
             return local
+        with self._collective(call, "gather of results"):
+            return self._gather_to_world(call, local, specs)
+
+    def _gather_to_world(
+        self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]
+    ) -> dict[str, torch.Tensor]:
         members = self.plan.ranks(call)
         shapes = self._all_gather_shapes(local, specs)
         out = {}
@@ -131,13 +157,15 @@ class Placement:
         values = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         if self.rank == self.leader(call):
             values = torch.stack([stats[n].detach().double().to(self.device) for n in names])
-        dist.broadcast(values, src=self.leader(call))
+        with self._collective(call, "broadcast of statistics"):
+            dist.broadcast(values, src=self.leader(call))
         return dict(zip(names, values.float().cpu()))
 
     def all_reduce_sum(self, call: str, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over ``call``'s group (only members call this)."""
         if self.group_size(call) > 1:
-            dist.all_reduce(tensor, group=self.groups[call])
+            with self._collective(call, "all-reduce"):
+                dist.all_reduce(tensor, group=self.groups[call])
         return tensor
 
     # ---- weight reallocation ----
@@ -151,6 +179,10 @@ class Placement:
         group = self.reallocation_groups.get(role)
         if group is None and not self.plan.shadow_ranks(role):
             return 0
+        with self._collective(f"{role}.train", "weight reallocation"):
+            return self._reallocate(role, module, group, bucket_bytes)
+
+    def _reallocate(self, role: str, module: nn.Module | None, group: dist.ProcessGroup | None, bucket_bytes: int) -> int:
         train_leader = self.leader(f"{role}.train")
         params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
         if self.runs(f"{role}.train"):
@@ -180,7 +212,7 @@ def create_placement(
     ``torch.distributed`` must already be initialised with ``plan.world_size`` ranks.
     """
     if plan.world_size == 1:
-        return Placement(plan, rank, device)
+        return Placement(plan, rank, device, timeout=timeout)
     if not dist.is_initialized() or dist.get_world_size() != plan.world_size:
         actual = dist.get_world_size() if dist.is_initialized() else 1
         raise ValueError(f"The plan covers {plan.world_size} ranks but the job has {actual}. Launch "
@@ -194,7 +226,7 @@ def create_placement(
         if shadows:
             ranks = sorted({plan.ranks(f"{role}.train")[0], *shadows})
             reallocation_groups[role] = dist.new_group(ranks, timeout=timeout)
-    return Placement(plan, rank, device, groups, reallocation_groups)
+    return Placement(plan, rank, device, groups, reallocation_groups, timeout)
 
 
 def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.device) -> torch.Tensor:

@@ -87,3 +87,18 @@ def test_plan_presets_assign_the_documented_ranks():
     sep = separation_plan(4, generation_ranks=[0, 1, 2], training_ranks=[3])
     assert sep.ranks("actor.generate") == (0, 1, 2) and sep.ranks("critic.train") == (3,)
     assert sep.shadow_ranks("actor") == (0, 1, 2) and not sep.holds("reference", 3)
+
+
+def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
+    """Killing rank 2 of 4 ends the run with an error naming the failed call and its role, not a hang."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
+         "--trainer.devices", "4", "--trainer.strategy", "rlhf_separation", "--trainer.max_steps", "4",
+         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+         "--trainer.callbacks+=killrank_callback.KillRank", "--model.generation.max_new_tokens", "8"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode != 0
+    assert "PlacementError: Rank 0: the gather of results of call 'actor.generate' (role 'actor'" in result.stderr
+    assert "another rank died" in result.stderr
