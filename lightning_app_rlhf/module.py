@@ -183,6 +183,18 @@ class RLHFModule(pl.LightningModule):
                 f"{self.ppo.num_minibatches}. Pick a data.batch_size that is a multiple of it, or a "
                 f"num_minibatches that divides {batch_size}."
             )
+        plan = self._placement().plan
+        widest = max(plan.calls, key=lambda call: len(plan.ranks(call)))
+        if batch_size < len(plan.ranks(widest)):
+            raise ValueError(f"The rollout batch of {batch_size} prompts is split over the {len(plan.ranks(widest))} "
+                             f"ranks of {widest!r}: raise data.batch_size to at least that.")
+        minibatch = batch_size // self.ppo.num_minibatches
+        for role in ("actor", "critic"):
+            ranks = len(plan.ranks(f"{role}.train"))
+            if minibatch < ranks:
+                raise ValueError(f"Each PPO minibatch of {minibatch} samples is split over the {ranks} ranks of "
+                                 f"'{role}.train': raise data.batch_size or lower ppo.num_minibatches so that "
+                                 f"batch_size / num_minibatches >= {ranks}.")
 
     def trained_roles(self) -> list[str]:
         """The trainable roles whose train call runs on this rank, in optimizer order."""

@@ -34,8 +34,11 @@ def test_demo_config_runs_and_logs_every_metric(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RLHF run summary" in result.stdout
     (metrics_file,) = (tmp_path / "runs").rglob("metrics.csv")
-    rows = list(csv.DictReader(metrics_file.open()))
+    logged = list(csv.DictReader(metrics_file.open()))
+    rows = [r for r in logged if r["reward/mean"]]
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    (memory,) = [r for r in logged if r["memory/param_bytes_rank0"]]
+    assert float(memory["memory/param_bytes_rank0"]) > float(memory["memory/state_bytes_rank0"]) / 3 > 0
     missing = [m for m in METRICS if m not in rows[0] or rows[0][m] == ""]
     assert not missing, missing
     assert all(float(r["response/length_mean"]) > 0 for r in rows)

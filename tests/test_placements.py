@@ -102,3 +102,18 @@ def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     assert result.returncode != 0
     assert "PlacementError: Rank 0: the gather of results of call 'actor.generate' (role 'actor'" in result.stderr
     assert "another rank died" in result.stderr
+
+
+def test_batches_too_small_for_the_groups_are_rejected(tokenizer, tiny_gpt2_config):
+    """Every rank of a call needs a sample, and every rank of a train call one per minibatch; errors name the fix."""
+    from lightning_app_rlhf import PPOConfig, RLHFModule
+    from lightning_app_rlhf.placement import Placement
+
+    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=lambda p, r: [0.0] * len(p),
+                        ppo=PPOConfig(num_minibatches=2))
+    module.placement = Placement(flattening_plan(4))
+    module._check_minibatches(8)  # 4 samples per minibatch: one per rank
+    with pytest.raises(ValueError, match=r"batch_size / num_minibatches >= 4"):
+        module._check_minibatches(6)
+    with pytest.raises(ValueError, match=r"raise data.batch_size to at least that"):
+        module._check_minibatches(2)
