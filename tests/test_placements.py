@@ -117,3 +117,27 @@ def test_batches_too_small_for_the_groups_are_rejected(tokenizer, tiny_gpt2_conf
         module._check_minibatches(6)
     with pytest.raises(ValueError, match=r"raise data.batch_size to at least that"):
         module._check_minibatches(2)
+
+
+def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path):
+    """Under Separation (DDP training on ranks 2-3), after every update the shadows on ranks 0-1 hold the trained
+    actor and critic bytes exactly, and the weights change from one iteration to the next."""
+    import json
+
+    digests = tmp_path / "digests.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
+         "--trainer.devices", "4", "--trainer.strategy", "rlhf_separation", "--trainer.max_steps", "3",
+         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+         "--trainer.callbacks+=weight_check_callback.WeightCopiesEqual",
+         f"--trainer.callbacks.path={digests}", "--model.generation.max_new_tokens", "8"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = json.loads(digests.read_text())
+    assert len(records) == 3
+    for ranks in records:
+        for role in ("actor", "critic"):
+            assert len({r[role] for r in ranks}) == 1, role  # generation shadows == trained copies
+    assert len({ranks[0]["actor"] for ranks in records}) == 3  # the weights moved every iteration
