@@ -126,13 +126,8 @@ def critic_loss(
     return config.value_loss_coef * loss, {"value/loss": loss.detach(), "value/clipfrac": clipfrac}
 
 
-def nonfinite_score_mask(scores: torch.Tensor) -> torch.Tensor:
-    """[B] True where a score is NaN or inf."""
-    return ~torch.isfinite(scores)
-
-
 def describe_nonfinite(scores: torch.Tensor) -> str:
-    bad = nonfinite_score_mask(scores).nonzero().flatten().tolist()
+    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     shown = ", ".join(f"#{i}={scores[i].item()}" for i in bad[:5])
     return f"{len(bad)} of {len(scores)} scores are NaN or inf ({shown}{', ...' if len(bad) > 5 else ''})"
 

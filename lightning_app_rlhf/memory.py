@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,9 +23,6 @@ class RoleMemory:
     """Gradients of the trainable parameters, on ranks that run the role's train call."""
     optimizer_bytes: int
     """Optimizer state: slots per element (Adam: 2) times the trainable parameter bytes."""
-
-    def as_dict(self) -> dict[str, int | str]:
-        return asdict(self)
 
 
 def role_memory(

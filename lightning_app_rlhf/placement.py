@@ -60,7 +60,6 @@ class Placement:
         self.device = device or torch.device("cpu")
         self.groups = groups or {}
         self.reallocation_groups = reallocation_groups or {}
-        self.weight_versions = {role: 0 for role in TRAINABLE_ROLES}
 
     @classmethod
     def single_process(cls, device: torch.device | None = None) -> Placement:
@@ -200,7 +199,6 @@ class Placement:
                         p.copy_(flat[offset : offset + p.numel()].view_as(p))
                         offset += p.numel()
             moved += flat.numel() * flat.element_size()
-        self.weight_versions[role] += 1
         return moved
 
 
