@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
@@ -81,6 +81,45 @@ def _prompt_of(row: Any, prompt_key: str, where: str) -> str:
                      f"{row!r}. Set data.prompt_key to the field that holds the prompt.")
 
 
+class PromptSampler(Sampler[int]):
+    """Whole batches of prompt indices, in an order fixed by (seed, epoch), that can start at any iteration.
+
+    Iteration ``i`` always reads the same prompts: epoch ``i // batches_per_epoch``, batch ``i % batches_per_epoch``
+    of that epoch's permutation. Resuming at ``start_batch = global_step`` therefore continues the data exactly
+    where the interrupted run was, on every rank, whatever Lightning prefetched.
+
+    Args:
+        num_samples: Prompts in the dataset.
+        batch_size: Prompts per iteration; the last partial batch of an epoch is dropped.
+        shuffle: Permute the prompts every epoch (else dataset order).
+        seed: Keys the permutations.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, shuffle: bool, seed: int) -> None:
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.batches_per_epoch = num_samples // batch_size
+        self.start_batch = 0
+        """The iteration the next ``__iter__`` starts at; advanced to the next epoch's start by each epoch."""
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * self.batch_size
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self):
+        epoch, skip = divmod(self.start_batch, self.batches_per_epoch)
+        order = self.epoch_order(epoch)[: len(self)]
+        self.start_batch = (epoch + 1) * self.batches_per_epoch
+        yield from order[skip * self.batch_size :]
+
+
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for PPO rollouts, tokenised without special tokens and left-padded per batch.
 
@@ -91,8 +130,9 @@ class PromptDataModule(pl.LightningDataModule):
         batch_size: Prompts per PPO iteration (the rollout batch).
         prompt_key: Field or column that holds the prompt text.
         max_prompt_length: Truncate longer prompts to this many tokens (None keeps them whole).
-        shuffle: Reshuffle prompts every epoch (seeded by Lightning's ``seed_everything``).
+        shuffle: Reshuffle prompts every epoch.
         num_workers: DataLoader workers.
+        seed: Keys the epoch permutations. Default: the seed of ``seed_everything``, else 0.
     """
 
     def __init__(
@@ -104,6 +144,7 @@ class PromptDataModule(pl.LightningDataModule):
         max_prompt_length: int | None = None,
         shuffle: bool = True,
         num_workers: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -115,6 +156,7 @@ class PromptDataModule(pl.LightningDataModule):
         self.max_prompt_length = max_prompt_length
         self.shuffle = shuffle
         self.num_workers = num_workers
+        self.seed = seed
         self.dataset: PromptDataset | None = None
 
     @override
@@ -134,15 +176,19 @@ class PromptDataModule(pl.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
+        """Every rank gets the same global batches; a resumed run starts at the checkpoint's iteration."""
         assert self.dataset is not None, "call setup() first"
-        pad = self.tokenizer.pad_token_id
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = PromptSampler(len(self.dataset), self.batch_size, self.shuffle, seed)
+        if self.trainer is not None:
+            sampler.start_batch = self.trainer.global_step  # restored before dataloaders are built
         return DataLoader(
             self.dataset,
             batch_size=self.batch_size,
-            shuffle=self.shuffle,
+            sampler=sampler,
             drop_last=True,  # every PPO iteration sees a full batch
             num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_left_padded, pad_token_id=pad),
+            collate_fn=functools.partial(collate_left_padded, pad_token_id=self.tokenizer.pad_token_id),
         )
 
 

@@ -141,3 +141,22 @@ def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path):
         for role in ("actor", "critic"):
             assert len({r[role] for r in ranks}) == 1, role  # generation shadows == trained copies
     assert len({ranks[0]["actor"] for ranks in records}) == 3  # the weights moved every iteration
+
+
+@pytest.mark.parametrize("strategy,devices", [("auto", 1), *((s, 2) for s in STRATEGIES)])
+def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, devices):
+    """Kill-and-resume: a run resumed from its step-2 checkpoint logs the same values at steps 2 and 3 as the
+    uninterrupted run (weights, optimizers, adaptive KL, reward statistics and data position all restored)."""
+    common = ["--trainer.devices", str(devices), "--trainer.strategy", strategy, "--trainer.enable_checkpointing", "true",
+              "--model.ppo.kl_target", "1.0", "--model.ppo.kl_horizon", "100", "--model.ppo.reward_norm", "true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+              "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
+    full = [r for r in run_demo(tmp_path, "full", *common, steps=4) if "reward/mean" in r]
+    (checkpoint,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
+    resumed = [r for r in run_demo(tmp_path, "resumed", *common, "--ckpt_path", str(checkpoint), steps=4)
+               if "reward/mean" in r]
+    assert [r["step"] for r in resumed] == [2, 3]
+    for got, want in zip(resumed, full[2:], strict=True):
+        for metric in (*COMPARED, "kl/coef"):
+            assert got[metric] == pytest.approx(want[metric], rel=1e-5, abs=1e-7), (metric, got["step"])

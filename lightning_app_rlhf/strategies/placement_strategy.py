@@ -27,6 +27,10 @@ from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.wrappers import wrap_for_training
 
 
+RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
+"""Checkpoint entries that differ per rank under a placement."""
+
+
 class PlacementStrategy(ParallelStrategy):
     """Places the four RLHF roles by a :class:`PlacementPlan`: each role lives on the ranks of its calls and is
     wrapped on its own process group, never the whole LightningModule.
@@ -103,11 +107,9 @@ class PlacementStrategy(ParallelStrategy):
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank reads the same global batch; each call's group shards it (Placement.shard).
-        return {"num_replicas": 1, "rank": 0}
+    # `is_distributed` stays unset (False) on purpose: every rank must read the same global batch, which each
+    # call's group then shards (Placement.shard), so Lightning must not inject a DistributedSampler. Metrics
+    # are identical on every rank, so `self.log(sync_dist=True)` is never needed.
 
     @override
     def _configure_launcher(self) -> None:
@@ -163,6 +165,33 @@ class PlacementStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """One file for the whole job: rank 0 writes it with every rank's roles, optimizers and schedulers,
+        since under a placement no rank holds them all (Lightning's default would keep rank 0's only)."""
+        mine = {key: checkpoint.get(key) for key in RANK_LOCAL_KEYS}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        if self.is_global_zero:
+            plan = self.placement_plan
+            checkpoint = {**checkpoint, "rlhf_ranks": everyone,
+                          "rlhf_plan": {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls}}
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        saved = checkpoint.get("rlhf_plan")
+        if saved is None:
+            return checkpoint  # saved without a placement: rank 0's state is everything
+        plan = self.placement_plan
+        if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
+            raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} ranks; "
+                             f"this run uses {plan.name!r} on {plan.world_size}. Resume with the same strategy, "
+                             "its arguments and --trainer.devices.")
+        mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
+        return {**checkpoint, **{key: value for key, value in mine.items() if value is not None}}
 
     @override
     def model_to_device(self) -> None:
