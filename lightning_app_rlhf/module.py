@@ -136,6 +136,9 @@ class RLHFModule(pl.LightningModule):
         self.reward_model: nn.Module | None = None
         self.placement: Placement | None = None
         """Set by a placement strategy before ``configure_model``; None means one process holding every role."""
+        self.fabric_schedulers: list[Any] = []
+        """LR schedulers under Fabric (the Trainer keeps its own)."""
+        self._fabric_iteration = 0
         self.train_modules: dict[str, nn.Module] = {}
         """Role -> the module its train call runs (DDP/FSDP2-wrapped by the strategy; a plain dict so the
         wrappers are not registered as submodules)."""
@@ -255,7 +258,7 @@ class RLHFModule(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        iteration = self.global_step
+        iteration = self.iteration
         batch_size = batch["input_ids"].shape[0]
         self._check_minibatches(batch_size)
         start = _now(self.device)
@@ -433,9 +436,7 @@ class RLHFModule(pl.LightningModule):
                 self.manual_backward(loss * ranks)
                 if self.ppo.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
-                # Through the strategy (precision plugin, hooks) but not the LightningOptimizer, which would
-                # add one to global_step for every minibatch: see _count_one_optimizer_step.
-                self.trainer.strategy.optimizer_step(optimizer, closure=_no_closure, model=self)
+                self._optimizer_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 for name, value in stats.items():
                     totals[name] = totals[name] + value.detach()
@@ -454,8 +455,23 @@ class RLHFModule(pl.LightningModule):
                 moved.append(placement.reallocate_weights(role, getattr(self, role)))
         return moved
 
+    # ---- Trainer or Fabric ----
+
+    @property
+    def iteration(self) -> int:
+        """PPO iterations done: ``global_step`` under the Trainer, a counter of our own under Fabric."""
+        return self._fabric_iteration if self._fabric is not None else self.global_step
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Through the strategy (precision plugin, hooks) but not the LightningOptimizer, which would add one to
+        # global_step for every minibatch: see _count_one_optimizer_step.
+        if self._fabric is not None:
+            self._fabric.strategy.optimizer_step(optimizer)
+        else:
+            self.trainer.strategy.optimizer_step(optimizer, closure=_no_closure, model=self)
+
     def _step_schedulers(self) -> None:
-        schedulers = self.lr_schedulers()
+        schedulers = self.fabric_schedulers if self._fabric is not None else self.lr_schedulers()
         if schedulers is None:
             return
         for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
@@ -467,12 +483,18 @@ class RLHFModule(pl.LightningModule):
         Lightning counts every ``LightningOptimizer.step`` as a global step; with two optimizers and many
         minibatches, ``max_steps`` and checkpoint names would drift from the iteration count.
         """
+        if self._fabric is not None:
+            self._fabric_iteration += 1
+            return
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         progress.increment_ready()
         progress.increment_completed()
 
     def _log_stats(self, stats: dict[str, Any], batch_size: int) -> None:
         values = {k: float(v.item() if torch.is_tensor(v) else v) for k, v in stats.items()}
+        if self._fabric is not None:
+            self._fabric.log_dict(values, step=self._fabric_iteration - 1)
+            return
         progress_bar = {"reward/mean", "kl/mean"}
         self.log_dict({k: v for k, v in values.items() if k in progress_bar}, prog_bar=True, batch_size=batch_size)
         self.log_dict({k: v for k, v in values.items() if k not in progress_bar}, batch_size=batch_size)

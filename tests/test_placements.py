@@ -160,3 +160,24 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
     for got, want in zip(resumed, full[2:], strict=True):
         for metric in (*COMPARED, "kl/coef"):
             assert got[metric] == pytest.approx(want[metric], rel=1e-5, abs=1e-7), (metric, got["step"])
+
+
+def test_fabric_example_matches_the_trainer(tmp_path):
+    """examples/fabric_demo.py under Fabric's rlhf_* strategies logs what the Trainer logs for the same settings."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    trainer_rows = [r for r in run_demo(tmp_path, "trainer", "--trainer.devices", "2", "--trainer.strategy",
+                                        "rlhf_flattening") if "reward/mean" in r]
+    for strategy in ("rlhf_separation", "rlhf_interleaving"):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "examples/fabric_demo.py"), "--strategy", strategy, "--devices", "2",
+             "--steps", "3", "--max-new-tokens", "12", "--log-dir", str(tmp_path / "fabric")],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert f"{strategy} on 2 processes, 3 PPO iterations" in result.stdout
+        (metrics,) = (tmp_path / "fabric" / f"fabric_{strategy}").rglob("metrics.csv")
+        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(metrics.open())]
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        for got, want in zip(rows, trainer_rows, strict=True):
+            for metric in COMPARED:
+                assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (strategy, metric)
