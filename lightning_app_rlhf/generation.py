@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_app_rlhf.config import GenerationConfig
@@ -109,6 +110,14 @@ def check_context_length(model: torch.nn.Module, prompt_length: int, max_new_tok
         )
 
 
+def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    if group is None:
+        return bool(done.all())
+    running = (~done.all()).to(torch.int32).reshape(1)
+    dist.all_reduce(running, op=dist.ReduceOp.MAX, group=group)
+    return not bool(running.item())
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -118,6 +127,7 @@ def generate(
     keys: torch.Tensor,
     eos_token_id: int,
     pad_token_id: int,
+    lockstep_group: dist.ProcessGroup | None = None,
 ) -> Rollout:
     """Sample responses for left-padded prompts with a KV cache, stopping each row at EOS.
 
@@ -129,6 +139,8 @@ def generate(
         keys: [B] per-sample keys from :func:`sample_keys`; they fix every random draw of that row.
         eos_token_id: Token that ends a response (it is kept, with mask 1).
         pad_token_id: Token written after EOS.
+        lockstep_group: Ranks whose model is sharded (FSDP2): they must run the same number of forwards, so
+            generation stops only when every rank of the group is done.
     """
     batch_size, prompt_length = input_ids.shape
     check_context_length(model, prompt_length, config.max_new_tokens)
@@ -148,7 +160,7 @@ def generate(
         logprobs.append(log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done))
         tokens.append(token)
         done = done | (token == eos_token_id)
-        if bool(done.all()) or step == config.max_new_tokens - 1:  # no forward for a token never sampled
+        if _all_done(done, lockstep_group) or step == config.max_new_tokens - 1:  # no forward for unsampled tokens
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position_ids = position_ids[:, -1:] + 1

@@ -301,6 +301,7 @@ class RLHFModule(pl.LightningModule):
                 sample_keys(self.seed, iteration, batch["index"][rows]),
                 eos_token_id=self.tokenizer.eos_token_id,
                 pad_token_id=self.tokenizer.pad_token_id,
+                lockstep_group=placement.groups.get("actor.generate") if placement.sharded_here("actor") else None,
             )
             local = {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
         specs = {

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_app_rlhf.plan import CALLS, TRAINABLE_ROLES, PlacementPlan, flattening_plan
+from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -74,6 +75,11 @@ class Placement:
 
     def holds(self, role: str) -> bool:
         return self.plan.holds(role, self.rank)
+
+    def sharded_here(self, role: str) -> bool:
+        """Whether this rank holds only a shard of ``role`` (FSDP2 / ZeRO-3 over more than one rank)."""
+        call = f"{role}.train"
+        return self.plan.wrappers.get(role) in SHARDED_WRAPPERS and self.runs(call) and self.group_size(call) > 1
 
     def group_size(self, call: str) -> int:
         return len(self.plan.ranks(call))

@@ -71,6 +71,14 @@ class PlacementPlan:
             wrapper = self.wrappers.get(role)
             if wrapper not in WRAPPERS:
                 raise ValueError(f"Role {role!r} has wrapper {wrapper!r}; choose one of {list(WRAPPERS)}.")
+            train = set(self.calls[f"{role}.train"])
+            if wrapper in ("fsdp2", "zero3") and len(train) > 1:
+                for call, ranks in self.calls.items():
+                    if role_of(call) == role and set(ranks) & train and set(ranks) != train:
+                        raise ValueError(
+                            f"Call {call!r} runs on ranks {list(ranks)}, part of the {wrapper} group {sorted(train)} "
+                            f"of '{role}.train': a sharded role can only run a call on all of its train ranks or on "
+                            "ranks outside them (shadow copies). Change the call's ranks, or use wrapper 'ddp'.")
             if wrapper.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
                 raise ValueError(f"Role {role!r} asks for DeepSpeed ({wrapper}) but deepspeed is not installed. "
                                  "Install it with `pip install 'lightning-app-rlhf[deepspeed]'`, or use 'ddp' or "

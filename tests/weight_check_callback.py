@@ -12,7 +12,8 @@ from lightning.pytorch.callbacks import Callback
 def _digest(module) -> str:
     sha = hashlib.sha256()
     for p in module.parameters():
-        sha.update(p.detach().cpu().contiguous().numpy().tobytes())
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 shard -> whole tensor (collective)
+        sha.update(full.detach().cpu().contiguous().numpy().tobytes())
     return sha.hexdigest()
 
 

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.wrappers import wrap_for_training
+from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS, wrap_for_training
 
 
 RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
@@ -156,6 +156,10 @@ class PlacementStrategy(ParallelStrategy):
         self.model_to_device()
         module = self.lightning_module
         placement = module.placement
+        sharded = [r for r, w in placement.plan.wrappers.items() if w in SHARDED_WRAPPERS]
+        if sharded and trainer.checkpoint_callbacks:
+            raise ValueError(f"Checkpoints of sharded roles ({', '.join(sharded)}) are not supported yet. Disable "
+                             "checkpointing (--trainer.enable_checkpointing false) or use wrapper='ddp'.")
         for role in module.trained_roles():
             call = f"{role}.train"
             module.train_modules[role] = wrap_for_training(
