@@ -1,0 +1,75 @@
+"""Bad placement plans fail up front, before any model is built, with errors that name the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _calls(**overrides):
+    calls = {call: (0, 1) for call in CALLS}
+    calls.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return calls
+
+
+@pytest.mark.parametrize(
+    "calls,match",
+    [
+        (_calls(actor__generate=(0,), reference__forward=(0,), reward__forward=(0,), critic__forward=(0,),
+                actor__train=(0,), critic__train=(0,)), r"Ranks \[1\] run no call.*cover the world of 2"),
+        (_calls(reward__forward=()), r"'reward.forward' has an empty group: give it at least one rank"),
+        (_calls(critic__train=(0, 5)), r"ranks \[5\] outside the world of 2"),
+        ({c: (0, 1) for c in CALLS if c != "reference.forward"}, r"missing \['reference.forward'\]"),
+    ],
+)
+def test_invalid_plans_name_the_fix(calls, match):
+    """Uncovered ranks, an empty group, out-of-range ranks and a role with no call are rejected."""
+    with pytest.raises(ValueError, match=match):
+        PlacementPlan(2, calls)
+
+
+def test_impossible_ratios_and_groups_name_the_fix():
+    """Ratios must give whole, disjoint groups; separation groups must not overlap; presets need enough ranks."""
+    with pytest.raises(ValueError, match=r"reference ratio 0.3 on 4 ranks gives 1.2 ranks.*multiple of 1/4"):
+        interleaving_plan(4, reference_ratio=0.3)
+    with pytest.raises(ValueError, match=r"sum to more than 1.*at most 1"):
+        interleaving_plan(4, reference_ratio=0.75, reward_ratio=0.5)
+    with pytest.raises(ValueError, match=r"Ranks \[1\] are in both the generation and the training group"):
+        separation_plan(4, generation_ranks=[0, 1], training_ranks=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"Separation needs at least 2 ranks"):
+        separation_plan(1)
+
+
+def test_wrapper_errors_name_the_fix():
+    """Unknown wrappers, DeepSpeed without deepspeed, and a sharded role split across a call are rejected."""
+    with pytest.raises(ValueError, match=r"choose one of \['ddp', 'fsdp2'"):
+        flattening_plan(2, wrapper="fsdp")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"deepspeed is not installed.*lightning-app-rlhf\[deepspeed\]"):
+            flattening_plan(2, wrapper="zero3")
+    with pytest.raises(ValueError, match=r"a sharded role can only run a call on all of its train ranks"):
+        PlacementPlan(2, _calls(actor__generate=(0,)), {"actor": "fsdp2", "critic": "ddp"})
+
+
+def test_bad_plan_fails_before_any_model_is_built(tmp_path):
+    """From the CLI, an impossible ratio stops the run in the strategy's setup, before the model summary."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
+         "--trainer.devices", "2", "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
+         "--trainer.strategy.reference_ratio", "0.25", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "reference ratio 0.25 on 2 ranks gives 0.5 ranks" in result.stderr
+    assert "Trainable params" not in result.stdout  # no model was built
