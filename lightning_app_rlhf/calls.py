@@ -86,10 +86,16 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     prompt_length: int
+    iteration: int
+    """The PPO iteration whose rollout this is; keys the minibatch order of every update on it."""
 
     def minibatch(self, indices: torch.Tensor) -> Experience:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
         return Experience(**{k: v[indices] if torch.is_tensor(v) else v for k, v in parts.items()})
+
+    def to(self, device: torch.device) -> Experience:
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Experience(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in parts.items()})
 
 
 def actor_loss(

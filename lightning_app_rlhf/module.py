@@ -139,6 +139,8 @@ class RLHFModule(pl.LightningModule):
         self.fabric_schedulers: list[Any] = []
         """LR schedulers under Fabric (the Trainer keeps its own)."""
         self._fabric_iteration = 0
+        self.pending_experience: Experience | None = None
+        """With ``overlap``: the rollout scored last iteration, trained on in the next one."""
         self.train_modules: dict[str, nn.Module] = {}
         """Role -> the module its train call runs (DDP/FSDP2-wrapped by the strategy; a plain dict so the
         wrappers are not registered as submodules)."""
@@ -261,55 +263,76 @@ class RLHFModule(pl.LightningModule):
         iteration = self.iteration
         batch_size = batch["input_ids"].shape[0]
         self._check_minibatches(batch_size)
-        start = _now(self.device)
-        rollout = self.generate_rollout(batch, iteration)
-        generated = _now(self.device)
-        experience, stats = self.score_rollout(rollout)
-        scored = _now(self.device)
-        updated = bool(experience.response_mask.any())  # False when every score was skipped as NaN/inf
-        if updated:
-            stats.update(self.train_role("actor", experience, iteration))
-            stats.update(self.train_role("critic", experience, iteration))
-        trained = _now(self.device)
-        stats["reallocate/bytes"] = float(sum(self.reallocate_shadows())) if updated else 0.0
-        reallocated = _now(self.device)
+        overlap = self._placement().plan.overlap
+        times = {"start": _now(self.device)}
+        local = self.generate_local(batch, iteration)
+        times["generated"] = _now(self.device)
+        if overlap:
+            # One-step off-policy: the training group updates on the previous rollout while the generation group
+            # sampled this one; both meet in the gathers below.
+            train_stats, trained_on = self._train(self.pending_experience)
+            times["trained"] = _now(self.device)
+        rollout = self.gather_rollout(batch, local)
+        experience, stats = self.score_rollout(rollout, iteration)
+        times["scored"] = _now(self.device)
+        if overlap:
+            self.pending_experience = experience
+        else:
+            train_stats, trained_on = self._train(experience)
+            times["trained"] = _now(self.device)
+        stats.update(train_stats)
+        stats["reallocate/bytes"] = float(sum(self.reallocate_shadows())) if trained_on is not None else 0.0
+        times["reallocated"] = _now(self.device)
+        if overlap:
+            stats["overlap/staleness"] = float(iteration - trained_on.iteration) if trained_on is not None else 0.0
         self.kl_controller.update(stats["kl/mean"].item(), n_samples=batch_size)
         self._step_schedulers()
         self._count_one_optimizer_step()
+        total = times["reallocated"] - times["start"]
         stats.update({
-            "time/generate_s": generated - start,
-            "time/score_s": scored - generated,
-            "time/train_s": trained - scored,
-            "time/reallocate_s": reallocated - trained,
-            "perf/samples_per_sec": batch_size / (reallocated - start),
-            "perf/gen_tokens_per_sec": rollout.response_mask.sum().item() / (generated - start),
+            "time/generate_s": times["generated"] - times["start"],
+            "time/score_s": times["scored"] - (times["trained"] if overlap else times["generated"]),
+            "time/train_s": times["trained"] - (times["generated"] if overlap else times["scored"]),
+            "time/reallocate_s": times["reallocated"] - max(times["trained"], times["scored"]),
+            "perf/samples_per_sec": batch_size / total,
+            "perf/gen_tokens_per_sec": rollout.response_mask.sum().item() / (times["generated"] - times["start"]),
         })
         self._log_stats(stats, batch_size)
 
-    def generate_rollout(self, batch: dict[str, torch.Tensor], iteration: int) -> Rollout:
-        """``actor.generate``: each rank of the call's group samples its shard of the global batch; every rank
-        receives the whole rollout."""
+    def _train(self, experience: Experience | None) -> tuple[dict[str, torch.Tensor], Experience | None]:
+        """Both train calls on ``experience``; nothing when there is none yet or every score was skipped."""
+        if experience is None or not bool(experience.response_mask.any()):
+            return {}, None
+        stats = self.train_role("actor", experience)
+        stats.update(self.train_role("critic", experience))
+        return stats, experience
+
+    def generate_local(self, batch: dict[str, torch.Tensor], iteration: int) -> dict[str, torch.Tensor] | None:
+        """``actor.generate`` on this rank's shard of the global batch (no collective); None off its group."""
         placement = self._placement()
-        local = None
-        if placement.runs("actor.generate"):
-            rows = placement.shard("actor.generate", batch["input_ids"].shape[0])
-            part = generate(
-                self.actor,
-                batch["input_ids"][rows],
-                batch["attention_mask"][rows],
-                self.generation,
-                sample_keys(self.seed, iteration, batch["index"][rows]),
-                eos_token_id=self.tokenizer.eos_token_id,
-                pad_token_id=self.tokenizer.pad_token_id,
-                lockstep_group=placement.groups.get("actor.generate") if placement.sharded_here("actor") else None,
-            )
-            local = {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
+        if not placement.runs("actor.generate"):
+            return None
+        rows = placement.shard("actor.generate", batch["input_ids"].shape[0])
+        part = generate(
+            self.actor,
+            batch["input_ids"][rows],
+            batch["attention_mask"][rows],
+            self.generation,
+            sample_keys(self.seed, iteration, batch["index"][rows]),
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            lockstep_group=placement.groups.get("actor.generate") if placement.sharded_here("actor") else None,
+        )
+        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
+
+    def gather_rollout(self, batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor] | None) -> Rollout:
+        """Every rank receives the whole rollout from the shards of ``actor.generate``'s ranks."""
         specs = {
             "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
             "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
             "logprobs": TensorSpec(torch.float32, 2),
         }
-        out = placement.gather_to_world("actor.generate", local, specs)
+        out = self._placement().gather_to_world("actor.generate", local, specs)
         return Rollout(
             sequences=torch.cat([batch["input_ids"], out["responses"]], dim=1),
             attention_mask=torch.cat([batch["attention_mask"], out["response_mask"]], dim=1),
@@ -318,7 +341,7 @@ class RLHFModule(pl.LightningModule):
             prompt_length=batch["input_ids"].shape[1],
         )
 
-    def score_rollout(self, rollout: Rollout) -> tuple[Experience, dict[str, torch.Tensor]]:
+    def score_rollout(self, rollout: Rollout, iteration: int) -> tuple[Experience, dict[str, torch.Tensor]]:
         """``reference.forward``, ``reward.forward`` and ``critic.forward``, each on its group's ranks, then
         KL-shaped rewards and GAE on every rank (cheap, and it saves a broadcast)."""
         placement = self._placement()
@@ -344,10 +367,10 @@ class RLHFModule(pl.LightningModule):
         values = placement.gather_to_world("critic.forward", parts["critic"], {"values": TensorSpec(torch.float32, 2)})[
             "values"
         ][:, :response_length]
-        return self._experience(rollout, ref_logprobs, scores, values)
+        return self._experience(rollout, ref_logprobs, scores, values, iteration)
 
     def _experience(
-        self, rollout: Rollout, ref_logprobs: torch.Tensor, scores: torch.Tensor, values: torch.Tensor
+        self, rollout: Rollout, ref_logprobs: torch.Tensor, scores: torch.Tensor, values: torch.Tensor, iteration: int
     ) -> tuple[Experience, dict[str, torch.Tensor]]:
         mask = rollout.response_mask.clone()
         finite = self._handle_nonfinite(scores)
@@ -372,6 +395,7 @@ class RLHFModule(pl.LightningModule):
             advantages=advantages,
             returns=returns,
             prompt_length=rollout.prompt_length,
+            iteration=iteration,
         )
         kept = finite.float().sum().clamp(min=1.0)
         stats = {
@@ -404,11 +428,11 @@ class RLHFModule(pl.LightningModule):
             scores = scores.clamp(-self.ppo.reward_clip, self.ppo.reward_clip)
         return scores * finite
 
-    def train_role(self, role: str, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
+    def train_role(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
         """``actor.train`` or ``critic.train`` on its group; the statistics reach every rank."""
         placement = self._placement()
         call = f"{role}.train"
-        stats = self._ppo_epochs(role, experience, iteration) if placement.runs(call) else None
+        stats = self._ppo_epochs(role, experience) if placement.runs(call) else None
         names = ACTOR_STATS if role == "actor" else CRITIC_STATS
         return placement.broadcast_stats(call, stats, names)
 
@@ -417,7 +441,7 @@ class RLHFModule(pl.LightningModule):
             return actor_loss(model, batch, self.ppo, self.generation.temperature, token_count)
         return critic_loss(model, batch, self.ppo, token_count)
 
-    def _ppo_epochs(self, role: str, experience: Experience, iteration: int) -> dict[str, torch.Tensor]:
+    def _ppo_epochs(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
         """PPO epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every
         minibatch and normalises by the whole minibatch's token count; the wrapper averages gradients over
         D ranks, so the loss is scaled by D. The update is the same whatever D is."""
@@ -429,7 +453,7 @@ class RLHFModule(pl.LightningModule):
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         steps = 0
         for epoch in range(self.ppo.ppo_epochs):
-            order = minibatch_permutation(len(experience.sequences), self.seed, iteration, epoch)
+            order = minibatch_permutation(len(experience.sequences), self.seed, experience.iteration, epoch)
             for indices in split_minibatches(order, self.ppo.num_minibatches):
                 token_count = experience.response_mask[indices].sum().clamp(min=1).float()
                 shard = experience.minibatch(indices.tensor_split(ranks)[my_rank])
@@ -505,6 +529,8 @@ class RLHFModule(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlhf"] = {
+            # Plain tensors and ints, so weights-only loading accepts the checkpoint.
+            "pending_experience": vars(self.pending_experience) if self.pending_experience is not None else None,
             "kl_controller": self.kl_controller.state_dict(),
             "reward_moments": self.reward_moments.state_dict(),
             "seed": self.seed,
@@ -517,6 +543,8 @@ class RLHFModule(pl.LightningModule):
             self.kl_controller.load_state_dict(state["kl_controller"])
             self.reward_moments.load_state_dict(state["reward_moments"])
             self.seed = state["seed"]
+            pending = state.get("pending_experience")
+            self.pending_experience = Experience(**pending).to(self.device) if pending is not None else None
 
 
 def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) -> None:

@@ -42,6 +42,10 @@ class PlacementPlan:
     """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3``."""
     name: str = "custom"
     """A label for summaries and logs."""
+    overlap: bool = False
+    """One-step off-policy: each iteration trains on the previous iteration's rollout while the generation group
+    samples the next, so updates use data one weight version old. Needs generation and training on disjoint
+    ranks."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
@@ -67,6 +71,13 @@ class PlacementPlan:
         if idle:
             raise ValueError(f"Ranks {idle} run no call: the plan's ranks must cover the world of "
                              f"{self.world_size}. Give them a call, or launch {self.world_size - len(idle)} devices.")
+        if self.overlap:
+            generating = set(self.calls["actor.generate"])
+            training = set(self.calls["actor.train"]) | set(self.calls["critic.train"])
+            if generating & training:
+                raise ValueError(f"overlap=True needs generation and training on disjoint ranks, but ranks "
+                                 f"{sorted(generating & training)} do both. Use the separation placement, or "
+                                 "overlap=False.")
         for role in TRAINABLE_ROLES:
             wrapper = self.wrappers.get(role)
             if wrapper not in WRAPPERS:
@@ -142,6 +153,7 @@ def separation_plan(
     training_ranks: tuple[int, ...] | list[int] | None = None,
     generation_ratio: float = 0.5,
     wrapper: str = "ddp",
+    overlap: bool = False,
 ) -> PlacementPlan:
     """Generation and the three forwards on one group, both train calls on another.
 
@@ -151,6 +163,7 @@ def separation_plan(
         training_ranks: Explicit training group. Default: the ranks not generating.
         generation_ratio: Fraction of ranks that generate, when no explicit lists are given.
         wrapper: Parallel wrapper of actor and critic on the training group.
+        overlap: One-step off-policy: generate iteration k while the rollout of k-1 trains.
     """
     if world_size < 2:
         raise ValueError("Separation needs at least 2 ranks (one generating, one training); use flattening on "
@@ -159,13 +172,13 @@ def separation_plan(
         generation_ranks = tuple(range(_count(generation_ratio, world_size, "generation")))
     if training_ranks is None:
         training_ranks = tuple(r for r in range(world_size) if r not in set(generation_ranks))
-    overlap = set(generation_ranks) & set(training_ranks)
-    if overlap:
-        raise ValueError(f"Ranks {sorted(overlap)} are in both the generation and the training group; separation "
+    shared = set(generation_ranks) & set(training_ranks)
+    if shared:
+        raise ValueError(f"Ranks {sorted(shared)} are in both the generation and the training group; separation "
                          "needs disjoint groups. Use flattening or a custom PlacementPlan to share ranks.")
     gen, train = tuple(generation_ranks), tuple(training_ranks)
     calls = {
         "actor.generate": gen, "reference.forward": gen, "reward.forward": gen, "critic.forward": gen,
         "actor.train": train, "critic.train": train,
     }
-    return PlacementPlan(world_size, calls, {"actor": wrapper, "critic": wrapper}, name="separation")
+    return PlacementPlan(world_size, calls, {"actor": wrapper, "critic": wrapper}, name="separation", overlap=overlap)

@@ -46,6 +46,8 @@ def test_impossible_ratios_and_groups_name_the_fix():
         separation_plan(4, generation_ranks=[0, 1], training_ranks=[1, 2, 3])
     with pytest.raises(ValueError, match=r"Separation needs at least 2 ranks"):
         separation_plan(1)
+    with pytest.raises(ValueError, match=r"overlap=True needs generation and training on disjoint ranks.*separation"):
+        PlacementPlan(2, _calls(), overlap=True)
 
 
 def test_wrapper_errors_name_the_fix():

@@ -19,6 +19,8 @@ class SeparationStrategy(PlacementStrategy):
         training_ranks: Explicit training group. Default: the other ranks.
         generation_ratio: Fraction of ranks that generate.
         wrapper: Data-parallel wrapper of actor and critic on the training group.
+        overlap: One-step off-policy: the training group updates on iteration k-1's rollout while the generation
+            group samples iteration k (logged as ``overlap/staleness``). Off by default (on-policy).
         **kwargs: See :class:`PlacementStrategy`.
     """
 
@@ -30,6 +32,7 @@ class SeparationStrategy(PlacementStrategy):
         training_ranks: list[int] | None = None,
         generation_ratio: float = 0.5,
         wrapper: str = "ddp",
+        overlap: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -37,8 +40,9 @@ class SeparationStrategy(PlacementStrategy):
         self.training_ranks = training_ranks
         self.generation_ratio = generation_ratio
         self.wrapper = wrapper
+        self.overlap = overlap
 
     @override
     def build_plan(self, world_size: int) -> PlacementPlan:
         return separation_plan(world_size, self.generation_ranks, self.training_ranks, self.generation_ratio,
-                               self.wrapper)
+                               self.wrapper, self.overlap)
