@@ -75,3 +75,25 @@ def test_bad_plan_fails_before_any_model_is_built(tmp_path):
     assert result.returncode != 0
     assert "reference ratio 0.25 on 2 ranks gives 0.5 ranks" in result.stderr
     assert "Trainable params" not in result.stdout  # no model was built
+
+
+@pytest.mark.parametrize("plan,holdings", [
+    (interleaving_plan(4), ["actor critic reference", "actor critic reference", "actor critic reward",
+                            "actor critic reward"]),
+    (separation_plan(4), ["actor critic reference reward", "actor critic reference reward", "actor critic",
+                          "actor critic"]),
+])
+def test_each_rank_builds_only_the_roles_its_calls_need(plan, holdings, tokenizer, tiny_gpt2_config):
+    """With a reward *model*: Interleaving keeps reference and reward on their own ranks; Separation keeps both
+    off the training ranks."""
+    from lightning_app_rlhf import RLHFModule
+    from lightning_app_rlhf.placement import Placement
+
+    for rank, expected in enumerate(holdings):
+        module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer,
+                            reward_model={"config": tiny_gpt2_config})
+        module.placement = Placement(plan, rank)
+        module.configure_model()
+        held = [name for name, attr in (("actor", "actor"), ("critic", "critic"), ("reference", "reference"),
+                                        ("reward", "reward_model")) if getattr(module, attr) is not None]
+        assert " ".join(held) == expected, rank
