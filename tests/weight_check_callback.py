@@ -2,9 +2,7 @@
 
 import hashlib
 import json
-import os
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 

@@ -12,7 +12,6 @@ Registered in Fabric's registry as ``rlhf_flattening``, ``rlhf_interleaving`` an
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -21,19 +20,14 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 from typing_extensions import override
 
-from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, Placement, create_placement
+from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, Placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.wrappers import wrap_for_training
+from lightning_app_rlhf.strategies.placement_setup import start_placement, wrap_trained_roles
 
 
 class FabricPlacementStrategy(ParallelStrategy):
@@ -116,16 +110,10 @@ class FabricPlacementStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        if self.root_device.type == "cpu":  # oversubscribed OpenMP threads crawl
-            torch.set_num_threads(self._threads_per_process or max(1, (os.cpu_count() or 1) // self.num_processes))
-        plan = self._plan(self.world_size) if callable(self._plan) else self._plan
-        if plan.world_size != self.world_size:
-            raise ValueError(f"The plan covers {plan.world_size} ranks but Fabric runs {self.world_size}. Set "
-                             "Fabric(devices=...) so they match, or rebuild the plan.")
-        self.placement = create_placement(plan, self.global_rank, self.root_device, self._timeout)
+        self.placement = start_placement(
+            self._plan, self.cluster_environment, self.world_size, self.global_rank, self.root_device,
+            self.num_processes, self._process_group_backend, self._threads_per_process, self._timeout,
+        )
 
     def setup_rlhf(self, fabric: Fabric, module: nn.Module) -> nn.Module:
         """Build the roles this rank holds, wrap each trainable role on its train group, and set up its optimizers
@@ -139,12 +127,7 @@ class FabricPlacementStrategy(ParallelStrategy):
         # Fabric returns the module alone when a rank trains nothing (Separation's generation ranks).
         fabric_module = fabric.setup(module, *optimizers)[0] if optimizers else fabric.setup(module)
         module.fabric_schedulers = schedulers
-        for role in module.trained_roles():
-            call = f"{role}.train"
-            module.train_modules[role] = wrap_for_training(
-                getattr(module, role), self.placement.plan.wrappers[role], self.placement.groups.get(call),
-                self.placement.group_size(call), self.root_device,
-            )
+        wrap_trained_roles(module, self.placement, self.root_device)
         return fabric_module.module if hasattr(fabric_module, "module") else fabric_module
 
     @override

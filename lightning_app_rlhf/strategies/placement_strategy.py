@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
+from lightning_app_rlhf.placement import DEFAULT_TIMEOUT
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS, wrap_for_training
+from lightning_app_rlhf.strategies.placement_setup import start_placement, wrap_trained_roles
+from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
 
 
 RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
@@ -83,11 +78,7 @@ class PlacementStrategy(ParallelStrategy):
         if self._plan is None:
             raise ValueError("PlacementStrategy needs a `plan` (a PlacementPlan, or a function of the world size). "
                              "Or use a preset: strategy='rlhf_flattening', 'rlhf_interleaving' or 'rlhf_separation'.")
-        plan = self._plan(world_size) if callable(self._plan) else self._plan
-        if plan.world_size != world_size:
-            raise ValueError(f"The plan covers {plan.world_size} ranks but the Trainer runs {world_size} "
-                             f"(devices x num_nodes). Set --trainer.devices so they match, or rebuild the plan.")
-        return plan
+        return self._plan(world_size) if callable(self._plan) else self._plan
 
     @property
     @override
@@ -124,23 +115,14 @@ class PlacementStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self._limit_cpu_threads()
-        # Bad plans fail here, before any model is built.
-        self.placement_plan = self.build_plan(self.world_size)
         module = self.lightning_module
         if not hasattr(module, "placement"):
             raise TypeError(f"{type(self).__name__} runs an RLHFModule; got {type(module).__name__}.")
-        module.placement = create_placement(self.placement_plan, self.global_rank, self.root_device, self._timeout)
-
-    def _limit_cpu_threads(self) -> None:
-        """CPU processes sharing cores must not each spawn a thread per core: oversubscribed OpenMP crawls."""
-        if self.root_device.type != "cpu":
-            return
-        threads = self._threads_per_process or max(1, (os.cpu_count() or 1) // max(1, self.num_processes))
-        torch.set_num_threads(threads)
+        module.placement = start_placement(
+            self.build_plan, self.cluster_environment, self.world_size, self.global_rank, self.root_device,
+            self.num_processes, self._process_group_backend, self._threads_per_process, self._timeout,
+        )
+        self.placement_plan = module.placement.plan
 
     @override
     def set_world_ranks(self) -> None:
@@ -160,12 +142,7 @@ class PlacementStrategy(ParallelStrategy):
         if sharded and trainer.checkpoint_callbacks:
             raise ValueError(f"Checkpoints of sharded roles ({', '.join(sharded)}) are not supported yet. Disable "
                              "checkpointing (--trainer.enable_checkpointing false) or use wrapper='ddp'.")
-        for role in module.trained_roles():
-            call = f"{role}.train"
-            module.train_modules[role] = wrap_for_training(
-                getattr(module, role), placement.plan.wrappers[role], placement.groups.get(call),
-                placement.group_size(call), self.root_device,
-            )
+        wrap_trained_roles(module, placement, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
