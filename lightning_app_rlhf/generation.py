@@ -146,7 +146,9 @@ def generate(
     check_context_length(model, prompt_length, config.max_new_tokens)
     uniforms = keyed_uniforms(keys, config.max_new_tokens)
     position_ids = position_ids_from_mask(attention_mask)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    # Only the last position's logits are sampled from: skip the LM head on the rest of the prompt.
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1)
     done = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
     tokens, logprobs, masks = [], [], []
     mask = attention_mask

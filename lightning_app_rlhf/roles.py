@@ -27,6 +27,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.activations import GELUTanh, NewGELUActivation
 
 RewardFunction = Callable[[list[str], list[str]], "Sequence[float] | torch.Tensor"]
 """``(prompts, responses) -> one score per sample``, on decoded text."""
@@ -96,7 +97,21 @@ def _build(auto_class: Any, spec: ModelSpec, **config_overrides: Any) -> PreTrai
         else:
             model = auto_class.from_config(config, dtype=dtype)
     disable_dropout(model)
+    fuse_activations(model)
     return model
+
+
+def fuse_activations(model: nn.Module) -> None:
+    """Run GPT-2's ``gelu_new`` through torch's fused tanh-GELU kernel.
+
+    ``gelu_new`` is the tanh approximation of GELU written as five elementwise ops, each a pass over the MLP's
+    widest activation, forward and backward; ``gelu(x, approximate="tanh")`` is the same function in one pass
+    (outputs agree to ~1e-7) and trains 2-3x faster. On CPU this is a sizeable share of every forward.
+    """
+    for module in model.modules():
+        for name, child in module.named_children():
+            if isinstance(child, NewGELUActivation):
+                setattr(module, name, GELUTanh())
 
 
 def build_causal_lm(spec: ModelSpec) -> PreTrainedModel:

@@ -1,0 +1,195 @@
+"""``python -m lightning_app_rlhf.bench``: ours vs TRL 1.12, and the placements against each other.
+
+``python -m lightning_app_rlhf.bench run`` does both and rewrites ``docs/benchmarks.md``; ``trl`` and
+``placements`` do one half; ``report`` redraws the doc from a results JSON. ``--help`` on each lists the settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import auto_cli
+from rich.console import Console
+
+from lightning_app_rlhf.bench.ours import run_ours
+from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
+from lightning_app_rlhf.bench.report import write_report
+from lightning_app_rlhf.bench.results import count_parameters, machine, summarize
+
+console = Console(stderr=True)
+PLACEMENT_SETTINGS = {
+    "generation-heavy": {"new_tokens": 96, "ppo_epochs": 1, "num_minibatches": 1},
+    "training-heavy": {"new_tokens": 16, "ppo_epochs": 4, "num_minibatches": 4},
+}
+"""The two placement workloads: long responses and one short update; short responses and many updates."""
+
+
+def compare_trl(
+    presets: list[str] = ["tiny", "small"],  # noqa: B006 - jsonargparse reads the default
+    batch_size: int = 32,
+    new_tokens: int = 32,
+    threads: int = 1,
+    precisions: list[str] = ["32-true", "bf16-mixed"],  # noqa: B006
+    warmup: int = 2,
+    iterations: int = 6,
+    repeats: int = 2,
+    out: str = "bench_results/trl.json",
+) -> list[dict[str, Any]]:
+    """Ours vs TRL 1.12.0's PPOTrainer: same models and weights, one PPO epoch, one minibatch, alternating runs.
+
+    Args:
+        presets: Model presets to compare (tiny, small, medium).
+        batch_size: Prompts per PPO iteration.
+        new_tokens: Response length.
+        threads: Torch threads of each run.
+        precisions: Precisions to compare, each the same on both sides (``32-true``, ``bf16-mixed``).
+        warmup: Iterations dropped before measuring, per run.
+        iterations: Measured iterations per run.
+        repeats: Runs per framework and preset, alternating ours / TRL; medians are over all measured iterations.
+        out: Where the JSON results go.
+    """
+    _check_trl()
+    rows = []
+    for preset, precision in [(preset, precision) for precision in precisions for preset in presets]:
+        settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, threads=threads,
+                               precision=precision, warmup=warmup, iterations=iterations)
+        params = count_parameters(settings)
+        ours_runs, trl_runs = [], []
+        for repeat in range(repeats):
+            console.print(f"[bold]{preset} {precision}[/] repeat {repeat + 1}/{repeats}: ours, then TRL")
+            with tempfile.TemporaryDirectory() as work:
+                ours_runs.append(run_ours(settings, Path(work))["ranks"])
+                trl_runs.append([_run_trl(settings, Path(work))])
+        ours = summarize(_merge_repeats(ours_runs, settings), replace(settings, iterations=iterations * repeats),
+                         params)
+        peer = summarize(_merge_repeats(trl_runs, settings), replace(settings, iterations=iterations * repeats),
+                         params)
+        ratio = ours["samples_per_s"]["median"] / peer["samples_per_s"]["median"]
+        rows.append({"settings": settings.as_dict(), "params": params, "ours": ours, "trl": peer,
+                     "samples_per_s_ratio": ratio})
+        console.print(f"  ours {ours['samples_per_s']['median']:.1f} samples/s, TRL "
+                      f"{peer['samples_per_s']['median']:.1f}: {ratio:.2f}x")
+    _save(out, {"machine": machine(), "trl": rows})
+    return rows
+
+
+def compare_placements(
+    preset: str = "small",
+    processes: list[int] = [2, 4],  # noqa: B006
+    workloads: list[str] = ["generation-heavy", "training-heavy"],  # noqa: B006
+    placements: list[str] = list(PLACEMENTS),  # noqa: B006
+    batch_size: int = 32,
+    warmup: int = 2,
+    iterations: int = 5,
+    out: str = "bench_results/placements.json",
+) -> list[dict[str, Any]]:
+    """Flattening vs Interleaving vs Separation (on-policy and overlapped), one thread per process.
+
+    Args:
+        preset: Model preset of all four roles.
+        processes: Process counts to measure.
+        workloads: Names from ``PLACEMENT_SETTINGS`` (generation-heavy, training-heavy).
+        placements: Which placements to measure (flattening, interleaving, separation, separation_overlap).
+        batch_size: Prompts per PPO iteration (global).
+        warmup: Iterations dropped before measuring.
+        iterations: Measured iterations per run.
+        out: Where the JSON results go.
+    """
+    rows = []
+    for workload in workloads:
+        if workload not in PLACEMENT_SETTINGS:
+            raise ValueError(f"Unknown workload {workload!r}: choose from {sorted(PLACEMENT_SETTINGS)}.")
+        for count in processes:
+            for placement in placements:
+                settings = RunSettings(preset=preset, batch_size=batch_size, processes=count, placement=placement,
+                                       warmup=warmup, iterations=iterations, **PLACEMENT_SETTINGS[workload])
+                with tempfile.TemporaryDirectory() as work:
+                    ranks = run_ours(settings, Path(work))["ranks"]
+                summary = summarize(ranks, settings, count_parameters(settings))
+                rows.append({"workload": workload, "settings": settings.as_dict(), "ours": summary})
+                console.print(f"{workload:>16} {count} processes {placement:>18}: "
+                              f"{summary['samples_per_s']['median']:.1f} samples/s")
+    _save(out, {"machine": machine(), "placements": rows})
+    return rows
+
+
+def run(out_dir: str = "bench_results", docs: str = "docs/benchmarks.md", repeats: int = 2) -> None:
+    """Both comparisons with their defaults, then rewrite the results section of ``docs``.
+
+    Args:
+        out_dir: Folder for ``trl.json`` and ``placements.json``.
+        docs: The markdown page whose generated section is replaced (tables and plot).
+        repeats: Alternating runs per framework in the TRL comparison.
+    """
+    compare_trl(out=f"{out_dir}/trl.json", repeats=repeats)
+    compare_placements(out=f"{out_dir}/placements.json")
+    report(results=[f"{out_dir}/trl.json", f"{out_dir}/placements.json"], docs=docs)
+
+
+def report(results: list[str] = ["bench_results/trl.json", "bench_results/placements.json"],  # noqa: B006
+           docs: str = "docs/benchmarks.md") -> None:
+    """Rewrite the generated section of ``docs`` (tables, plot) from results JSON files.
+
+    Args:
+        results: JSON files written by ``trl`` and ``placements``.
+        docs: The markdown page to update.
+    """
+    merged: dict[str, Any] = {}
+    for path in results:
+        merged.update(json.loads(Path(path).read_text()))
+    write_report(merged, Path(docs))
+    console.print(f"Updated {docs}")
+
+
+def _run_trl(settings: RunSettings, work: Path) -> dict[str, Any]:
+    out = work / "trl.json"
+    env_threads = {"OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads),
+                   "TRL_EXPERIMENTAL_SILENCE": "1"}
+    command = [sys.executable, "-m", "lightning_app_rlhf.bench.trl_peer", json.dumps(settings.as_dict()), str(out)]
+    result = subprocess.run(command, check=False, cwd=work, env={**os.environ, **env_threads}, capture_output=True, text=True,
+                            timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"The TRL run failed:\n{result.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def _merge_repeats(runs: list[list[dict[str, Any]]], settings: RunSettings) -> list[dict[str, Any]]:
+    """One rank-0 record whose measured iterations are every repeat's, warm-ups dropped per repeat."""
+    iterations = [row for ranks in runs for row in ranks[0]["iterations"][settings.warmup :]]
+    first = runs[0]
+    ranks = [{**rank, "peak_rss_bytes": max(run[i]["peak_rss_bytes"] for run in runs)} for i, rank in enumerate(first)]
+    ranks[0] = {**ranks[0], "iterations": [{}] * settings.warmup + iterations}
+    return ranks
+
+
+def _check_trl() -> None:
+    try:
+        import trl
+    except ImportError:
+        raise SystemExit(
+            "The peer, TRL 1.12.0, is not installed. Run `bash scripts/bench.sh` (it installs the `bench` extra), "
+            "or `pip install -e '.[bench]'`."
+        ) from None
+    if trl.__version__ != "1.12.0":
+        raise SystemExit(f"The peer is TRL 1.12.0 (the last TRL with PPO); found {trl.__version__}. "
+                         "Run `pip install trl==1.12.0`.")
+
+
+def _save(path: str, data: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
+def main() -> None:
+    auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "report": report})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Run our PPO loop for one :class:`RunSettings` through the CLI, as a user would, and collect its timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_app_rlhf.bench.presets import PLACEMENTS, TOKENIZER_VOCAB, RunSettings
+
+
+def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
+    """The LightningCLI config: four roles from one preset (the reward is a sequence classifier, as TRL needs)."""
+    strategy, strategy_args = PLACEMENTS[settings.placement]
+    model = {"config": settings.model_config(), "init_seed": 0}
+    return {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "auto",
+            "devices": settings.processes,
+            "strategy": {"class_path": strategy, "init_args": {"threads_per_process": settings.threads,
+                                                                 **strategy_args}}
+            if settings.processes > 1 else "auto",
+            "max_steps": settings.warmup + settings.iterations,
+            "precision": settings.precision,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "callbacks": [{"class_path": "lightning_app_rlhf.bench.timer.IterationTimer",
+                           "init_args": {"out_dir": str(out_dir)}}],
+        },
+        "model": {
+            "tokenizer": "lightning_app_rlhf.demo:build_tokenizer",
+            "actor": model,
+            "reward_model": {"config": settings.model_config(), "init_seed": 1},
+            "generation": {"max_new_tokens": settings.new_tokens, "temperature": 1.0},
+            "ppo": {"ppo_epochs": settings.ppo_epochs, "num_minibatches": settings.num_minibatches},
+        },
+        "data": {"prompts": "lightning_app_rlhf.demo:prompts", "batch_size": settings.batch_size},
+    }
+
+
+def run_ours(settings: RunSettings, work_dir: Path, timeout_s: float = 900) -> dict[str, Any]:
+    """Run one measurement in a fresh process group; returns the per-rank records of :class:`IterationTimer`."""
+    assert TOKENIZER_VOCAB <= settings.model_config()["vocab_size"]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    config_path = work_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(fit_config(settings, work_dir / "timings")))
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads)}
+    command = [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(config_path)]
+    result = subprocess.run(command, check=False, cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        raise RuntimeError(f"Our run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
+    ranks = [json.loads(p.read_text()) for p in sorted((work_dir / "timings").glob("rank*.json"))]
+    if len(ranks) != settings.processes:
+        raise RuntimeError(f"Expected timings from {settings.processes} ranks, found {len(ranks)} in {work_dir}.")
+    return {"ranks": ranks}

@@ -1,0 +1,79 @@
+"""Model presets and the run settings every measurement shares. Plain Python: no Lightning, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # The demo's model.
+    "tiny": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512},
+    # About 7M parameters, 2M of them in the tied embedding.
+    "small": {"model_type": "gpt2", "n_layer": 6, "n_embd": 256, "n_head": 8, "vocab_size": 8192},
+    # About 100M parameters: GPT-2 base's body with a 16k vocabulary.
+    "medium": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 16384},
+}
+SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+TOKENIZER_VOCAB = 512
+"""The demo's BPE vocabulary; larger presets keep it (prompts read the same) and leave the rest of their
+embedding rows to sampled tokens, which is all a throughput benchmark needs."""
+
+
+@dataclass
+class RunSettings:
+    """One measured configuration. Both frameworks get exactly these."""
+
+    preset: str = "tiny"
+    """Model preset for all four roles: ``tiny``, ``small`` or ``medium``."""
+    batch_size: int = 32
+    """Prompts per PPO iteration (the global rollout batch)."""
+    new_tokens: int = 32
+    """Response length: tokens generated per prompt."""
+    ppo_epochs: int = 1
+    """Passes over each rollout."""
+    num_minibatches: int = 1
+    """Minibatches per PPO epoch."""
+    threads: int = 1
+    """Torch threads per process."""
+    precision: str = "32-true"
+    """``32-true`` or ``bf16-mixed`` (autocast; TRL's ``bf16=True``, its default for PPO)."""
+    processes: int = 1
+    """Processes (ranks). Ours only: the peer runs single-process here."""
+    placement: str = "flattening"
+    """``flattening``, ``interleaving``, ``separation`` or ``separation_overlap``."""
+    warmup: int = 2
+    """Iterations run before measuring (allocator, caches)."""
+    iterations: int = 6
+    """Measured iterations; the median is reported with min and max."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in MODEL_PRESETS:
+            raise ValueError(f"Unknown preset {self.preset!r}: choose one of {sorted(MODEL_PRESETS)}.")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"Unknown placement {self.placement!r}: choose one of {sorted(PLACEMENTS)}.")
+        if self.batch_size % (self.num_minibatches * self.processes):
+            raise ValueError(
+                f"batch_size {self.batch_size} must divide into {self.num_minibatches} minibatches on "
+                f"{self.processes} processes: pick a multiple of {self.num_minibatches * self.processes}."
+            )
+        if self.placement != "flattening" and self.processes < 2:
+            raise ValueError(f"Placement {self.placement!r} needs at least 2 processes; got {self.processes}.")
+        if self.precision not in ("32-true", "bf16-mixed"):
+            raise ValueError(f"precision must be '32-true' or 'bf16-mixed', got {self.precision!r}.")
+        if self.warmup < 0 or self.iterations < 1:
+            raise ValueError(f"Need warmup >= 0 and iterations >= 1; got {self.warmup} and {self.iterations}.")
+
+    def model_config(self) -> dict[str, Any]:
+        return {**MODEL_PRESETS[self.preset], "n_positions": 128 + self.new_tokens, **SPECIAL_TOKENS}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PLACEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "flattening": ("lightning_app_rlhf.strategies.FlatteningStrategy", {}),
+    "interleaving": ("lightning_app_rlhf.strategies.InterleavingStrategy", {}),
+    "separation": ("lightning_app_rlhf.strategies.SeparationStrategy", {}),
+    "separation_overlap": ("lightning_app_rlhf.strategies.SeparationStrategy", {"overlap": True}),
+}
+"""Placement name -> (strategy class path, extra strategy arguments)."""

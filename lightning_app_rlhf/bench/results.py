@@ -1,0 +1,97 @@
+"""Turn per-rank timing records into the numbers we report: medians with min and max, and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from typing import Any
+
+import torch
+
+from lightning_app_rlhf.bench.presets import RunSettings
+
+GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+"""Dense bf16 tensor-core peaks (TFLOP/s) by GPU name, for model-FLOPs utilisation."""
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(ranks: list[dict[str, Any]], settings: RunSettings, params: int) -> dict[str, Any]:
+    """Median/min/max over the measured iterations (warm-up dropped) of rank 0's view of each iteration.
+
+    Every rank meets every iteration in a collective, so rank 0's wall time is the iteration's time. Phase times
+    are each rank's own; we report rank 0's (a generating rank under every placement).
+    """
+    measured = ranks[0]["iterations"][settings.warmup :]
+    if len(measured) < settings.iterations:
+        raise RuntimeError(f"Only {len(measured)} measured iterations recorded; expected {settings.iterations}.")
+    wall = [row["wall_s"] for row in measured]
+    out: dict[str, Any] = {
+        "iteration_s": spread(wall),
+        "samples_per_s": spread([settings.batch_size / w for w in wall]),
+        "peak_rss_bytes": [rank["peak_rss_bytes"] for rank in ranks],
+    }
+    if all("gen_tokens" in row for row in measured):
+        out["gen_tokens_per_s"] = spread([row["gen_tokens"] / row["wall_s"] for row in measured])
+    for phase in ("generate", "score", "train", "reallocate"):
+        key = f"time/{phase}_s"
+        if all(key in row for row in measured):
+            out[f"{phase}_s"] = statistics.median(row[key] for row in measured)
+    if "peak_cuda_bytes" in ranks[0]:
+        out["peak_cuda_bytes"] = [rank["peak_cuda_bytes"] for rank in ranks]
+    if out.get("train_s") and all("prompt_tokens" in row and "gen_tokens" in row for row in measured):
+        out.update(train_flops(measured, settings, params, out["train_s"]))
+    return out
+
+
+def train_flops(measured: list[dict[str, float]], settings: RunSettings, params: int, train_s: float) -> dict:
+    """Achieved training FLOP/s (actor + critic, 6 FLOPs per parameter per token) and MFU on a known GPU."""
+    tokens = statistics.median(row["prompt_tokens"] + row["gen_tokens"] for row in measured)
+    flops = 2 * 6 * params * tokens * settings.ppo_epochs
+    out = {"train_tflops": flops / train_s / 1e12}
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        peak = next((tflops for key, tflops in GPU_PEAK_TFLOPS.items() if key in name), None)
+        if peak is not None:
+            out["train_mfu"] = out["train_tflops"] / peak
+    return out
+
+
+def count_parameters(settings: RunSettings) -> int:
+    """Parameters of one causal LM of the preset (built on the meta device: no memory, no time)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = settings.model_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    return sum(p.numel() for p in model.parameters())
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import lightning
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        memory_gib = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory_gib, 1) if memory_gib else None,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformers": transformers.__version__,
+    }

@@ -1,0 +1,60 @@
+"""A callback that records each PPO iteration's wall time, phase split and peak memory, one JSON file per rank."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+PHASES = ("time/generate_s", "time/score_s", "time/train_s", "time/reallocate_s")
+
+
+class IterationTimer(pl.Callback):
+    """Writes ``{out_dir}/rank{r}.json``: per-iteration wall seconds (between successive iteration ends, so data
+    loading, logging and the Trainer's own work count), the module's phase split, generated tokens, and peak memory.
+
+    Args:
+        out_dir: Folder for the per-rank JSON files.
+    """
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = Path(out_dir)
+        self.iterations: list[dict[str, float]] = []
+        self._last_end = 0.0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_end = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        metrics = trainer.callback_metrics
+        row = {"wall_s": now - self._last_end, "prompt_tokens": float(batch["attention_mask"].sum())}
+        row.update({name: float(metrics[name]) for name in PHASES if name in metrics})
+        if "response/length_mean" in metrics:
+            row["gen_tokens"] = float(metrics["response/length_mean"]) * trainer.datamodule.batch_size
+        self.iterations.append(row)
+        self._last_end = now
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"rank": trainer.global_rank, "iterations": self.iterations, **peak_memory()}
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def peak_memory() -> dict[str, float]:
+    """Peak resident memory of this process (and peak CUDA allocation on a GPU), in bytes."""
+    out = {"peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+    if torch.cuda.is_available():
+        out["peak_cuda_bytes"] = float(torch.cuda.max_memory_allocated())
+    return out

@@ -1,0 +1,93 @@
+"""The benchmark harness on a minimal setting: the output has every field the docs table and plot need.
+
+Speed is never asserted here; the harness measures it side by side (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_app_rlhf.bench.presets import RunSettings
+from lightning_app_rlhf.bench.report import BEGIN, END
+from lightning_app_rlhf.bench.trl_peer import peer_models
+from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_reward_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SPREAD = {"median", "min", "max"}
+
+
+def bench(tmp_path: Path, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "lightning_app_rlhf.bench", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_trl_comparison_placements_and_report(tmp_path):
+    pytest.importorskip("trl")
+    small = ["--batch_size", "8", "--warmup", "1", "--iterations", "2"]
+    bench(tmp_path, "trl", "--presets", "[tiny]", "--precisions", "[32-true]", "--new_tokens", "4", "--repeats",
+          "2", "--out", "trl.json", *small)
+    bench(tmp_path, "placements", "--preset", "tiny", "--processes", "[2]", "--workloads", "[training-heavy]",
+          "--placements", "[flattening, separation]", "--out", "placements.json", *small)
+    trl = json.loads((tmp_path / "trl.json").read_text())
+    assert {"cpu", "cores", "torch", "python"} <= set(trl["machine"])
+    (row,) = trl["trl"]
+    assert row["settings"]["threads"] == 1 and row["settings"]["batch_size"] == 8
+    for side in ("ours", "trl"):
+        summary = row[side]
+        assert set(summary["samples_per_s"]) == SPREAD and set(summary["iteration_s"]) == SPREAD
+        assert summary["samples_per_s"]["min"] <= summary["samples_per_s"]["median"] <= summary["samples_per_s"]["max"]
+        assert 8 / summary["iteration_s"]["max"] == pytest.approx(summary["samples_per_s"]["min"])
+        assert 8 / summary["iteration_s"]["min"] == pytest.approx(summary["samples_per_s"]["max"])
+        assert len(summary["peak_rss_bytes"]) == 1 and summary["peak_rss_bytes"][0] > 2**20
+        assert summary["generate_s"] > 0
+    assert {"score_s", "train_s", "reallocate_s", "gen_tokens_per_s", "train_tflops"} <= set(row["ours"])
+    assert row["samples_per_s_ratio"] == pytest.approx(
+        row["ours"]["samples_per_s"]["median"] / row["trl"]["samples_per_s"]["median"])
+
+    rows = json.loads((tmp_path / "placements.json").read_text())["placements"]
+    assert [r["settings"]["placement"] for r in rows] == ["flattening", "separation"]
+    for r in rows:
+        assert r["workload"] == "training-heavy" and r["settings"]["processes"] == 2
+        assert r["settings"]["ppo_epochs"] == 4 and len(r["ours"]["peak_rss_bytes"]) == 2
+    assert rows[0]["ours"]["reallocate_s"] < rows[1]["ours"]["reallocate_s"]  # only Separation moves weights
+
+    docs = tmp_path / "docs" / "benchmarks.md"
+    docs.parent.mkdir()
+    docs.write_text(f"# Benchmarks\n\nHand-written intro.\n\n{BEGIN}\nold\n{END}\n\nHand-written tail.\n")
+    bench(tmp_path, "report", "--results", "[trl.json, placements.json]", "--docs", str(docs))
+    text = docs.read_text()
+    assert "Hand-written intro." in text and "Hand-written tail." in text and "old" not in text
+    assert "| tiny |" in text and "| training-heavy | 2 | separation |" in text and "Winners:" in text
+    assert (docs.parent / "images" / "benchmarks.png").stat().st_size > 10_000
+
+
+def test_peer_gets_our_weights_with_stock_modules():
+    """Same configs and seeds as our roles, but the stock GPT-2 activation a TRL user gets."""
+    settings = RunSettings()
+    policy, reference, value, reward = peer_models(settings, pad_token_id=0)
+    ours = build_causal_lm(ModelSpec(config=settings.model_config(), init_seed=0))
+    our_reward = build_reward_model(ModelSpec(config=settings.model_config(), init_seed=1), 0)
+    for theirs, mine in ((policy, ours), (reference, ours), (reward, our_reward)):
+        assert all(torch.equal(a, b) for a, b in zip(theirs.state_dict().values(), mine.state_dict().values()))
+    assert type(policy.transformer.h[0].mlp.act).__name__ == "NewGELUActivation"
+    assert value.score.weight.requires_grad and not reward.score.weight.requires_grad
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"preset": "huge"}, "choose one of"),
+    ({"placement": "separation", "processes": 1}, "at least 2 processes"),
+    ({"batch_size": 30, "num_minibatches": 4}, "multiple of 4"),
+    ({"precision": "16-mixed"}, "bf16-mixed"),
+])
+def test_bad_settings_name_the_fix(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RunSettings(**fields)
