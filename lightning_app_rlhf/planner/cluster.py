@@ -68,8 +68,10 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
-            raise ValueError(f"A cluster needs at least one node and one device per node, got {self.nodes} x "
-                             f"{self.devices_per_node}. Write it as NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB.")
+            raise ValueError(
+                f"A cluster needs at least one node and one device per node, got {self.nodes} x "
+                f"{self.devices_per_node}. Write it as NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB."
+            )
         if self.cores_per_node is not None and self.cores_per_node < 1:
             raise ValueError(f"cores_per_node must be >= 1 or None, got {self.cores_per_node}.")
 
@@ -103,12 +105,16 @@ def parse_cluster(text: str) -> Cluster:
     """
     match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*([A-Za-z0-9_.-]+)\s*", text)
     if match is None:
-        raise ValueError(f"Cannot read the cluster {text!r}: write it as NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB, "
-                         f"8x8xH100-80GB or 1x4xcpu. Known device types: {known_devices()}.")
+        raise ValueError(
+            f"Cannot read the cluster {text!r}: write it as NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB, "
+            f"8x8xH100-80GB or 1x4xcpu. Known device types: {known_devices()}."
+        )
     nodes, devices, kind = int(match[1]), int(match[2]), match[3].lower()
     if kind not in DEVICE_TYPES:
-        raise ValueError(f"Unknown device type {match[3]!r} in cluster {text!r}. Known device types: "
-                         f"{known_devices()}. Pick one of them, or build a Cluster with your own DeviceType.")
+        raise ValueError(
+            f"Unknown device type {match[3]!r} in cluster {text!r}. Known device types: "
+            f"{known_devices()}. Pick one of them, or build a Cluster with your own DeviceType."
+        )
     device = DEVICE_TYPES[kind]
     if kind == "cpu":
         device = replace(device, memory_bytes=_ram_bytes() // devices)
@@ -131,7 +137,7 @@ def cluster_from_environment(
             :data:`DEVICE_TYPES` with this machine's memory split over the processes.
         cores: Cores the processes share. Default: the cores this process may run on.
     """
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", 1))
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if device is None:
         device = replace(DEVICE_TYPES["cpu"], memory_bytes=_ram_bytes() // world_size)
     return Cluster(1, world_size, device, cores_per_node=cores or _cores())

@@ -50,9 +50,16 @@ class PlanChoice:
     """Sequences per forward (and forward/backward) on one rank; None: the whole shard of a minibatch at once."""
 
     @property
+    def key(self) -> str:
+        """What the choice decides (call groups, wrappers, overlap, batches), without the plan's name."""
+        return self.label.split(" ", 1)[1] + f" overlap={self.plan.overlap}"
+
+    @property
     def label(self) -> str:
         plan = self.plan
-        groups = " ".join(f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in CALLS)
+        groups = " ".join(
+            f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in CALLS
+        )
         wrappers = "/".join(plan.wrappers[r] for r in TRAINABLE_ROLES)
         batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
         return f"{plan.name} [{wrappers}] {groups} {batches}"
@@ -94,9 +101,17 @@ class RankMemory:
         return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
 
     def describe(self) -> str:
-        parts = [f"{name} {gib(value)}" for name, value in (
-            ("weights", self.weights), ("grads", self.grads), ("optimizer", self.optimizer),
-            ("activations", self.activations), ("kv_cache", self.kv_cache)) if value]
+        parts = [
+            f"{name} {gib(value)}"
+            for name, value in (
+                ("weights", self.weights),
+                ("grads", self.grads),
+                ("optimizer", self.optimizer),
+                ("activations", self.activations),
+                ("kv_cache", self.kv_cache),
+            )
+            if value
+        ]
         held = ", ".join(f"{role}: {how}" for role, how in self.roles.items())
         return f"rank {self.rank}: {gib(self.total)} = " + " + ".join(parts) + f" ({held})"
 
@@ -182,17 +197,14 @@ class CostModel:
             train = plan.ranks(f"{role}.train") if trainable else ()
             wrapper = plan.wrappers.get(role, "ddp")
             n = len(train)
-
-            def split(nbytes: int, sharded: bool) -> int:
-                return ceil_div(nbytes, n) if sharded and n > 1 else nbytes
-
             holders = {r for c in CALLS if role_of(c) == role for r in plan.ranks(c)}
             for rank in sorted(holders):
                 row = rows[rank]
                 if rank in train:
-                    row.weights += split(shape.param_bytes, wrapper in SHARD_PARAMS)
-                    row.grads += split(shape.param_bytes, wrapper in SHARD_GRADS)
-                    row.optimizer += split(int(shape.params * w.optimizer_bytes_per_param), wrapper in SHARD_OPTIMIZER)
+                    row.weights += _split(shape.param_bytes, n, wrapper in SHARD_PARAMS)
+                    row.grads += _split(shape.param_bytes, n, wrapper in SHARD_GRADS)
+                    optimizer = int(shape.params * w.optimizer_bytes_per_param)
+                    row.optimizer += _split(optimizer, n, wrapper in SHARD_OPTIMIZER)
                     sharded = wrapper in SHARD_PARAMS and n > 1
                     row.roles[role] = f"shard 1/{n} {wrapper}" if sharded else f"trained {wrapper}"
                 else:
@@ -221,8 +233,13 @@ class CostModel:
         gathered = 2 * shape.param_bytes // shape.layers if self._sharded_call(plan, call) else 0
         if call == "actor.generate":
             g = min(choice.generation_batch or ceil_div(w.batch_size, n), ceil_div(w.batch_size, n))
-            logits = 2 * g * shape.vocab * 4 + g * w.prompt_length * shape.vocab * db  # prefill logits, fp32 softmax
-            return logits + 4 * g * w.prompt_length * shape.hidden * db + gathered, shape.kv_bytes_per_token * g * s
+            logits = (
+                2 * g * shape.vocab * 4 + g * w.prompt_length * shape.vocab * db
+            )  # prefill logits, fp32 softmax
+            return (
+                logits + 4 * g * w.prompt_length * shape.hidden * db + gathered,
+                shape.kv_bytes_per_token * g * s,
+            )
         if call.endswith(".forward"):
             b = self._micro(choice, ceil_div(w.batch_size, n))
             head = 2 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
@@ -253,8 +270,9 @@ class CostModel:
         worst = max(rows, key=lambda m: m.total)
         if worst.total <= self.capacity:
             return None
-        return (f"out of memory: {worst.describe()} > {gib(self.capacity)} usable on a "
-                f"{self.cluster.device.name}")
+        return (
+            f"out of memory: {worst.describe()} > {gib(self.capacity)} usable on a {self.cluster.device.name}"
+        )
 
     # ---- per-op compute time (one rank, full speed)
 
@@ -335,19 +353,25 @@ class CostModel:
             return local * per_sample, 0.0
         if call.endswith(".forward"):
             b = self._micro(choice, local)
-            compute = sum(self.op_time(shape, "forward", min(b, local - i), w.sequence_length)
-                          for i in range(0, local, b))
+            compute = sum(
+                self.op_time(shape, "forward", min(b, local - i), w.sequence_length)
+                for i in range(0, local, b)
+            )
             return compute, ceil_div(local, b) * self.all_gather_s(ranks, gather)
         return self._train_time(choice, call, shape, ranks)
 
-    def _train_time(self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]) -> tuple[float, float]:
+    def _train_time(
+        self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
+    ) -> tuple[float, float]:
         w, n = self.workload, len(ranks)
         wrapper = choice.plan.wrappers[role_of(call)]
         local = ceil_div(w.batch_size // w.num_minibatches, n)
         b = self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
         micro_steps = ceil_div(local, b)
-        compute = sum(self.op_time(shape, "train", min(b, local - i), w.sequence_length) for i in range(0, local, b))
+        compute = sum(
+            self.op_time(shape, "train", min(b, local - i), w.sequence_length) for i in range(0, local, b)
+        )
         local_params = ceil_div(shape.params, n) if wrapper in SHARD_OPTIMIZER and n > 1 else shape.params
         compute += self.op_time(shape, "optimizer", local_params, 0)
         if wrapper in SHARD_PARAMS:  # gather for forward and backward, reduce-scatter grads, per micro-batch
@@ -392,7 +416,9 @@ class CostModel:
         t_gen = w.generation_length
         gathers = {
             "actor.generate": t_gen * (8 + 8 + 4),  # responses, response mask (int64), logprobs
-            "reference.forward": t_gen * 4, "reward.forward": 4, "critic.forward": t_gen * 4,
+            "reference.forward": t_gen * 4,
+            "reward.forward": 4,
+            "critic.forward": t_gen * 4,
         }
         tasks: list[Task] = []
 
@@ -414,12 +440,21 @@ class CostModel:
             call(i, "actor.generate")
             if plan.overlap and i > 0:
                 train(i)  # on the rollout of iteration i - 1
-            add(f"gather.rollout#{i}", world, self.world_gather_s(plan, "actor.generate", gathers["actor.generate"]),
-                compute=False)
+            add(
+                f"gather.rollout#{i}",
+                world,
+                self.world_gather_s(plan, "actor.generate", gathers["actor.generate"]),
+                compute=False,
+            )
             for name in ("reference.forward", "reward.forward", "critic.forward"):
                 call(i, name)
             for name in ("reference.forward", "reward.forward", "critic.forward"):
-                add(f"gather.{role_of(name)}#{i}", world, self.world_gather_s(plan, name, gathers[name]), compute=False)
+                add(
+                    f"gather.{role_of(name)}#{i}",
+                    world,
+                    self.world_gather_s(plan, name, gathers[name]),
+                    compute=False,
+                )
             if not plan.overlap:
                 train(i)
             if not plan.overlap or i > 0:
@@ -444,20 +479,30 @@ class CostModel:
         ends = [max(e for k, (_, e) in zip(iteration, spans) if k == i) for i in range(UNROLLED_ITERATIONS)]
         steady = (ends[-1] - ends[1]) / (UNROLLED_ITERATIONS - 2)
         last = UNROLLED_ITERATIONS - 1
-        timeline = [(t.name.rsplit("#", 1)[0], t.ranks, s - ends[-2], e - ends[-2])
-                    for t, k, (s, e) in zip(tasks, iteration, spans) if k == last]
-        return Estimate(choice, steady, self.workload.batch_size / steady, call_s, rows, self.capacity, rejected,
-                        timeline)
+        timeline = [
+            (t.name.rsplit("#", 1)[0], t.ranks, s - ends[-2], e - ends[-2])
+            for t, k, (s, e) in zip(tasks, iteration, spans)
+            if k == last
+        ]
+        return Estimate(
+            choice, steady, self.workload.batch_size / steady, call_s, rows, self.capacity, rejected, timeline
+        )
 
 
 def forward_flops(shape: RoleShape, batch: int, length: int) -> float:
     """Matmul FLOPs of a forward pass over ``batch`` sequences of ``length`` tokens (causal attention)."""
-    return 2 * shape.matmul_params * batch * length + 2 * shape.layers * shape.hidden * length * length * batch
+    return (
+        2 * shape.matmul_params * batch * length + 2 * shape.layers * shape.hidden * length * length * batch
+    )
 
 
 def decode_flops(shape: RoleShape, batch: int, context: int) -> float:
     """FLOPs of one decode step: every weight once per sequence, attention over ``context`` cached tokens."""
     return 2 * shape.matmul_params * batch + 4 * shape.layers * shape.hidden * context * batch
+
+
+def _split(nbytes: int, ranks: int, sharded: bool) -> int:
+    return ceil_div(nbytes, ranks) if sharded and ranks > 1 else nbytes
 
 
 def _log2(n: int) -> int:
@@ -499,20 +544,26 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
         for r, queue in queues.items():  # start every task whose ranks all have it next
             if heads[r] < len(queue):
                 i = queue[heads[r]]
-                if i not in running and all(heads[q] < len(queues[q]) and queues[q][heads[q]] == i
-                                            for q in tasks[i].ranks):
+                if i not in running and all(
+                    heads[q] < len(queues[q]) and queues[q][heads[q]] == i for q in tasks[i].ranks
+                ):
                     running.add(i)
                     spans[i] = (now, now)
         if not running:
-            raise RuntimeError("The schedule deadlocked: tasks wait for each other in a different order on "
-                               "different ranks.")
+            raise RuntimeError(
+                "The schedule deadlocked: tasks wait for each other in a different order on different ranks."
+            )
         busy: dict[int, int] = {}
         for i in running:
             if tasks[i].compute:
                 for r in tasks[i].ranks:
                     busy[cluster.node_of(r)] = busy.get(cluster.node_of(r), 0) + 1
-        speed = {i: min(cluster.compute_share(busy[cluster.node_of(r)]) for r in tasks[i].ranks)
-                 if tasks[i].compute else 1.0 for i in running}
+        speed = {
+            i: min(cluster.compute_share(busy[cluster.node_of(r)]) for r in tasks[i].ranks)
+            if tasks[i].compute
+            else 1.0
+            for i in running
+        }
         step = min(remaining[i] / speed[i] for i in running)
         now += step
         for i in sorted(running):

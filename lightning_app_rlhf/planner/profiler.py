@@ -24,7 +24,9 @@ from typing import Any
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload
 
-DEFAULT_CACHE = Path(os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf"))
+DEFAULT_CACHE = Path(
+    os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf")
+)
 
 
 @dataclass
@@ -53,7 +55,11 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        data = {"hardware": self.hardware, "device": asdict(self.device) if self.device else None, "ops": self.ops}
+        data = {
+            "hardware": self.hardware,
+            "device": asdict(self.device) if self.device else None,
+            "ops": self.ops,
+        }
         Path(path).write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -95,8 +101,9 @@ def hardware_key() -> str:
 
 
 def cache_path(shape: RoleShape, workload: Workload, cache_dir: Path = DEFAULT_CACHE) -> Path:
-    digest = hashlib.sha1(f"{hardware_key()}|{shape.key}|{workload.prompt_length}|{workload.generation_length}"
-                          .encode()).hexdigest()[:16]
+    digest = hashlib.sha1(
+        f"{hardware_key()}|{shape.key}|{workload.prompt_length}|{workload.generation_length}".encode()
+    ).hexdigest()[:16]
     return cache_dir / "profiles" / f"{shape.key}-{digest}.json"
 
 
@@ -134,7 +141,9 @@ def measure_device(threads: int | None = 1) -> DeviceType:
         matmul = _best_of(lambda: a @ b, 5)
         big = torch.empty(16 << 20)  # 64 MB
         copy = _best_of(lambda: big.clone(), 3)
-    return replace(DEVICE_TYPES["cpu"], flops=2 * 512**3 / matmul, memory_bandwidth=2 * big.numel() * 4 / copy)
+    return replace(
+        DEVICE_TYPES["cpu"], flops=2 * 512**3 / matmul, memory_bandwidth=2 * big.numel() * 4 / copy
+    )
 
 
 def measure_collectives(device: DeviceType) -> DeviceType:
@@ -156,8 +165,12 @@ def measure_collectives(device: DeviceType) -> DeviceType:
     result = torch.tensor([latency, bandwidth], dtype=torch.float64)
     dist.all_reduce(result)  # the same figures on every rank
     latency, bandwidth = (result / n).tolist()
-    return replace(device, intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
-                   collective_latency_s=latency / max(1, 2 * (n - 1)))
+    return replace(
+        device,
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=bandwidth,
+        collective_latency_s=latency / max(1, 2 * (n - 1)),
+    )
 
 
 def profile_workload(
@@ -193,7 +206,9 @@ def profile_workload(
             profile = profile.merge(Profile.load(path))
             continue
         with _threads(threads):
-            measured = Profile(profile.hardware, None, {shape.key: measure_shape(shape, workload, batches, repeats)})
+            measured = Profile(
+                profile.hardware, None, {shape.key: measure_shape(shape, workload, batches, repeats)}
+            )
         if path is not None:
             measured.save(path)
         profile = profile.merge(measured)
@@ -210,17 +225,28 @@ def measure_shape(
     """Op times of one role shape over ``batches`` x (sequence length, half of it)."""
     import torch
 
-    from lightning_app_rlhf.calls import Experience, actor_loss, critic_forward, critic_loss, reference_forward
+    from lightning_app_rlhf.calls import (
+        Experience,
+        actor_loss,
+        critic_forward,
+        critic_loss,
+        reference_forward,
+    )
     from lightning_app_rlhf.config import GenerationConfig, PPOConfig
     from lightning_app_rlhf.generation import Rollout, generate
     from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     if shape.config is None:
-        raise ValueError(f"Shape {shape.name!r} has no Hugging Face config to build a model from: make it with "
-                         "role_shape().")
+        raise ValueError(
+            f"Shape {shape.name!r} has no Hugging Face config to build a model from: make it with "
+            "role_shape()."
+        )
     spec = ModelSpec(config=dict(shape.config), dtype="bfloat16" if shape.dtype_bytes == 2 else "float32")
-    model = {"causal_lm": build_causal_lm, "value": build_critic,
-             "classifier": lambda s: build_reward_model(s, pad_token_id=0)}[shape.kind](spec)
+    model = {
+        "causal_lm": build_causal_lm,
+        "value": build_critic,
+        "classifier": lambda s: build_reward_model(s, pad_token_id=0),
+    }[shape.kind](spec)
     p, g = workload.prompt_length, workload.generation_length
     lengths = sorted({max(2, (p + g) // 2), p + g})
     ops: dict[str, list[list[float]]] = {"forward": [], "train": [], "decode": []}
@@ -230,26 +256,31 @@ def measure_shape(
         prompt = max(1, round(n * p / (p + g)))
         sequences = torch.randint(3, shape.vocab, (b, n))
         mask = torch.ones(b, n, dtype=torch.long)
-        rollout = Rollout(sequences, mask, torch.ones(b, n - prompt, dtype=torch.long), torch.zeros(b, n - prompt),
-                          prompt)
+        rollout = Rollout(
+            sequences, mask, torch.ones(b, n - prompt, dtype=torch.long), torch.zeros(b, n - prompt), prompt
+        )
         zeros = torch.zeros(b, n - prompt)
-        return rollout, Experience(sequences, mask, rollout.response_mask, zeros, zeros, torch.randn(b, n - prompt),
-                                   zeros, prompt, 0)
+        return rollout, Experience(
+            sequences, mask, rollout.response_mask, zeros, zeros, torch.randn(b, n - prompt), zeros, prompt, 0
+        )
 
     def train_step(experience: Experience) -> None:
-        loss = (actor_loss(model, experience, ppo, 1.0)[0] if shape.kind == "causal_lm"
-                else critic_loss(model, experience, ppo)[0])
+        loss = (
+            actor_loss(model, experience, ppo, 1.0)[0]
+            if shape.kind == "causal_lm"
+            else critic_loss(model, experience, ppo)[0]
+        )
         loss.backward()
 
     for b in batches:
         for n in lengths:
             rollout, experience = batch_of(b, n)
             if shape.kind == "causal_lm":
-                forward = lambda r=rollout: reference_forward(model, r, 1.0)  # noqa: E731
+                forward = lambda r=rollout: reference_forward(model, r, 1.0)
             elif shape.kind == "value":
-                forward = lambda r=rollout: critic_forward(model, r)  # noqa: E731
+                forward = lambda r=rollout: critic_forward(model, r)
             else:
-                forward = lambda r=rollout: model(input_ids=r.sequences, attention_mask=r.attention_mask)  # noqa: E731
+                forward = lambda r=rollout: model(input_ids=r.sequences, attention_mask=r.attention_mask)
             ops["forward"].append([b, n, _best_of(forward, repeats)])
             if shape.kind != "classifier":
                 ops["train"].append([b, n, _best_of(lambda e=experience: train_step(e), repeats)])
@@ -257,8 +288,11 @@ def measure_shape(
             prompts = torch.randint(3, shape.vocab, (b, p))
             config = GenerationConfig(max_new_tokens=g)
             keys = torch.arange(b)
-            gen = _best_of(lambda: generate(model, prompts, torch.ones_like(prompts), config, keys, -1, 0), repeats)
-            prefill = _best_of(lambda: model(input_ids=prompts, use_cache=True), repeats)
+            gen = _best_of(
+                lambda x=prompts, c=config, k=keys: generate(model, x, torch.ones_like(x), c, k, -1, 0),
+                repeats,
+            )
+            prefill = _best_of(lambda x=prompts: model(input_ids=x, use_cache=True), repeats)
             ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
     if shape.kind == "classifier":
         del ops["train"]
@@ -280,7 +314,9 @@ def measure_shape(
     return ops
 
 
-def measure_reward_fn(reward_fn: Callable[[list[str], list[str]], Any], tokenizer: Any, workload: Workload) -> float:
+def measure_reward_fn(
+    reward_fn: Callable[[list[str], list[str]], Any], tokenizer: Any, workload: Workload
+) -> float:
     """Seconds per sample of decoding and scoring with a Python reward function."""
     import torch
 

@@ -75,16 +75,34 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         e, plan = self.estimate, self.plan
         return {
-            "name": plan.name, "source": self.source, "label": self.choice.label,
-            "calls": {c: list(plan.ranks(c)) for c in CALLS}, "wrappers": dict(plan.wrappers),
-            "overlap": plan.overlap, "generation_batch": self.choice.generation_batch,
+            "name": plan.name,
+            "source": self.source,
+            "label": self.choice.label,
+            "calls": {c: list(plan.ranks(c)) for c in CALLS},
+            "wrappers": dict(plan.wrappers),
+            "overlap": plan.overlap,
+            "generation_batch": self.choice.generation_batch,
             "micro_batch": self.choice.micro_batch,
-            "iteration_s": e.iteration_s if e.fits else None, "samples_per_s": e.samples_per_s if e.fits else None,
-            "peak_memory_bytes": e.peak_bytes, "capacity_bytes": e.capacity_bytes, "rejected": e.rejected,
+            "iteration_s": e.iteration_s if e.fits else None,
+            "samples_per_s": e.samples_per_s if e.fits else None,
+            "peak_memory_bytes": e.peak_bytes,
+            "capacity_bytes": e.capacity_bytes,
+            "rejected": e.rejected,
             "call_s": e.call_s,
-            "memory": [{"rank": m.rank, "weights": m.weights, "grads": m.grads, "optimizer": m.optimizer,
-                        "activations": m.activations, "kv_cache": m.kv_cache, "param_bytes": m.param_bytes,
-                        "state_bytes": m.state_bytes, "roles": m.roles} for m in e.memory],
+            "memory": [
+                {
+                    "rank": m.rank,
+                    "weights": m.weights,
+                    "grads": m.grads,
+                    "optimizer": m.optimizer,
+                    "activations": m.activations,
+                    "kv_cache": m.kv_cache,
+                    "param_bytes": m.param_bytes,
+                    "state_bytes": m.state_bytes,
+                    "roles": m.roles,
+                }
+                for m in e.memory
+            ],
         }
 
 
@@ -118,10 +136,15 @@ class PlannerResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "cluster": self.cluster.name, "workload": self.workload.name, "world_size": self.cluster.world_size,
-            "best": self.best.to_dict(), "speedup_over_flattening": self.speedup_over("flattening"),
+            "cluster": self.cluster.name,
+            "workload": self.workload.name,
+            "world_size": self.cluster.world_size,
+            "best": self.best.to_dict(),
+            "speedup_over_flattening": self.speedup_over("flattening"),
             "presets": {name: c.to_dict() for name, c in self.presets.items()},
-            "candidates": [c.to_dict() for c in self.candidates], "rules": self.rules, "search_s": self.search_s,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "rules": self.rules,
+            "search_s": self.search_s,
         }
 
 
@@ -166,17 +189,27 @@ def plan_placement(
     if search in ("app", "both"):
         searched += app_search(model, rules)
     if search in ("mcmc", "both"):
-        searched += mcmc_search(model, seed=seed, steps=mcmc_steps, time_budget_s=time_budget_s, beta=beta, top_k=top_k)
+        searched += mcmc_search(
+            model, seed=seed, steps=mcmc_steps, time_budget_s=time_budget_s, beta=beta, top_k=top_k
+        )
     fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
     if not fitting:
         closest = min(presets.values(), key=lambda c: c.estimate.peak_bytes)
-        raise PlannerError(f"No placement of {workload.name} fits on {cluster.name}. The closest, {closest.plan.name} "
-                           f"with {'/'.join(closest.plan.wrappers.values())}, is {closest.rejected}. Use more or "
-                           "larger devices, smaller models, or shorter sequences.")
+        raise PlannerError(
+            f"No placement of {workload.name} fits on {cluster.name}. The closest, {closest.plan.name} "
+            f"with {'/'.join(closest.plan.wrappers.values())}, is {closest.rejected}. Use more or "
+            "larger devices, smaller models, or shorter sequences."
+        )
     top = _distinct(sorted(searched, key=_cost), top_k)
     rejected = [c for c in presets.values() if not c.estimate.fits]
-    result = PlannerResult(fitting[0], [*_distinct([*presets.values(), *top], 2 * top_k + 3)] + rejected, presets,
-                           cluster, workload, rules)
+    result = PlannerResult(
+        fitting[0],
+        [*_distinct([*presets.values(), *top], 2 * top_k + 3)] + rejected,
+        presets,
+        cluster,
+        workload,
+        rules,
+    )
     result.candidates = sorted(_distinct(result.candidates, 2 * top_k + 3), key=_cost)
     result.search_s = time.perf_counter() - start
     return result
@@ -189,8 +222,8 @@ def _cost(candidate: Candidate) -> tuple[float, str]:
 def _distinct(candidates: list[Candidate], limit: int) -> list[Candidate]:
     seen, out = set(), []
     for c in candidates:
-        if c.choice.label not in seen:
-            seen.add(c.choice.label)
+        if c.choice.key not in seen:
+            seen.add(c.choice.key)
             out.append(c)
     return out[:limit]
 
@@ -205,19 +238,23 @@ def _check_replica_fits(model: CostModel) -> None:
         if shape is None:
             continue
         if shape.param_bytes > model.capacity:  # the engine holds frozen roles and shadows whole
-            raise PlannerError(f"The {role} ({shape.name}, {gib(shape.param_bytes)} of weights) does not fit on one "
-                               f"{cluster.device.name} ({gib(model.capacity)} usable): the engine keeps frozen roles "
-                               "and generation copies whole (no tensor parallelism). Use larger devices or a smaller "
-                               "model.")
+            raise PlannerError(
+                f"The {role} ({shape.name}, {gib(shape.param_bytes)} of weights) does not fit on one "
+                f"{cluster.device.name} ({gib(model.capacity)} usable): the engine keeps frozen roles "
+                "and generation copies whole (no tensor parallelism). Use larger devices or a smaller "
+                "model."
+            )
         full = shape.param_bytes
         if role in w.trainable:
             full = int(shape.params * (2 * shape.dtype_bytes + w.optimizer_bytes_per_param))
         lines.append(f"{role} {gib(full)}")
         total += full
     if total > n * model.capacity:
-        raise PlannerError(f"{w.name} cannot fit on {cluster.name}: weights, grads and optimizer state take "
-                           f"{gib(total)} = {' + '.join(lines)}, more than {n} x {gib(model.capacity)} usable. Use "
-                           "more or larger devices, or smaller models.")
+        raise PlannerError(
+            f"{w.name} cannot fit on {cluster.name}: weights, grads and optimizer state take "
+            f"{gib(total)} = {' + '.join(lines)}, more than {n} x {gib(model.capacity)} usable. Use "
+            "more or larger devices, or smaller models."
+        )
 
 
 # ---------------------------------------------------------------- batch sizes for a plan
@@ -267,9 +304,14 @@ def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
     n = model.cluster.world_size
     plans = {"flattening": [flattening_plan(n, w) for w in _wrappers(model)]}
     if n >= 2:
-        plans["interleaving"] = [interleaving_plan(n, 0.5, 0.5, w) for w in _wrappers(model)] if n % 2 == 0 else \
-            [interleaving_plan(n, (n // 2) / n, (n - n // 2) / n, w) for w in _wrappers(model)]
-        plans["separation"] = [separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w) for w in _wrappers(model)]
+        plans["interleaving"] = (
+            [interleaving_plan(n, 0.5, 0.5, w) for w in _wrappers(model)]
+            if n % 2 == 0
+            else [interleaving_plan(n, (n // 2) / n, (n - n // 2) / n, w) for w in _wrappers(model)]
+        )
+        plans["separation"] = [
+            separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w) for w in _wrappers(model)
+        ]
     return plans
 
 
@@ -296,19 +338,30 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
         for n_ref in _ratio_steps(n):
             for n_rew in _ratio_steps(n):
                 if n_ref + n_rew <= n:
-                    plans += [interleaving_plan(n, Fraction(n_ref, n), Fraction(n_rew, n), wr) for wr in _wrappers(model)]
+                    plans += [
+                        interleaving_plan(n, Fraction(n_ref, n), Fraction(n_rew, n), wr)
+                        for wr in _wrappers(model)
+                    ]
     else:
-        rules.append(f"interleaving grid skipped: reference + reward weights ({gib(frozen)}) are under 5% of a "
-                     "device, so splitting them saves little memory")
+        rules.append(
+            f"interleaving grid skipped: reference + reward weights ({gib(frozen)}) are under 5% of a "
+            "device, so splitting them saves little memory"
+        )
     shadows = w.actor.param_bytes + w.critic.param_bytes + frozen
     if shadows > capacity:
-        rules.append(f"separation skipped: the generation group holds whole copies of all four models "
-                     f"({gib(shadows)}), more than a device ({gib(capacity)})")
+        rules.append(
+            f"separation skipped: the generation group holds whole copies of all four models "
+            f"({gib(shadows)}), more than a device ({gib(capacity)})"
+        )
     elif n < 4:
-        rules.append("separation grid skipped: it pays off at scale (>= 4 devices); only its preset is evaluated")
+        rules.append(
+            "separation grid skipped: it pays off at scale (>= 4 devices); only its preset is evaluated"
+        )
     else:
         for n_gen in _ratio_steps(n):
-            plans += [separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)]
+            plans += [
+                separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)
+            ]
     return [Candidate(evaluate(model, p), "app") for p in plans]
 
 
@@ -320,18 +373,26 @@ def device_groups(cluster: Cluster) -> list[tuple[int, ...]]:
     on multi-node clusters no smaller than half a node."""
     n, per_node = cluster.world_size, cluster.devices_per_node
     smallest = max(1, per_node // 2) if cluster.nodes > 1 else 1
-    sizes = sorted({s for s in (2**k for k in range(n.bit_length())) if smallest <= s <= per_node}
-                   | {k * per_node for k in range(1, cluster.nodes + 1) if n % (k * per_node) == 0})
+    sizes = sorted(
+        {s for s in (2**k for k in range(n.bit_length())) if smallest <= s <= per_node}
+        | {k * per_node for k in range(1, cluster.nodes + 1) if n % (k * per_node) == 0}
+    )
     return [tuple(range(start, start + size)) for size in sizes for start in range(0, n - size + 1, size)]
 
 
 def mcmc_search(
-    model: CostModel, *, seed: int = 0, steps: int = 2000, time_budget_s: float = 10.0, beta: float = 10.0,
+    model: CostModel,
+    *,
+    seed: int = 0,
+    steps: int = 2000,
+    time_budget_s: float = 10.0,
+    beta: float = 10.0,
     top_k: int = 5,
 ) -> list[Candidate]:
     """ReaLHF's search: a state gives every call a device group and every trainable role a wrapper. It starts from
     each call's individually fastest group, proposes changing one call's group (or one wrapper), and accepts a
-    plan ``d`` slower (relative) with probability ``exp(-beta * d)``. Returns the start and the top ``top_k``."""
+    plan ``d`` slower (relative) with probability ``exp(-beta * d)``. Returns the ``top_k`` best plans that fit,
+    fastest first, then the start (source ``mcmc start``)."""
     rng = random.Random(seed)
     groups = device_groups(model.cluster)
     wrappers = _wrappers(model)
@@ -372,11 +433,13 @@ def mcmc_search(
         if delta <= 0 or rng.random() < math.exp(-beta * delta):
             current, current_cost = proposal, new_cost
     ranked = sorted((s for s, e in cache.items() if e is not None and e.fits), key=lambda s: (cost(s), s))
-    keep = [start_state] + [s for s in ranked if s != start_state][:top_k]
-    return [Candidate(cache[s], "mcmc") for s in keep if cache.get(s) is not None]
+    best = [Candidate(cache[s], "mcmc") for s in ranked[:top_k]]
+    return [*best, Candidate(cache[start_state], "mcmc start")] if cache[start_state] is not None else best
 
 
-def _evaluate_state(model: CostModel, state: tuple, groups: list, wrappers: list[str], n: int) -> Estimate | None:
+def _evaluate_state(
+    model: CostModel, state: tuple, groups: list, wrappers: list[str], n: int
+) -> Estimate | None:
     calls = {c: groups[state[i]] for i, c in enumerate(CALLS)}
     roles = {r: wrappers[state[len(CALLS) + i]] for i, r in enumerate(TRAINABLE_ROLES)}
     try:

@@ -48,8 +48,10 @@ class RoleShape:
     @property
     def key(self) -> str:
         """Identifies the shape for profile caches: kind, sizes and dtype."""
-        return (f"{self.kind}-L{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}-ff{self.intermediate}"
-                f"-v{self.vocab}-p{self.params}-b{self.dtype_bytes}")
+        return (
+            f"{self.kind}-L{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}-ff{self.intermediate}"
+            f"-v{self.vocab}-p{self.params}-b{self.dtype_bytes}"
+        )
 
     def __post_init__(self) -> None:
         if self.kind not in ROLE_KINDS:
@@ -77,8 +79,11 @@ class RoleShape:
         base_params = self.params - _head_params(self)
         base_matmul = self.matmul_params - self.hidden * self.head_outputs
         shaped = replace(self, kind=kind, params=base_params, matmul_params=base_matmul)
-        return replace(shaped, params=base_params + _head_params(shaped), matmul_params=base_matmul
-                       + self.hidden * shaped.head_outputs)
+        return replace(
+            shaped,
+            params=base_params + _head_params(shaped),
+            matmul_params=base_matmul + self.hidden * shaped.head_outputs,
+        )
 
 
 def _head_params(shape: RoleShape) -> int:
@@ -92,23 +97,62 @@ def _head_params(shape: RoleShape) -> int:
 
 NAMED_SIZES: dict[str, dict[str, Any]] = {
     # LLaMA-1 sizes (APP's and ReaLHF's experiments), 2k context.
-    "llama-7b": {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-                 "intermediate_size": 11008, "vocab_size": 32000},
-    "llama-13b": {"model_type": "llama", "num_hidden_layers": 40, "hidden_size": 5120, "num_attention_heads": 40,
-                  "intermediate_size": 13824, "vocab_size": 32000},
-    "llama-33b": {"model_type": "llama", "num_hidden_layers": 60, "hidden_size": 6656, "num_attention_heads": 52,
-                  "intermediate_size": 17920, "vocab_size": 32000},
-    "llama-65b": {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
-                  "intermediate_size": 22016, "vocab_size": 32000},
+    "llama-7b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+    },
+    "llama-13b": {
+        "model_type": "llama",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "intermediate_size": 13824,
+        "vocab_size": 32000,
+    },
+    "llama-33b": {
+        "model_type": "llama",
+        "num_hidden_layers": 60,
+        "hidden_size": 6656,
+        "num_attention_heads": 52,
+        "intermediate_size": 17920,
+        "vocab_size": 32000,
+    },
+    "llama-65b": {
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "intermediate_size": 22016,
+        "vocab_size": 32000,
+    },
     # Our demo model (examples/configs/demo_cpu.yaml) and GPT-2 small.
-    "gpt2-tiny": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 64},
-    "gpt2-small": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
-                   "n_positions": 1024},
+    "gpt2-tiny": {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 4,
+        "vocab_size": 512,
+        "n_positions": 64,
+    },
+    "gpt2-small": {
+        "model_type": "gpt2",
+        "n_layer": 12,
+        "n_embd": 768,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    },
 }
 """Named model sizes, as Hugging Face config fields."""
 
 
-def role_shape(source: str | dict[str, Any] | Any, kind: str = "causal_lm", dtype_bytes: int = 4) -> RoleShape:
+def role_shape(
+    source: str | dict[str, Any] | Any, kind: str = "causal_lm", dtype_bytes: int = 4
+) -> RoleShape:
     """The shape of a model from a named size, a config dict with ``model_type``, a ``PretrainedConfig``, a local
     model directory or a ``config.json`` path.
 
@@ -126,8 +170,10 @@ def role_shape(source: str | dict[str, Any] | Any, kind: str = "causal_lm", dtyp
             with open(path) as f:
                 name, source = os.path.basename(os.path.dirname(os.path.abspath(path))), json.load(f)
         else:
-            raise ValueError(f"Unknown model size {source!r}: use one of {sorted(NAMED_SIZES)}, a local model "
-                             "directory, a config.json path, or a config dict with 'model_type'.")
+            raise ValueError(
+                f"Unknown model size {source!r}: use one of {sorted(NAMED_SIZES)}, a local model "
+                "directory, a config.json path, or a config dict with 'model_type'."
+            )
     fields = source if isinstance(source, dict) else source.to_dict()
     model_type = fields.get("model_type")
     if model_type is None:
@@ -150,12 +196,18 @@ def _gpt2_shape(f: dict[str, Any], name: str) -> RoleShape:
     params = vocab * h + positions * h + layers * block + 2 * h  # LM head tied to wte
     matmul = layers * (4 * h * h + 2 * h * inner) + h * vocab
     label = name if name != "custom" else f"gpt2-{layers}x{h}"
-    return RoleShape(label, "causal_lm", layers, h, heads, heads, inner, vocab, params, matmul, tied_head=True)
+    return RoleShape(
+        label, "causal_lm", layers, h, heads, heads, inner, vocab, params, matmul, tied_head=True
+    )
 
 
 def _llama_shape(f: dict[str, Any], name: str) -> RoleShape:
     layers, h = f.get("num_hidden_layers", 32), f.get("hidden_size", 4096)
-    heads, vocab, inner = f.get("num_attention_heads", 32), f.get("vocab_size", 32000), f.get("intermediate_size")
+    heads, vocab, inner = (
+        f.get("num_attention_heads", 32),
+        f.get("vocab_size", 32000),
+        f.get("intermediate_size"),
+    )
     kv_heads = f.get("num_key_value_heads") or heads
     kv = h * kv_heads // heads
     tied = bool(f.get("tie_word_embeddings", False))
@@ -163,7 +215,9 @@ def _llama_shape(f: dict[str, Any], name: str) -> RoleShape:
     params = vocab * h + layers * block + h + (0 if tied else vocab * h)
     matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * inner) + h * vocab
     label = name if name != "custom" else f"{f['model_type']}-{layers}x{h}"
-    return RoleShape(label, "causal_lm", layers, h, heads, kv_heads, inner, vocab, params, matmul, tied_head=tied)
+    return RoleShape(
+        label, "causal_lm", layers, h, heads, kv_heads, inner, vocab, params, matmul, tied_head=tied
+    )
 
 
 def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
@@ -182,9 +236,19 @@ def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
     matmul = params - embeddings + (h * vocab if tied else 0)
     heads = config.num_attention_heads
     inner = getattr(config, "intermediate_size", None) or 4 * h
-    return RoleShape(name if name != "custom" else config.model_type, "causal_lm", config.num_hidden_layers, h,
-                     heads, getattr(config, "num_key_value_heads", None) or heads, inner, vocab, params, matmul,
-                     tied_head=bool(tied))
+    return RoleShape(
+        name if name != "custom" else config.model_type,
+        "causal_lm",
+        config.num_hidden_layers,
+        h,
+        heads,
+        getattr(config, "num_key_value_heads", None) or heads,
+        inner,
+        vocab,
+        params,
+        matmul,
+        tied_head=bool(tied),
+    )
 
 
 @dataclass(frozen=True)
@@ -225,14 +289,18 @@ class Workload:
             if getattr(self, what) < 1:
                 raise ValueError(f"Workload {what} must be >= 1, got {getattr(self, what)}.")
         if self.batch_size % self.num_minibatches:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by num_minibatches "
-                             f"{self.num_minibatches}: pick a multiple.")
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by num_minibatches "
+                f"{self.num_minibatches}: pick a multiple."
+            )
         bad = [r for r in self.trainable if r not in TRAINABLE_ROLES]
         if bad:
             raise ValueError(f"Trainable roles {bad} are not among {TRAINABLE_ROLES}.")
         bad = [w for w in self.wrappers if w not in WRAPPERS]
         if bad or not self.wrappers:
-            raise ValueError(f"Wrappers {list(self.wrappers)} must be a non-empty subset of {list(WRAPPERS)}.")
+            raise ValueError(
+                f"Wrappers {list(self.wrappers)} must be a non-empty subset of {list(WRAPPERS)}."
+            )
 
     @property
     def sequence_length(self) -> int:
@@ -256,16 +324,26 @@ def llama_workload(
     gradient checkpointing and fused attention."""
     critic = critic or actor
     return Workload(
-        actor=role_shape(actor, "causal_lm", 2), critic=role_shape(critic, "value", 2),
-        reference=role_shape(actor, "causal_lm", 2), reward=role_shape(critic, "classifier", 2),
-        batch_size=batch_size, prompt_length=prompt_length, generation_length=generation_length,
-        ppo_epochs=ppo_epochs, num_minibatches=num_minibatches, optimizer_bytes_per_param=12.0,
-        gradient_checkpointing=True, flash_attention=True,
-        name=f"{actor}+{critic}", **{"wrappers": installed_wrappers(), **kwargs},
+        actor=role_shape(actor, "causal_lm", 2),
+        critic=role_shape(critic, "value", 2),
+        reference=role_shape(actor, "causal_lm", 2),
+        reward=role_shape(critic, "classifier", 2),
+        batch_size=batch_size,
+        prompt_length=prompt_length,
+        generation_length=generation_length,
+        ppo_epochs=ppo_epochs,
+        num_minibatches=num_minibatches,
+        optimizer_bytes_per_param=12.0,
+        gradient_checkpointing=True,
+        flash_attention=True,
+        name=f"{actor}+{critic}",
+        **{"wrappers": installed_wrappers(), **kwargs},
     )
 
 
-def workload_from_module(module: Any, batch_size: int, prompt_length: int, optimizer_slots: int = 2) -> Workload:
+def workload_from_module(
+    module: Any, batch_size: int, prompt_length: int, optimizer_slots: int = 2
+) -> Workload:
     """The workload of an ``RLHFModule`` (its model specs, generation and PPO configs) at ``batch_size`` prompts.
 
     Args:
@@ -274,6 +352,7 @@ def workload_from_module(module: Any, batch_size: int, prompt_length: int, optim
         prompt_length: Padded prompt tokens of a batch.
         optimizer_slots: State tensors per parameter of the optimizer (AdamW: 2, SGD with momentum: 1).
     """
+
     def shape(spec: Any, kind: str) -> RoleShape:
         dtype_bytes = 2 if spec.dtype == "bfloat16" else 4
         return role_shape(spec.load_config().to_dict(), kind, dtype_bytes)
@@ -282,10 +361,17 @@ def workload_from_module(module: Any, batch_size: int, prompt_length: int, optim
     reference = shape(module.reference_spec, "causal_lm") if module.reference_spec is not None else actor
     reward = shape(module.reward_spec, "classifier") if module.reward_spec is not None else None
     return Workload(
-        actor=actor, critic=shape(module.critic_spec, "value"), reference=reference, reward=reward,
-        batch_size=batch_size, prompt_length=prompt_length, generation_length=module.generation.max_new_tokens,
-        ppo_epochs=module.ppo.ppo_epochs, num_minibatches=module.ppo.num_minibatches,
-        optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes), name="module",
+        actor=actor,
+        critic=shape(module.critic_spec, "value"),
+        reference=reference,
+        reward=reward,
+        batch_size=batch_size,
+        prompt_length=prompt_length,
+        generation_length=module.generation.max_new_tokens,
+        ppo_epochs=module.ppo.ppo_epochs,
+        num_minibatches=module.ppo.num_minibatches,
+        optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
+        name="module",
         wrappers=installed_wrappers(),
     )
 
@@ -305,4 +391,3 @@ def ceil_div(a: int, b: int) -> int:
 
 def log2_ceil(n: int) -> int:
     return max(0, math.ceil(math.log2(n))) if n > 0 else 0
-
