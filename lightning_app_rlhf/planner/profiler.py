@@ -182,6 +182,7 @@ def profile_workload(
     cache_dir: Path | None = DEFAULT_CACHE,
     reward_fn: Callable[[list[str], list[str]], Any] | None = None,
     tokenizer: Any = None,
+    prompts: list[str] | None = None,
 ) -> Profile:
     """Measure every role shape of ``workload`` (cached per hardware and shape) and this device's ceilings.
 
@@ -193,6 +194,7 @@ def profile_workload(
         cache_dir: Where profiles are cached; None disables the cache.
         reward_fn: A Python reward function to time per sample (with ``tokenizer``).
         tokenizer: Decodes responses for ``reward_fn``.
+        prompts: Real prompts for ``reward_fn`` (some functions read them); default random tokens.
     """
     profile = Profile(hardware_key(), measure_device(threads))
     seen = set()
@@ -214,7 +216,7 @@ def profile_workload(
         profile = profile.merge(measured)
     if reward_fn is not None and tokenizer is not None:
         with _threads(threads):
-            per_sample = measure_reward_fn(reward_fn, tokenizer, workload)
+            per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts)
         profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
     return profile
 
@@ -315,7 +317,7 @@ def measure_shape(
 
 
 def measure_reward_fn(
-    reward_fn: Callable[[list[str], list[str]], Any], tokenizer: Any, workload: Workload
+    reward_fn: Callable[[list[str], list[str]], Any], tokenizer: Any, workload: Workload, prompts: list[str] | None
 ) -> float:
     """Seconds per sample of decoding and scoring with a Python reward function."""
     import torch
@@ -325,6 +327,11 @@ def measure_reward_fn(
 
     b, p, g = 32, workload.prompt_length, workload.generation_length
     sequences = torch.randint(3, len(tokenizer), (b, p + g))
+    if prompts:  # real prompts, left-padded: some reward functions read them
+        for row in range(b):
+            ids = tokenizer.encode(prompts[row % len(prompts)], add_special_tokens=False)[-p:]
+            sequences[row, :p] = tokenizer.pad_token_id
+            sequences[row, p - len(ids) : p] = torch.tensor(ids)
     mask = torch.ones_like(sequences)
     rollout = Rollout(sequences, mask, mask[:, p:], torch.zeros(b, g), p)
     return _best_of(lambda: reward_forward(reward_fn, rollout, tokenizer), 3) / b
