@@ -28,19 +28,50 @@ from lightning_app_rlhf.planner.profiler import profile_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/configs/demo_cpu.yaml"
-PRESETS = {"rlhf_flattening": flattening_plan, "rlhf_interleaving": interleaving_plan,
-           "rlhf_separation": separation_plan}
+PRESETS = {
+    "rlhf_flattening": flattening_plan,
+    "rlhf_interleaving": interleaving_plan,
+    "rlhf_separation": separation_plan,
+}
 
 
-def measure(strategy: str, devices: int, steps: int, extra: list[str], workdir: Path) -> list[dict[str, float]]:
+def measure(
+    strategy: str, devices: int, steps: int, extra: list[str], workdir: Path
+) -> list[dict[str, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     name = f"{strategy}_{devices}"
     subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(CONFIG), "--trainer.max_steps", str(steps),
-         "--trainer.devices", str(devices), "--trainer.strategy", strategy, "--trainer.enable_checkpointing", "false",
-         "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false",
-         "--trainer.logger.init_args.save_dir", str(workdir), "--trainer.logger.init_args.name", name, *extra],
-        cwd=workdir, env=env, check=True, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "lightning_app_rlhf",
+            "fit",
+            "--config",
+            str(CONFIG),
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.devices",
+            str(devices),
+            "--trainer.strategy",
+            strategy,
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger.init_args.save_dir",
+            str(workdir),
+            "--trainer.logger.init_args.name",
+            name,
+            *extra,
+        ],
+        cwd=workdir,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     (metrics,) = (workdir / name).rglob("metrics.csv")
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
@@ -49,8 +80,11 @@ def measure(strategy: str, devices: int, steps: int, extra: list[str], workdir: 
 def demo_workload(config: dict, overrides: dict) -> Workload:
     model = config["model"]
     actor_config = {**model["actor"]["config"], **overrides.get("actor", {})}
-    generation = model["generation"]["max_new_tokens"] if "max_new_tokens" not in overrides else overrides[
-        "max_new_tokens"]
+    generation = (
+        model["generation"]["max_new_tokens"]
+        if "max_new_tokens" not in overrides
+        else overrides["max_new_tokens"]
+    )
     tokenizer = build_tokenizer()
     batch = config["data"]["batch_size"]
     texts = prompts()
@@ -58,10 +92,17 @@ def demo_workload(config: dict, overrides: dict) -> Workload:
     # Batches pad to their longest prompt: the mean of per-batch maxima.
     prompt_length = round(statistics.mean(max(lengths[i : i + batch]) for i in range(0, len(lengths), batch)))
     return Workload(
-        actor=role_shape(actor_config), critic=role_shape(actor_config, "value"), reference=role_shape(actor_config),
-        reward=None, batch_size=batch, prompt_length=prompt_length, generation_length=generation,
-        ppo_epochs=model["ppo"]["ppo_epochs"], num_minibatches=model["ppo"]["num_minibatches"],
-        wrappers=("ddp", "fsdp2"), name="demo",
+        actor=role_shape(actor_config),
+        critic=role_shape(actor_config, "value"),
+        reference=role_shape(actor_config),
+        reward=None,
+        batch_size=batch,
+        prompt_length=prompt_length,
+        generation_length=generation,
+        ppo_epochs=model["ppo"]["ppo_epochs"],
+        num_minibatches=model["ppo"]["num_minibatches"],
+        wrappers=("ddp", "fsdp2"),
+        name="demo",
     )
 
 
@@ -70,7 +111,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=5, help="first iterations left out of the measured mean")
-    parser.add_argument("--n-embd", type=int, default=None, help="a larger model: hidden size (n_head stays 4)")
+    parser.add_argument(
+        "--n-embd", type=int, default=None, help="a larger model: hidden size (n_head stays 4)"
+    )
     parser.add_argument("--n-layer", type=int, default=None)
     args = parser.parse_args()
     config = yaml.safe_load(CONFIG.read_text())
@@ -81,12 +124,17 @@ def main() -> None:
             overrides["actor"][field] = value
             extra += [f"--model.actor.config.{field}", str(value)]
     workload = demo_workload(config, overrides)
-    profile = profile_workload(workload, batches=(1, 4, 16), reward_fn=topic_reward, tokenizer=build_tokenizer(),
-                               prompts=prompts())
-    print(f"profiled on {profile.hardware}; prompt length {workload.prompt_length}, "
-          f"{workload.actor.params} parameters per model")
-    print("| processes | preset | measured s/iter | predicted s/iter | error | param bytes rank0..n measured | "
-          "predicted | state bytes measured | predicted |")
+    profile = profile_workload(
+        workload, batches=(1, 4, 16), reward_fn=topic_reward, tokenizer=build_tokenizer(), prompts=prompts()
+    )
+    print(
+        f"profiled on {profile.hardware}; prompt length {workload.prompt_length}, "
+        f"{workload.actor.params} parameters per model"
+    )
+    print(
+        "| processes | preset | measured s/iter | predicted s/iter | error | param bytes rank0..n measured | "
+        "predicted | state bytes measured | predicted |"
+    )
     print("| ---: | --- | ---: | ---: | ---: | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for devices in args.devices:
@@ -99,10 +147,13 @@ def main() -> None:
                 estimate = model.evaluate(PlanChoice(preset(devices)))
                 params = [int(memory_row[f"memory/param_bytes_rank{r}"]) for r in range(devices)]
                 states = [int(memory_row[f"memory/state_bytes_rank{r}"]) for r in range(devices)]
-                print(f"| {devices} | {strategy.removeprefix('rlhf_')} | {measured:.3f} | {estimate.iteration_s:.3f} | "
-                      f"{(estimate.iteration_s - measured) / measured:+.0%} | {params} | "
-                      f"{[m.param_bytes for m in estimate.memory]} | {states} | "
-                      f"{[m.state_bytes for m in estimate.memory]} |", flush=True)
+                print(
+                    f"| {devices} | {strategy.removeprefix('rlhf_')} | {measured:.3f} | {estimate.iteration_s:.3f} | "
+                    f"{(estimate.iteration_s - measured) / measured:+.0%} | {params} | "
+                    f"{[m.param_bytes for m in estimate.memory]} | {states} | "
+                    f"{[m.state_bytes for m in estimate.memory]} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

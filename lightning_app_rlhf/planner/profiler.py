@@ -317,7 +317,10 @@ def measure_shape(
 
 
 def measure_reward_fn(
-    reward_fn: Callable[[list[str], list[str]], Any], tokenizer: Any, workload: Workload, prompts: list[str] | None
+    reward_fn: Callable[[list[str], list[str]], Any],
+    tokenizer: Any,
+    workload: Workload,
+    prompts: list[str] | None,
 ) -> float:
     """Seconds per sample of decoding and scoring with a Python reward function."""
     import torch
