@@ -1,6 +1,12 @@
-"""The command line, built on LightningCLI: ``python -m lightning_app_rlhf fit --config CONFIG.yaml``."""
+"""The command line, built on LightningCLI: ``python -m lightning_app_rlhf fit --config CONFIG.yaml``.
+
+``python -m lightning_app_rlhf plan ...`` is a dry run of the placement planner (see ``planner/command.py``); it
+never reaches LightningCLI.
+"""
 
 from __future__ import annotations
+
+import sys
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -18,8 +24,13 @@ class RLHFCLI(LightningCLI):
         parser.link_arguments("model.tokenizer", "data.tokenizer")
 
 
-def main(args: list[str] | None = None) -> RLHFCLI:
+def main(args: list[str] | None = None) -> RLHFCLI | None:
     """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script."""
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["plan"]:
+        from lightning_app_rlhf.planner.command import main as plan_main
+
+        sys.exit(plan_main(argv[1:]))
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings in --help
     return RLHFCLI(
         RLHFModule,

@@ -1,0 +1,154 @@
+"""The cluster a plan runs on: nodes x devices, device memory, compute and bandwidth ceilings. Plain Python.
+
+A cluster is written by hand as ``NODESxDEVICESxTYPE`` (``1x8xA100-80GB``, ``8x8xH100-80GB``, ``1x4xcpu``) or read
+from the running process (:func:`cluster_from_environment`). On the CPU a "device" is one process: when a node
+runs more processes than it has cores, the processes share the cores, and the cost model slows them down.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """Ceilings of one device kind. Peak figures; the cost model applies its own efficiencies."""
+
+    name: str
+    """The name used in cluster strings, e.g. ``A100-80GB``."""
+    memory_bytes: int
+    """Memory of one device."""
+    flops: float
+    """Peak dense matmul FLOP/s in the training dtype (bf16 on GPUs, fp32 on the CPU)."""
+    memory_bandwidth: float
+    """Device memory bandwidth, bytes/s."""
+    intra_node_bandwidth: float
+    """Bytes/s one device can send to another device of the same node (NVLink, shared memory)."""
+    inter_node_bandwidth: float
+    """Bytes/s one device can send to a device of another node (its share of the node's network)."""
+    kernel_overhead_s: float
+    """Fixed cost of one transformer layer in one forward call (kernel launches, Python dispatch)."""
+    collective_latency_s: float
+    """Fixed cost of one collective hop."""
+    dtype_bytes: int = 2
+    """Bytes per weight in the dtype this device trains in."""
+
+
+DEVICE_TYPES: dict[str, DeviceType] = {
+    d.name.lower(): d
+    for d in (
+        # NVIDIA datasheets: dense bf16 FLOP/s, HBM bandwidth, NVLink (one direction) and a 200/400 Gb/s NIC per GPU.
+        DeviceType("A100-40GB", 40 * GiB, 312e12, 1.555e12, 300e9, 25e9, 40e-6, 10e-6),
+        DeviceType("A100-80GB", 80 * GiB, 312e12, 2.039e12, 300e9, 25e9, 40e-6, 10e-6),
+        DeviceType("H100-80GB", 80 * GiB, 989e12, 3.35e12, 450e9, 50e9, 30e-6, 8e-6),
+        DeviceType("H200", 141 * GiB, 989e12, 4.8e12, 450e9, 50e9, 30e-6, 8e-6),
+        # One CPU process with one thread: rough single-core figures; a profile replaces them with measured ones.
+        DeviceType("cpu", 8 * GiB, 60e9, 10e9, 2e9, 0.5e9, 150e-6, 150e-6, dtype_bytes=4),
+    )
+}
+"""Known device types, by lower-case name."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` devices of one type; ranks are numbered node by node."""
+
+    nodes: int
+    """Number of nodes."""
+    devices_per_node: int
+    """Devices (ranks) per node."""
+    device: DeviceType
+    """The device type of every rank."""
+    cores_per_node: int | None = None
+    """CPU only: cores a node's processes share. None: every device computes on its own."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(
+                f"A cluster needs at least one node and one device per node, got {self.nodes} x "
+                f"{self.devices_per_node}. Write it as NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB."
+            )
+        if self.cores_per_node is not None and self.cores_per_node < 1:
+            raise ValueError(f"cores_per_node must be >= 1 or None, got {self.cores_per_node}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}x{self.devices_per_node}x{self.device.name}"
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def bandwidth(self, ranks: tuple[int, ...] | list[int]) -> float:
+        """Per-device bandwidth of a collective over ``ranks``: intra-node unless they span nodes."""
+        nodes = {self.node_of(r) for r in ranks}
+        return self.device.intra_node_bandwidth if len(nodes) <= 1 else self.device.inter_node_bandwidth
+
+    def compute_share(self, busy_ranks_on_node: int) -> float:
+        """Fraction of a device's compute a rank gets while ``busy_ranks_on_node`` ranks of its node compute."""
+        if self.cores_per_node is None or busy_ranks_on_node <= self.cores_per_node:
+            return 1.0
+        return self.cores_per_node / busy_ranks_on_node
+
+
+def parse_cluster(text: str) -> Cluster:
+    """Read ``NODESxDEVICESxTYPE``, e.g. ``1x8xA100-80GB``, ``8x8xH100-80GB`` or ``1x4xcpu``.
+
+    A ``cpu`` cluster takes this machine's cores and memory (split over the processes of a node).
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*x\s*([A-Za-z0-9_.-]+)\s*", text)
+    if match is None:
+        raise ValueError(
+            f"Cannot read the cluster {text!r}: write it as NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB, "
+            f"8x8xH100-80GB or 1x4xcpu. Known device types: {known_devices()}."
+        )
+    nodes, devices, kind = int(match[1]), int(match[2]), match[3].lower()
+    if kind not in DEVICE_TYPES:
+        raise ValueError(
+            f"Unknown device type {match[3]!r} in cluster {text!r}. Known device types: "
+            f"{known_devices()}. Pick one of them, or build a Cluster with your own DeviceType."
+        )
+    device = DEVICE_TYPES[kind]
+    if kind == "cpu":
+        device = replace(device, memory_bytes=_ram_bytes() // devices)
+        return Cluster(nodes, devices, device, cores_per_node=_cores())
+    return Cluster(nodes, devices, device)
+
+
+def known_devices() -> list[str]:
+    return [d.name for d in DEVICE_TYPES.values()]
+
+
+def cluster_from_environment(
+    world_size: int | None = None, device: DeviceType | None = None, cores: int | None = None
+) -> Cluster:
+    """The cluster this process runs in: one node of ``world_size`` CPU processes sharing this machine's cores.
+
+    Args:
+        world_size: Processes in the job. Default: ``WORLD_SIZE`` from the environment, else 1.
+        device: Device ceilings, e.g. ``profile.device`` measured by the profiler. Default: the ``cpu`` entry of
+            :data:`DEVICE_TYPES` with this machine's memory split over the processes.
+        cores: Cores the processes share. Default: the cores this process may run on.
+    """
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if device is None:
+        device = replace(DEVICE_TYPES["cpu"], memory_bytes=_ram_bytes() // world_size)
+    return Cluster(1, world_size, device, cores_per_node=cores or _cores())
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB

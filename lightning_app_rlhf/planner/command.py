@@ -1,0 +1,258 @@
+"""``python -m lightning_app_rlhf plan``: a dry run of the planner, no training.
+
+python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --critic llama-7b
+python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch-size 32 --json
+python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from lightning_app_rlhf.plan import CALLS, WRAPPERS
+from lightning_app_rlhf.planner.cluster import parse_cluster
+from lightning_app_rlhf.planner.cost_model import gib
+from lightning_app_rlhf.planner.search import SEARCHES, PlannerError, PlannerResult, plan_placement
+from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
+
+SWEEP_MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
+SWEEP_CLUSTERS = ("1x8xA100-80GB", "2x8xA100-80GB", "4x8xA100-80GB", "8x8xA100-80GB")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_app_rlhf plan",
+        description="Predict and search RLHF placements for a cluster (dry run).",
+    )
+    parser.add_argument(
+        "--cluster", default="1x8xA100-80GB", help="NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB, 1x4xcpu"
+    )
+    parser.add_argument(
+        "--actor", default="llama-7b", help="named size, local model directory or config.json"
+    )
+    parser.add_argument("--critic", default=None, help="default: the actor's size")
+    parser.add_argument("--reference", default=None, help="default: the actor's size")
+    parser.add_argument(
+        "--reward", default=None, help="default: the critic's size; 'function' for a Python reward"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="default: bf16 on GPUs (mixed-precision AdamW), fp32 on cpu",
+    )
+    parser.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--generation-length", type=int, default=480)
+    parser.add_argument("--ppo-epochs", type=int, default=1)
+    parser.add_argument("--num-minibatches", type=int, default=8)
+    parser.add_argument(
+        "--wrappers",
+        default=",".join(installed_wrappers()),
+        help=f"comma-separated subset of {','.join(WRAPPERS)} (zero* need deepspeed installed)",
+    )
+    parser.add_argument("--search", choices=SEARCHES, default="both")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-budget", type=float, default=5.0, help="seconds for the MCMC chain")
+    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="LLaMA 7B-65B actor+critic on 1x8..8x8 A100-80GB: a markdown table (docs/planner.md)",
+    )
+    return parser
+
+
+def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
+    dtype_bytes = {"bf16": 2, "fp32": 4}[args.dtype or ("bf16" if gpu else "fp32")]
+    critic = args.critic or args.actor
+    reward = (
+        None if args.reward == "function" else role_shape(args.reward or critic, "classifier", dtype_bytes)
+    )
+    return Workload(
+        actor=role_shape(args.actor, "causal_lm", dtype_bytes),
+        critic=role_shape(critic, "value", dtype_bytes),
+        reference=role_shape(args.reference or args.actor, "causal_lm", dtype_bytes),
+        reward=reward,
+        batch_size=args.batch_size,
+        prompt_length=args.prompt_length,
+        generation_length=args.generation_length,
+        ppo_epochs=args.ppo_epochs,
+        num_minibatches=args.num_minibatches,
+        wrappers=tuple(w.strip() for w in args.wrappers.split(",") if w.strip()),
+        # bf16 weights train with fp32 master weights and two fp32 moments; fp32 keeps two fp32 moments.
+        optimizer_bytes_per_param=12.0 if dtype_bytes == 2 else 8.0,
+        gradient_checkpointing=gpu,
+        flash_attention=gpu,
+        name=f"{args.actor}+{critic}",
+    )
+
+
+def run(args: argparse.Namespace) -> PlannerResult:
+    cluster = parse_cluster(args.cluster)
+    workload = workload_from_args(args, gpu=cluster.cores_per_node is None)
+    return plan_placement(
+        cluster,
+        workload,
+        search=args.search,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+        top_k=args.top_k,
+    )
+
+
+def print_result(result: PlannerResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    w = result.workload
+    table = Table(
+        title=f"{w.name} on {result.cluster.name}: batch {w.batch_size}, prompt {w.prompt_length} + "
+        f"generation {w.generation_length} tokens, {w.ppo_epochs} epoch(s) x {w.num_minibatches} "
+        f"minibatches ({result.search_s:.1f} s search)"
+    )
+    for column in (
+        "",
+        "source",
+        "placement",
+        "wrappers",
+        "gen batch",
+        "micro",
+        "iter s",
+        "samples/s",
+        "peak/device",
+        "vs flattening",
+        "note",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("iter s", "samples/s", "vs flattening") else "left"
+        )
+    flat = result.presets.get("flattening")
+    for c in result.candidates:
+        e = c.estimate
+        speedup = (
+            f"{flat.iteration_s / e.iteration_s:.2f}x"
+            if e.fits and flat is not None and flat.estimate.fits
+            else "-"
+        )
+        table.add_row(
+            "*" if c is result.best else "",
+            c.source,
+            _groups(c),
+            "/".join(c.plan.wrappers.values()),
+            str(c.choice.generation_batch or "all"),
+            str(c.choice.micro_batch or "all"),
+            f"{e.iteration_s:.2f}" if e.fits else "-",
+            f"{e.samples_per_s:.2f}" if e.fits else "-",
+            f"{gib(e.peak_bytes)} / {gib(e.capacity_bytes)}",
+            speedup,
+            e.rejected or "",
+        )
+    console = Console(width=200)
+    console.print(table)
+    for rule in result.rules:
+        console.print(f"rule: {rule}")
+
+
+def _groups(candidate: Any) -> str:
+    plan = candidate.plan
+    short = {
+        "actor.generate": "gen",
+        "reference.forward": "ref",
+        "reward.forward": "rew",
+        "critic.forward": "val",
+        "actor.train": "trainA",
+        "critic.train": "trainC",
+    }
+    parts = []
+    for call in CALLS:
+        ranks = plan.ranks(call)
+        text = (
+            f"{ranks[0]}-{ranks[-1]}"
+            if ranks == tuple(range(ranks[0], ranks[-1] + 1))
+            else ",".join(map(str, ranks))
+        )
+        parts.append(f"{short[call]}:{text}")
+    return f"{plan.name} " + " ".join(parts)
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every LLaMA size on every cluster of the docs table; one row each (errors included)."""
+    rows = []
+    for model in SWEEP_MODELS:
+        for cluster in SWEEP_CLUSTERS:
+            case = argparse.Namespace(**{**vars(args), "cluster": cluster, "actor": model, "critic": model})
+            try:
+                result = run(case)
+            except PlannerError as err:
+                rows.append({"model": model, "cluster": cluster, "error": str(err)})
+                continue
+            best = result.best
+            rows.append(
+                {
+                    "model": model,
+                    "cluster": cluster,
+                    "best": _groups(best),
+                    "wrappers": "/".join(best.plan.wrappers.values()),
+                    "source": best.source,
+                    "iteration_s": best.iteration_s,
+                    "samples_per_s": best.samples_per_s,
+                    "speedup_over_flattening": result.speedup_over("flattening"),
+                    "presets_s": {
+                        n: (c.iteration_s if c.estimate.fits else None) for n, c in result.presets.items()
+                    },
+                    "search_s": result.search_s,
+                }
+            )
+    return rows
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
+    print(
+        "| model | cluster | chosen plan (ranks per call) | wrappers | iter s | flattening s | interleaving s | "
+        "separation s | speedup vs flattening | search s |"
+    )
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['cluster']} | does not fit: {r['error'][:160]}... | | | | | | | |")
+            continue
+        presets = r["presets_s"]
+        fmt = lambda v: f"{v:.1f}" if v is not None else "OOM"
+        speedup = r["speedup_over_flattening"]
+        print(
+            f"| {r['model']} | {r['cluster']} | {r['best']} ({r['source']}) | {r['wrappers']} | "
+            f"{r['iteration_s']:.1f} | {fmt(presets.get('flattening'))} | {fmt(presets.get('interleaving'))} | "
+            f"{fmt(presets.get('separation'))} | {f'{speedup:.2f}x' if speedup else 'flattening OOM'} | "
+            f"{r['search_s']:.1f} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.sweep:
+        rows = sweep(args)
+        print(json.dumps(rows, indent=1)) if args.json else print_sweep(rows)
+        return 0
+    try:
+        result = run(args)
+    except (PlannerError, ValueError) as err:
+        if args.json:
+            print(json.dumps({"error": str(err)}))
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=_json_default))
+    else:
+        print_result(result)
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float):
+        return None
+    return str(value)

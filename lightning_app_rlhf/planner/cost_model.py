@@ -1,0 +1,577 @@
+"""Time and memory of one PPO iteration under a placement. Plain Python.
+
+Read top to bottom:
+
+1. :class:`PlanChoice`: a ``PlacementPlan`` plus the batch sizes the planner picks.
+2. Memory per rank: weights, gradients, optimizer state, activations, KV cache (:meth:`CostModel.memory`).
+3. Per-call time: compute from a measured :class:`~lightning_app_rlhf.planner.profiler.Profile` or an analytic
+   fallback (FLOPs and bytes against the device's ceilings), plus data-parallel / ZeRO communication.
+4. The task graph of the engine (``RLHFModule.training_step``) and a discrete-event schedule of it
+   (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
+   processes that outnumber the cores share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lightning_app_rlhf.plan import CALLS, TRAINABLE_ROLES, PlacementPlan, role_of
+from lightning_app_rlhf.planner.cluster import Cluster
+from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
+
+if TYPE_CHECKING:
+    from lightning_app_rlhf.planner.profiler import Profile
+
+SHARD_PARAMS = ("fsdp2", "zero3")
+"""Wrappers that shard the weights over the train group (and gather them for every forward)."""
+SHARD_GRADS = ("fsdp2", "zero2", "zero3")
+SHARD_OPTIMIZER = ("fsdp2", "zero1", "zero2", "zero3")
+REALLOCATION_BUCKET_BYTES = 100 << 20
+"""``Placement.reallocate_weights`` sends weights in buckets of this size."""
+GPU_USABLE_MEMORY = 0.9
+"""Fraction of a GPU's memory a plan may fill: 10% stays for the allocator and the CUDA context."""
+COMPUTE_EFFICIENCY = 0.5
+"""Fraction of peak FLOP/s a transformer forward/backward reaches (analytic fallback only)."""
+BANDWIDTH_EFFICIENCY = 0.7
+"""Fraction of peak memory bandwidth a decode step reaches (analytic fallback only)."""
+UNROLLED_ITERATIONS = 4
+"""Iterations the schedule unrolls; the estimate is the steady state between the 2nd and the last."""
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A placement and the batch sizes that go with it."""
+
+    plan: PlacementPlan
+    generation_batch: int | None = None
+    """Prompts one rank generates together; None: its whole shard at once (what the engine does today)."""
+    micro_batch: int | None = None
+    """Sequences per forward (and forward/backward) on one rank; None: the whole shard of a minibatch at once."""
+
+    @property
+    def key(self) -> str:
+        """What the choice decides (call groups, wrappers, overlap, batches), without the plan's name."""
+        return self.label.split(" ", 1)[1] + f" overlap={self.plan.overlap}"
+
+    @property
+    def label(self) -> str:
+        plan = self.plan
+        groups = " ".join(
+            f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in CALLS
+        )
+        wrappers = "/".join(plan.wrappers[r] for r in TRAINABLE_ROLES)
+        batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
+        return f"{plan.name} [{wrappers}] {groups} {batches}"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+# ---------------------------------------------------------------- memory
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds. ``param_bytes`` and ``state_bytes`` count what ``memory.py`` logs."""
+
+    rank: int
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    """The largest transient of any call on this rank (activations, logits, gathered layers, buckets)."""
+    kv_cache: int = 0
+    roles: dict[str, str] = field(default_factory=dict)
+    """Role -> how this rank holds it (``trained ddp``, ``shard 1/4 fsdp2``, ``shadow``, ``frozen``)."""
+
+    @property
+    def param_bytes(self) -> int:
+        return self.weights
+
+    @property
+    def state_bytes(self) -> int:
+        return self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def describe(self) -> str:
+        parts = [
+            f"{name} {gib(value)}"
+            for name, value in (
+                ("weights", self.weights),
+                ("grads", self.grads),
+                ("optimizer", self.optimizer),
+                ("activations", self.activations),
+                ("kv_cache", self.kv_cache),
+            )
+            if value
+        ]
+        held = ", ".join(f"{role}: {how}" for role, how in self.roles.items())
+        return f"rank {self.rank}: {gib(self.total)} = " + " + ".join(parts) + f" ({held})"
+
+
+def gib(n: float) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+@dataclass
+class Estimate:
+    """What the cost model predicts for one :class:`PlanChoice`."""
+
+    choice: PlanChoice
+    iteration_s: float
+    """Steady-state seconds per PPO iteration (predicted even when rejected, for the search's penalty)."""
+    samples_per_s: float
+    call_s: dict[str, float]
+    """Seconds of each call on its slowest rank, alone (no contention), plus ``reallocate`` and ``gather``."""
+    memory: list[RankMemory]
+    capacity_bytes: int
+    """Usable memory of one device."""
+    rejected: str | None = None
+    """Why the plan cannot run (None: it fits)."""
+    timeline: list[tuple[str, tuple[int, ...], float, float]] = field(default_factory=list)
+    """(task, ranks, start, end) of one steady-state iteration."""
+
+    @property
+    def fits(self) -> bool:
+        return self.rejected is None
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(m.total for m in self.memory)
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+class CostModel:
+    """Predicts time and memory of placements of one workload on one cluster.
+
+    Args:
+        cluster: Where it runs.
+        workload: What one iteration computes.
+        profile: Measured per-op times and ceilings; ops it lacks fall back to the analytic model.
+    """
+
+    def __init__(self, cluster: Cluster, workload: Workload, profile: Profile | None = None) -> None:
+        self.cluster = cluster
+        self.workload = workload
+        self.profile = profile
+        self.device = profile.device if profile is not None and profile.device is not None else cluster.device
+        self.collective_latency = self.device.collective_latency_s
+        usable = 1.0 if cluster.cores_per_node is not None else GPU_USABLE_MEMORY
+        self.capacity = int(cluster.device.memory_bytes * usable)
+
+    # ---- memory
+
+    def memory(self, choice: PlanChoice) -> list[RankMemory]:
+        """Bytes every rank holds under ``choice``: static (weights, grads, optimizer) plus its largest transient."""
+        plan = choice.plan
+        rows = self.static_memory(plan)
+        transients = {call: self.transient(choice, call) for call in CALLS}
+        buffer_ranks = self._bucket_ranks(plan)
+        for rank, row in enumerate(rows):
+            activations, kv = max((transients[c] for c in CALLS if rank in plan.ranks(c)), key=sum)
+            row.activations, row.kv_cache = activations, kv
+            if rank in buffer_ranks:
+                row.activations += REALLOCATION_BUCKET_BYTES
+        return rows
+
+    def static_memory(self, plan: PlacementPlan) -> list[RankMemory]:
+        """Weights, gradients and optimizer state of every rank, counted as ``memory.py`` does."""
+        w = self.workload
+        rows = [RankMemory(rank) for rank in range(plan.world_size)]
+        for role in ("actor", "critic", "reference", "reward"):
+            shape = w.shape(role)
+            if shape is None:
+                continue
+            trainable = role in w.trainable and role in TRAINABLE_ROLES
+            train = plan.ranks(f"{role}.train") if trainable else ()
+            wrapper = plan.wrappers.get(role, "ddp")
+            n = len(train)
+            holders = {r for c in CALLS if role_of(c) == role for r in plan.ranks(c)}
+            for rank in sorted(holders):
+                row = rows[rank]
+                if rank in train:
+                    row.weights += _split(shape.param_bytes, n, wrapper in SHARD_PARAMS)
+                    row.grads += _split(shape.param_bytes, n, wrapper in SHARD_GRADS)
+                    optimizer = int(shape.params * w.optimizer_bytes_per_param)
+                    row.optimizer += _split(optimizer, n, wrapper in SHARD_OPTIMIZER)
+                    sharded = wrapper in SHARD_PARAMS and n > 1
+                    row.roles[role] = f"shard 1/{n} {wrapper}" if sharded else f"trained {wrapper}"
+                else:
+                    row.weights += shape.param_bytes
+                    row.roles[role] = "shadow" if trainable else "frozen"
+        return rows
+
+    @staticmethod
+    def _bucket_ranks(plan: PlacementPlan) -> set[int]:
+        """Ranks that hold a reallocation bucket: shadows and the train leader that sends to them."""
+        ranks: set[int] = set()
+        for role in TRAINABLE_ROLES:
+            shadows = plan.shadow_ranks(role)
+            if shadows:
+                ranks |= {*shadows, plan.ranks(f"{role}.train")[0]}
+        return ranks
+
+    def transient(self, choice: PlanChoice, call: str) -> tuple[int, int]:
+        """(activation bytes, KV-cache bytes) one rank needs while it runs ``call``."""
+        w, plan = self.workload, choice.plan
+        shape = w.shape(role_of(call))
+        if shape is None:
+            return 0, 0
+        n = len(plan.ranks(call))
+        s, db = w.sequence_length, shape.dtype_bytes
+        gathered = 2 * shape.param_bytes // shape.layers if self._sharded_call(plan, call) else 0
+        if call == "actor.generate":
+            g = min(choice.generation_batch or ceil_div(w.batch_size, n), ceil_div(w.batch_size, n))
+            logits = (
+                2 * g * shape.vocab * 4 + g * w.prompt_length * shape.vocab * db
+            )  # prefill logits, fp32 softmax
+            return (
+                logits + 4 * g * w.prompt_length * shape.hidden * db + gathered,
+                shape.kv_bytes_per_token * g * s,
+            )
+        if call.endswith(".forward"):
+            b = self._micro(choice, ceil_div(w.batch_size, n))
+            head = 2 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
+            attention = 0 if w.flash_attention else shape.heads * s * s * b * db
+            return 4 * b * s * shape.hidden * db + attention + head + gathered, 0
+        b = self._micro(choice, ceil_div(w.batch_size // w.num_minibatches, n))
+        scores = 0 if w.flash_attention else 2.5 * shape.heads * s * s * b
+        per_layer = (17 * s * b * shape.hidden + scores) * db  # Korthikanti et al. 2022, without recompute
+        head = 3 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
+        if w.gradient_checkpointing:  # every layer's input, plus one layer recomputed in full
+            return int(shape.layers * s * b * shape.hidden * db + per_layer + head) + gathered, 0
+        return int(shape.layers * per_layer + head) + gathered, 0
+
+    @staticmethod
+    def _micro(choice: PlanChoice, shard: int) -> int:
+        return min(choice.micro_batch or shard, shard)
+
+    def _sharded_call(self, plan: PlacementPlan, call: str) -> bool:
+        """A call that runs on the sharded (FSDP2 / ZeRO-3) train group of its role: it gathers weights per forward."""
+        role = role_of(call)
+        if role not in TRAINABLE_ROLES or plan.wrappers.get(role) not in SHARD_PARAMS:
+            return False
+        train = plan.ranks(f"{role}.train")
+        return len(train) > 1 and set(plan.ranks(call)) == set(train)
+
+    def check_memory(self, rows: list[RankMemory]) -> str | None:
+        """None when every rank fits, else a message with the breakdown of the fullest rank."""
+        worst = max(rows, key=lambda m: m.total)
+        if worst.total <= self.capacity:
+            return None
+        return (
+            f"out of memory: {worst.describe()} > {gib(self.capacity)} usable on a {self.cluster.device.name}"
+        )
+
+    # ---- per-op compute time (one rank, full speed)
+
+    def op_time(self, shape: RoleShape, op: str, batch: int, length: int) -> float:
+        """Seconds of ``op`` (``forward``, ``train``, ``decode``, ``optimizer``) on one rank.
+
+        ``forward``/``train``: ``batch`` sequences of ``length`` tokens (train = forward + backward). ``decode``: one
+        step of ``batch`` sequences with ``length`` tokens of context. ``optimizer``: ``batch`` is the parameter count.
+        """
+        if self.profile is not None:
+            measured = self.profile.time(shape, op, batch, length)
+            if measured is not None:
+                return measured
+        return self.analytic_time(shape, op, batch, length)
+
+    def analytic_time(self, shape: RoleShape, op: str, batch: int, length: int) -> float:
+        """FLOPs against the compute ceiling, bytes against the bandwidth ceiling, plus per-layer overhead."""
+        flops_per_s = self.device.flops * COMPUTE_EFFICIENCY
+        bytes_per_s = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
+        overhead = shape.layers * self.device.kernel_overhead_s
+        if op == "optimizer":  # read/write weights and both moments, read grads: bandwidth-bound
+            return batch * (3 * shape.dtype_bytes + 2 * self.workload.optimizer_bytes_per_param) / bytes_per_s
+        if op == "decode":
+            flops = decode_flops(shape, batch, length)
+            moved = shape.param_bytes + shape.kv_bytes_per_token * length * batch
+            return max(flops / flops_per_s, moved / bytes_per_s) + overhead
+        flops = forward_flops(shape, batch, length)
+        if op == "forward":
+            return max(flops / flops_per_s, shape.param_bytes / bytes_per_s) + overhead
+        if op == "train":  # backward = 2 forwards; a recomputed forward with gradient checkpointing
+            passes = 4 if self.workload.gradient_checkpointing else 3
+            return passes * flops / flops_per_s + passes * overhead
+        raise ValueError(f"Unknown op {op!r}: use forward, train, decode or optimizer.")
+
+    # ---- communication
+
+    def all_gather_s(self, ranks: tuple[int, ...], total_bytes: float) -> float:
+        """Ring all-gather (or reduce-scatter) of ``total_bytes`` over ``ranks``."""
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        return (n - 1) / n * total_bytes / self.cluster.bandwidth(ranks) + (n - 1) * self.collective_latency
+
+    def all_reduce_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
+        """Ring all-reduce: a reduce-scatter then an all-gather."""
+        return 2 * self.all_gather_s(ranks, nbytes)
+
+    def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
+        if len(ranks) <= 1:
+            return 0.0
+        return nbytes / self.cluster.bandwidth(ranks) + _log2(len(ranks)) * self.collective_latency
+
+    # ---- call times (one rank of the call's group; compute, then communication)
+
+    def call_time(self, choice: PlanChoice, call: str) -> tuple[float, float]:
+        """(compute seconds, communication seconds) of ``call`` on one of its ranks."""
+        w, plan = self.workload, choice.plan
+        ranks = plan.ranks(call)
+        n = len(ranks)
+        role = role_of(call)
+        shape = w.shape(role)
+        local = ceil_div(w.batch_size, n)
+        gather = shape.param_bytes if shape is not None and self._sharded_call(plan, call) else 0
+        if call == "actor.generate":
+            g = min(choice.generation_batch or local, local)
+            compute, forwards = 0.0, 0
+            for start in range(0, local, g):
+                b = min(g, local - start)
+                mid_context = w.prompt_length + (w.generation_length + 1) // 2
+                compute += self.op_time(shape, "forward", b, w.prompt_length)
+                compute += (w.generation_length - 1) * self.op_time(shape, "decode", b, mid_context)
+                forwards += w.generation_length
+            # A sharded generator gathers its weights for every forward (FSDP2's lockstep decode in generation.py).
+            return compute, forwards * self.all_gather_s(ranks, gather)
+        if call == "reward.forward" and shape is None:
+            measured = self.profile.ops.get("reward_fn") if self.profile is not None else None
+            per_sample = measured["sample"][0][2] if measured else w.reward_fn_s_per_sample
+            return local * per_sample, 0.0
+        if call.endswith(".forward"):
+            b = self._micro(choice, local)
+            compute = sum(
+                self.op_time(shape, "forward", min(b, local - i), w.sequence_length)
+                for i in range(0, local, b)
+            )
+            return compute, ceil_div(local, b) * self.all_gather_s(ranks, gather)
+        return self._train_time(choice, call, shape, ranks)
+
+    def _train_time(
+        self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
+    ) -> tuple[float, float]:
+        w, n = self.workload, len(ranks)
+        wrapper = choice.plan.wrappers[role_of(call)]
+        local = ceil_div(w.batch_size // w.num_minibatches, n)
+        b = self._micro(choice, local)
+        steps = w.ppo_epochs * w.num_minibatches
+        micro_steps = ceil_div(local, b)
+        compute = sum(
+            self.op_time(shape, "train", min(b, local - i), w.sequence_length) for i in range(0, local, b)
+        )
+        local_params = ceil_div(shape.params, n) if wrapper in SHARD_OPTIMIZER and n > 1 else shape.params
+        compute += self.op_time(shape, "optimizer", local_params, 0)
+        if wrapper in SHARD_PARAMS:  # gather for forward and backward, reduce-scatter grads, per micro-batch
+            comm = micro_steps * 3 * self.all_gather_s(ranks, shape.param_bytes)
+        else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
+            comm = self.all_reduce_s(ranks, shape.param_bytes)
+        comm += 2 * self.all_reduce_s(ranks, 64)  # gradient-norm clip and the stats sum
+        return steps * compute, steps * comm
+
+    def reallocate_time(self, plan: PlacementPlan, role: str) -> tuple[tuple[int, ...], float]:
+        """(ranks involved, seconds) to refresh the shadow copies of a trained role; no ranks when it has none."""
+        shape = self.workload.shape(role)
+        shadows = plan.shadow_ranks(role)
+        if not shadows or shape is None:
+            return (), 0.0
+        train = plan.ranks(f"{role}.train")
+        seconds = self.broadcast_s((train[0], *shadows), shape.param_bytes)
+        seconds += ceil_div(shape.param_bytes, REALLOCATION_BUCKET_BYTES) * self.collective_latency
+        if plan.wrappers[role] in SHARD_PARAMS and len(train) > 1:
+            seconds += self.all_gather_s(train, shape.param_bytes)  # full_tensor() of every shard
+            return tuple(sorted({*train, *shadows})), seconds
+        return tuple(sorted({train[0], *shadows})), seconds
+
+    def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int) -> float:
+        """``Placement.gather_to_world``: every rank all-gathers the call's shards, padded to the largest."""
+        world = tuple(range(plan.world_size))
+        rows = ceil_div(self.workload.batch_size, len(plan.ranks(call)))
+        return self.all_gather_s(world, plan.world_size * rows * bytes_per_row) + self.all_gather_s(world, 0)
+
+    # ---- the schedule
+
+    def tasks(self, choice: PlanChoice) -> list[Task]:
+        """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order.
+
+        It follows ``RLHFModule.training_step``: generate; gather the rollout to every rank (a world collective);
+        each rank runs its forwards (reference, reward, critic); three world gathers; actor.train, then a world
+        broadcast of its statistics; critic.train and its broadcast; then the shadow copies are refreshed.
+        With ``overlap`` the train calls of the previous rollout run before the rollout gather.
+        """
+        plan, w = choice.plan, self.workload
+        world = tuple(range(plan.world_size))
+        t_gen = w.generation_length
+        gathers = {
+            "actor.generate": t_gen * (8 + 8 + 4),  # responses, response mask (int64), logprobs
+            "reference.forward": t_gen * 4,
+            "reward.forward": 4,
+            "critic.forward": t_gen * 4,
+        }
+        tasks: list[Task] = []
+
+        def add(name: str, ranks: tuple[int, ...], seconds: float, compute: bool = True) -> None:
+            tasks.append(Task(name, ranks, seconds, compute))
+
+        def call(iteration: int, name: str) -> None:
+            compute, comm = self.call_time(choice, name)
+            add(f"{name}#{iteration}", plan.ranks(name), compute)
+            if comm:
+                add(f"{name}:comm#{iteration}", plan.ranks(name), comm, compute=False)
+
+        def train(iteration: int) -> None:
+            for role in TRAINABLE_ROLES:
+                call(iteration, f"{role}.train")
+                add(f"{role}.stats#{iteration}", world, self.broadcast_s(world, 64), compute=False)
+
+        for i in range(UNROLLED_ITERATIONS):
+            call(i, "actor.generate")
+            if plan.overlap and i > 0:
+                train(i)  # on the rollout of iteration i - 1
+            add(
+                f"gather.rollout#{i}",
+                world,
+                self.world_gather_s(plan, "actor.generate", gathers["actor.generate"]),
+                compute=False,
+            )
+            for name in ("reference.forward", "reward.forward", "critic.forward"):
+                call(i, name)
+            for name in ("reference.forward", "reward.forward", "critic.forward"):
+                add(
+                    f"gather.{role_of(name)}#{i}",
+                    world,
+                    self.world_gather_s(plan, name, gathers[name]),
+                    compute=False,
+                )
+            if not plan.overlap:
+                train(i)
+            if not plan.overlap or i > 0:
+                for role in TRAINABLE_ROLES:
+                    ranks, seconds = self.reallocate_time(plan, role)
+                    if ranks:
+                        add(f"{role}.reallocate#{i}", ranks, seconds, compute=False)
+        return tasks
+
+    def evaluate(self, choice: PlanChoice) -> Estimate:
+        """Predict time and memory of ``choice``; a plan that does not fit is rejected with its breakdown."""
+        rows = self.memory(choice)
+        call_s = {}
+        for name in CALLS:
+            compute, comm = self.call_time(choice, name)
+            call_s[name] = compute + comm
+        call_s["reallocate"] = sum(self.reallocate_time(choice.plan, r)[1] for r in TRAINABLE_ROLES)
+        rejected = self.check_memory(rows)
+        tasks = self.tasks(choice)
+        spans = simulate(tasks, self.cluster)
+        iteration = [int(t.name.rsplit("#", 1)[1]) for t in tasks]
+        ends = [max(e for k, (_, e) in zip(iteration, spans) if k == i) for i in range(UNROLLED_ITERATIONS)]
+        steady = (ends[-1] - ends[1]) / (UNROLLED_ITERATIONS - 2)
+        last = UNROLLED_ITERATIONS - 1
+        timeline = [
+            (t.name.rsplit("#", 1)[0], t.ranks, s - ends[-2], e - ends[-2])
+            for t, k, (s, e) in zip(tasks, iteration, spans)
+            if k == last
+        ]
+        return Estimate(
+            choice, steady, self.workload.batch_size / steady, call_s, rows, self.capacity, rejected, timeline
+        )
+
+
+def forward_flops(shape: RoleShape, batch: int, length: int) -> float:
+    """Matmul FLOPs of a forward pass over ``batch`` sequences of ``length`` tokens (causal attention)."""
+    return (
+        2 * shape.matmul_params * batch * length + 2 * shape.layers * shape.hidden * length * length * batch
+    )
+
+
+def decode_flops(shape: RoleShape, batch: int, context: int) -> float:
+    """FLOPs of one decode step: every weight once per sequence, attention over ``context`` cached tokens."""
+    return 2 * shape.matmul_params * batch + 4 * shape.layers * shape.hidden * context * batch
+
+
+def _split(nbytes: int, ranks: int, sharded: bool) -> int:
+    return ceil_div(nbytes, ranks) if sharded and ranks > 1 else nbytes
+
+
+def _log2(n: int) -> int:
+    return (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------- discrete-event schedule
+
+
+@dataclass(frozen=True)
+class Task:
+    """Work one group of ranks does together."""
+
+    name: str
+    ranks: tuple[int, ...]
+    seconds: float
+    """Duration at full speed."""
+    compute: bool = True
+    """Whether it computes (and so shares the cores with other computing ranks) or only communicates."""
+
+
+def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
+    """(start, end) of every task. Each rank runs its tasks in list order; a task starts when all its ranks reach
+    it (so tasks on disjoint ranks overlap and tasks sharing a rank serialise). While more ranks of a node compute
+    than it has cores, each computing task slows to the node's share of the cores (processor sharing)."""
+    queues: dict[int, list[int]] = {}
+    for i, task in enumerate(tasks):
+        if not task.ranks:
+            raise ValueError(f"Task {task.name!r} has no ranks.")
+        for r in task.ranks:
+            queues.setdefault(r, []).append(i)
+    heads = dict.fromkeys(queues, 0)
+    remaining = [t.seconds for t in tasks]
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * len(tasks)
+    running: set[int] = set()
+    done = 0
+    now = 0.0
+    while done < len(tasks):
+        for r, queue in queues.items():  # start every task whose ranks all have it next
+            if heads[r] < len(queue):
+                i = queue[heads[r]]
+                if i not in running and all(
+                    heads[q] < len(queues[q]) and queues[q][heads[q]] == i for q in tasks[i].ranks
+                ):
+                    running.add(i)
+                    spans[i] = (now, now)
+        if not running:
+            raise RuntimeError(
+                "The schedule deadlocked: tasks wait for each other in a different order on different ranks."
+            )
+        busy: dict[int, int] = {}
+        for i in running:
+            if tasks[i].compute:
+                for r in tasks[i].ranks:
+                    busy[cluster.node_of(r)] = busy.get(cluster.node_of(r), 0) + 1
+        speed = {
+            i: min(cluster.compute_share(busy[cluster.node_of(r)]) for r in tasks[i].ranks)
+            if tasks[i].compute
+            else 1.0
+            for i in running
+        }
+        step = min(remaining[i] / speed[i] for i in running)
+        now += step
+        for i in sorted(running):
+            remaining[i] -= step * speed[i]
+            if remaining[i] <= 1e-12 * max(1.0, tasks[i].seconds):
+                running.discard(i)
+                spans[i] = (spans[i][0], now)
+                done += 1
+                for r in tasks[i].ranks:
+                    heads[r] += 1
+    return spans

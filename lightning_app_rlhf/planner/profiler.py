@@ -1,0 +1,340 @@
+"""Measure what each call costs on this hardware, per role shape; cache it on disk; interpolate between points.
+
+The profiler runs the engine's own functions (``generation.generate``, ``calls.reference_forward`` /
+``critic_forward`` / ``reward_forward``, ``actor_loss`` / ``critic_loss`` with backward, an AdamW step) on random-init
+models of the workload's shapes, over a small grid of batch x length, plus the device's matmul and copy ceilings and
+the collective bandwidth of the running process group. A :class:`Profile` answers the cost model's op times;
+shapes or ops it lacks fall back to the analytic model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
+from lightning_app_rlhf.planner.workload import RoleShape, Workload
+
+DEFAULT_CACHE = Path(
+    os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf")
+)
+
+
+@dataclass
+class Profile:
+    """Measured op times per role shape, and measured device ceilings."""
+
+    hardware: str
+    """What the times were measured on (CPU model, threads, torch version)."""
+    device: DeviceType | None = None
+    """Measured ceilings (None: use the cluster's)."""
+    ops: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    """Shape key -> op (``forward``, ``train``, ``decode``, ``optimizer``) -> ``[batch, length, seconds]`` points."""
+
+    def time(self, shape: RoleShape, op: str, batch: int, length: int) -> float | None:
+        """Seconds of ``op`` interpolated (bilinear in batch x length, linear beyond the grid); None if unmeasured."""
+        points = self.ops.get(shape.key, {}).get(op)
+        if not points:
+            return None
+        if op == "optimizer":  # proportional to the parameters updated
+            params, _, seconds = points[0]
+            return seconds * batch / params
+        return interpolate(points, batch, length)
+
+    def merge(self, other: Profile) -> Profile:
+        return Profile(self.hardware, other.device or self.device, {**self.ops, **other.ops})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "hardware": self.hardware,
+            "device": asdict(self.device) if self.device else None,
+            "ops": self.ops,
+        }
+        Path(path).write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        device = DeviceType(**data["device"]) if data.get("device") else None
+        return cls(data["hardware"], device, data["ops"])
+
+
+def interpolate(points: list[list[float]], batch: float, length: float) -> float:
+    """Bilinear interpolation on a full grid of (batch, length) points; linear extrapolation outside it."""
+    table = {(b, n): t for b, n, t in points}
+    batches = sorted({b for b, _, _ in points})
+    lengths = sorted({n for _, n, _ in points})
+
+    def along(values: list[float], x: float, at: Callable[[float], float]) -> float:
+        if len(values) == 1:
+            return at(values[0]) * x / values[0]  # one point: proportional
+        i = min(max(bisect.bisect_left(values, x) - 1, 0), len(values) - 2)
+        x0, x1 = values[i], values[i + 1]
+        y0, y1 = at(x0), at(x1)
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    value = along(lengths, length, lambda n: along(batches, batch, lambda b: table[(b, n)]))
+    return max(value, 0.2 * min(t for _, _, t in points))
+
+
+def hardware_key() -> str:
+    """The CPU model, torch threads and torch version: a profile is only reused on the same."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu} | threads={torch.get_num_threads()} | torch {torch.__version__}"
+
+
+def cache_path(shape: RoleShape, workload: Workload, cache_dir: Path = DEFAULT_CACHE) -> Path:
+    digest = hashlib.sha1(
+        f"{hardware_key()}|{shape.key}|{workload.prompt_length}|{workload.generation_length}".encode()
+    ).hexdigest()[:16]
+    return cache_dir / "profiles" / f"{shape.key}-{digest}.json"
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    import torch
+
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_of(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_device(threads: int | None = 1) -> DeviceType:
+    """Matmul FLOP/s and copy bandwidth of one process (with ``threads`` threads), into the ``cpu`` entry."""
+    import torch
+
+    with _threads(threads):
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        matmul = _best_of(lambda: a @ b, 5)
+        big = torch.empty(16 << 20)  # 64 MB
+        copy = _best_of(lambda: big.clone(), 3)
+    return replace(
+        DEVICE_TYPES["cpu"], flops=2 * 512**3 / matmul, memory_bandwidth=2 * big.numel() * 4 / copy
+    )
+
+
+def measure_collectives(device: DeviceType) -> DeviceType:
+    """All-reduce bandwidth and latency of the running default process group (every rank must call this)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return device
+    n = dist.get_world_size()
+    small, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
+
+    def all_reduce(t: torch.Tensor) -> Callable[[], None]:
+        return lambda: dist.all_reduce(t)
+
+    latency = _best_of(all_reduce(small), 5)
+    big = _best_of(all_reduce(large), 3)
+    bandwidth = 2 * (n - 1) / n * large.numel() * 4 / max(big - latency, 1e-6)
+    result = torch.tensor([latency, bandwidth], dtype=torch.float64)
+    dist.all_reduce(result)  # the same figures on every rank
+    latency, bandwidth = (result / n).tolist()
+    return replace(
+        device,
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=bandwidth,
+        collective_latency_s=latency / max(1, 2 * (n - 1)),
+    )
+
+
+def profile_workload(
+    workload: Workload,
+    *,
+    batches: tuple[int, ...] = (1, 4, 16),
+    threads: int | None = 1,
+    repeats: int = 2,
+    cache_dir: Path | None = DEFAULT_CACHE,
+    reward_fn: Callable[[list[str], list[str]], Any] | None = None,
+    tokenizer: Any = None,
+    prompts: list[str] | None = None,
+) -> Profile:
+    """Measure every role shape of ``workload`` (cached per hardware and shape) and this device's ceilings.
+
+    Args:
+        workload: Its shapes must carry their Hugging Face ``config`` (from :func:`role_shape`).
+        batches: Batch sizes of the grid; lengths are the workload's sequence length and half of it.
+        threads: Torch threads while measuring (1: one thread per process, as multi-process CPU runs use).
+        repeats: Timed repeats per point (the fastest counts).
+        cache_dir: Where profiles are cached; None disables the cache.
+        reward_fn: A Python reward function to time per sample (with ``tokenizer``).
+        tokenizer: Decodes responses for ``reward_fn``.
+        prompts: Real prompts for ``reward_fn`` (some functions read them); default random tokens.
+    """
+    profile = Profile(hardware_key(), measure_device(threads))
+    seen = set()
+    for role in ("actor", "critic", "reference", "reward"):
+        shape = workload.shape(role)
+        if shape is None or shape.key in seen:
+            continue
+        seen.add(shape.key)
+        path = cache_path(shape, workload, cache_dir) if cache_dir is not None else None
+        if path is not None and path.exists():
+            profile = profile.merge(Profile.load(path))
+            continue
+        with _threads(threads):
+            measured = Profile(
+                profile.hardware, None, {shape.key: measure_shape(shape, workload, batches, repeats)}
+            )
+        if path is not None:
+            measured.save(path)
+        profile = profile.merge(measured)
+    if reward_fn is not None and tokenizer is not None:
+        with _threads(threads):
+            per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts)
+        profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
+    return profile
+
+
+def measure_shape(
+    shape: RoleShape, workload: Workload, batches: tuple[int, ...], repeats: int
+) -> dict[str, list[list[float]]]:
+    """Op times of one role shape over ``batches`` x (sequence length, half of it)."""
+    import torch
+
+    from lightning_app_rlhf.calls import (
+        Experience,
+        actor_loss,
+        critic_forward,
+        critic_loss,
+        reference_forward,
+    )
+    from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+    from lightning_app_rlhf.generation import Rollout, generate
+    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+
+    if shape.config is None:
+        raise ValueError(
+            f"Shape {shape.name!r} has no Hugging Face config to build a model from: make it with "
+            "role_shape()."
+        )
+    spec = ModelSpec(config=dict(shape.config), dtype="bfloat16" if shape.dtype_bytes == 2 else "float32")
+    model = {
+        "causal_lm": build_causal_lm,
+        "value": build_critic,
+        "classifier": lambda s: build_reward_model(s, pad_token_id=0),
+    }[shape.kind](spec)
+    p, g = workload.prompt_length, workload.generation_length
+    lengths = sorted({max(2, (p + g) // 2), p + g})
+    ops: dict[str, list[list[float]]] = {"forward": [], "train": [], "decode": []}
+    ppo = PPOConfig()
+
+    def batch_of(b: int, n: int) -> tuple[Rollout, Experience]:
+        prompt = max(1, round(n * p / (p + g)))
+        sequences = torch.randint(3, shape.vocab, (b, n))
+        mask = torch.ones(b, n, dtype=torch.long)
+        rollout = Rollout(
+            sequences, mask, torch.ones(b, n - prompt, dtype=torch.long), torch.zeros(b, n - prompt), prompt
+        )
+        zeros = torch.zeros(b, n - prompt)
+        return rollout, Experience(
+            sequences, mask, rollout.response_mask, zeros, zeros, torch.randn(b, n - prompt), zeros, prompt, 0
+        )
+
+    def train_step(experience: Experience) -> None:
+        loss = (
+            actor_loss(model, experience, ppo, 1.0)[0]
+            if shape.kind == "causal_lm"
+            else critic_loss(model, experience, ppo)[0]
+        )
+        loss.backward()
+
+    for b in batches:
+        for n in lengths:
+            rollout, experience = batch_of(b, n)
+            if shape.kind == "causal_lm":
+                forward = lambda r=rollout: reference_forward(model, r, 1.0)
+            elif shape.kind == "value":
+                forward = lambda r=rollout: critic_forward(model, r)
+            else:
+                forward = lambda r=rollout: model(input_ids=r.sequences, attention_mask=r.attention_mask)
+            ops["forward"].append([b, n, _best_of(forward, repeats)])
+            if shape.kind != "classifier":
+                ops["train"].append([b, n, _best_of(lambda e=experience: train_step(e), repeats)])
+        if shape.kind == "causal_lm":  # decode step = (generate - prefill) / (steps - 1), at the mid context
+            prompts = torch.randint(3, shape.vocab, (b, p))
+            config = GenerationConfig(max_new_tokens=g)
+            keys = torch.arange(b)
+            gen = _best_of(
+                lambda x=prompts, c=config, k=keys: generate(model, x, torch.ones_like(x), c, k, -1, 0),
+                repeats,
+            )
+            prefill = _best_of(lambda x=prompts: model(input_ids=x, use_cache=True), repeats)
+            ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
+    if shape.kind == "classifier":
+        del ops["train"]
+    if shape.kind != "causal_lm":
+        del ops["decode"]
+    else:  # a second context point so decode interpolates along the context too
+        ops["decode"] += [[b, 2 * n, t] for b, n, t in ops["decode"]]
+    if shape.kind != "classifier":
+        optimizer = torch.optim.AdamW(model.parameters())
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        ops["optimizer"] = [[shape.params, 0, _best_of(step, repeats)]]
+    return ops
+
+
+def measure_reward_fn(
+    reward_fn: Callable[[list[str], list[str]], Any],
+    tokenizer: Any,
+    workload: Workload,
+    prompts: list[str] | None,
+) -> float:
+    """Seconds per sample of decoding and scoring with a Python reward function."""
+    import torch
+
+    from lightning_app_rlhf.calls import reward_forward
+    from lightning_app_rlhf.generation import Rollout
+
+    b, p, g = 32, workload.prompt_length, workload.generation_length
+    sequences = torch.randint(3, len(tokenizer), (b, p + g))
+    if prompts:  # real prompts, left-padded: some reward functions read them
+        for row in range(b):
+            ids = tokenizer.encode(prompts[row % len(prompts)], add_special_tokens=False)[-p:]
+            sequences[row, :p] = tokenizer.pad_token_id
+            sequences[row, p - len(ids) : p] = torch.tensor(ids)
+    mask = torch.ones_like(sequences)
+    rollout = Rollout(sequences, mask, mask[:, p:], torch.zeros(b, g), p)
+    return _best_of(lambda: reward_forward(reward_fn, rollout, tokenizer), 3) / b

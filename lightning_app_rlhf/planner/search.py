@@ -1,0 +1,471 @@
+"""Plan search: APP's two-phase grid and ReaLHF's Metropolis MCMC, over the cost model. Plain Python.
+
+:func:`plan_placement` evaluates the three presets, runs the searches, and returns a :class:`PlannerResult` whose
+``best`` is a :class:`~lightning_app_rlhf.planner.cost_model.PlanChoice` (a ``PlacementPlan`` plus batch sizes).
+Both searches are deterministic under a seed (MCMC as long as its step limit, not its time budget, ends it).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from lightning_app_rlhf.plan import (
+    CALLS,
+    TRAINABLE_ROLES,
+    PlacementPlan,
+    flattening_plan,
+    interleaving_plan,
+    separation_plan,
+)
+from lightning_app_rlhf.planner.cluster import Cluster
+from lightning_app_rlhf.planner.cost_model import (
+    CostModel,
+    Estimate,
+    PlanChoice,
+    gib,
+)
+from lightning_app_rlhf.planner.profiler import Profile
+from lightning_app_rlhf.planner.workload import Workload, ceil_div
+
+SEARCHES = ("app", "mcmc", "both", "presets")
+PRESETS = ("flattening", "interleaving", "separation")
+WRAPPER_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+"""Least sharding (least communication) first."""
+OVERFLOW_PENALTY = 2.0
+"""MCMC cost of a plan that does not fit: its time x (1 + OVERFLOW_PENALTY x the fraction it overflows by)."""
+
+
+class PlannerError(ValueError):
+    """No plan can run the workload on the cluster; the message carries the memory breakdown."""
+
+
+@dataclass
+class Candidate:
+    """One evaluated plan."""
+
+    estimate: Estimate
+    source: str
+    """``preset``, ``app`` or ``mcmc``."""
+
+    @property
+    def choice(self) -> PlanChoice:
+        return self.estimate.choice
+
+    @property
+    def plan(self) -> PlacementPlan:
+        return self.estimate.choice.plan
+
+    @property
+    def iteration_s(self) -> float:
+        return self.estimate.iteration_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.estimate.samples_per_s
+
+    @property
+    def rejected(self) -> str | None:
+        return self.estimate.rejected
+
+    def to_dict(self) -> dict[str, Any]:
+        e, plan = self.estimate, self.plan
+        return {
+            "name": plan.name,
+            "source": self.source,
+            "label": self.choice.label,
+            "calls": {c: list(plan.ranks(c)) for c in CALLS},
+            "wrappers": dict(plan.wrappers),
+            "overlap": plan.overlap,
+            "generation_batch": self.choice.generation_batch,
+            "micro_batch": self.choice.micro_batch,
+            "iteration_s": e.iteration_s if e.fits else None,
+            "samples_per_s": e.samples_per_s if e.fits else None,
+            "peak_memory_bytes": e.peak_bytes,
+            "capacity_bytes": e.capacity_bytes,
+            "rejected": e.rejected,
+            "call_s": e.call_s,
+            "memory": [
+                {
+                    "rank": m.rank,
+                    "weights": m.weights,
+                    "grads": m.grads,
+                    "optimizer": m.optimizer,
+                    "activations": m.activations,
+                    "kv_cache": m.kv_cache,
+                    "param_bytes": m.param_bytes,
+                    "state_bytes": m.state_bytes,
+                    "roles": m.roles,
+                }
+                for m in e.memory
+            ],
+        }
+
+
+@dataclass
+class PlannerResult:
+    """What :func:`plan_placement` found."""
+
+    best: Candidate
+    """The fastest plan that fits."""
+    candidates: list[Candidate]
+    """The presets (each with its best wrapper and batches) and the top searched plans, fastest first;
+    rejected ones last, with their reason."""
+    presets: dict[str, Candidate]
+    """``flattening``, ``interleaving``, ``separation`` (those the world size allows)."""
+    cluster: Cluster
+    workload: Workload
+    rules: list[str] = field(default_factory=list)
+    """What APP's prior rules pruned, and why."""
+    search_s: float = 0.0
+
+    @property
+    def plan(self) -> PlacementPlan:
+        return self.best.plan
+
+    def speedup_over(self, preset: str = "flattening") -> float | None:
+        """Predicted speedup of ``best`` over a preset (None when the preset does not fit)."""
+        base = self.presets.get(preset)
+        if base is None or not base.estimate.fits:
+            return None
+        return base.iteration_s / self.best.iteration_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster.name,
+            "workload": self.workload.name,
+            "world_size": self.cluster.world_size,
+            "best": self.best.to_dict(),
+            "speedup_over_flattening": self.speedup_over("flattening"),
+            "presets": {name: c.to_dict() for name, c in self.presets.items()},
+            "candidates": [c.to_dict() for c in self.candidates],
+            "rules": self.rules,
+            "search_s": self.search_s,
+        }
+
+
+def plan_placement(
+    cluster: Cluster,
+    workload: Workload,
+    *,
+    search: str = "both",
+    seed: int = 0,
+    time_budget_s: float = 10.0,
+    profile: Profile | None = None,
+    top_k: int = 5,
+    mcmc_steps: int = 2000,
+    beta: float = 10.0,
+) -> PlannerResult:
+    """Choose a placement and batch sizes for ``workload`` on ``cluster``.
+
+    Args:
+        cluster: Where it runs (:func:`~lightning_app_rlhf.planner.cluster.parse_cluster` or
+            :func:`~lightning_app_rlhf.planner.cluster.cluster_from_environment`).
+        workload: What an iteration computes (:func:`~lightning_app_rlhf.planner.workload.llama_workload`,
+            :func:`~lightning_app_rlhf.planner.workload.workload_from_module`).
+        search: ``app`` (prior rules + grid), ``mcmc`` (ReaLHF), ``both``, or ``presets`` only.
+        seed: Seeds the MCMC chain.
+        time_budget_s: Wall-time bound of the MCMC chain.
+        profile: Measured op times; None uses the analytic model.
+        top_k: Searched plans kept besides the presets.
+        mcmc_steps: Proposals of the MCMC chain (it also stops at ``time_budget_s``).
+        beta: MCMC inverse temperature: a plan ``d`` times slower (relative) is accepted with ``exp(-beta * d)``.
+
+    Raises:
+        PlannerError: Nothing fits (the message shows the memory breakdown of the closest plan).
+    """
+    if search not in SEARCHES:
+        raise ValueError(f"search={search!r}: choose one of {SEARCHES}.")
+    start = time.perf_counter()
+    model = CostModel(cluster, workload, profile)
+    _check_replica_fits(model)
+    presets = {name: _best_of(model, plans, "preset") for name, plans in _preset_plans(model).items()}
+    searched: list[Candidate] = []
+    rules: list[str] = []
+    if search in ("app", "both"):
+        searched += app_search(model, rules)
+    if search in ("mcmc", "both"):
+        searched += mcmc_search(
+            model, seed=seed, steps=mcmc_steps, time_budget_s=time_budget_s, beta=beta, top_k=top_k
+        )
+    fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
+    if not fitting:
+        closest = min(presets.values(), key=lambda c: c.estimate.peak_bytes)
+        raise PlannerError(
+            f"No placement of {workload.name} fits on {cluster.name}. The closest, {closest.plan.name} "
+            f"with {'/'.join(closest.plan.wrappers.values())}, is {closest.rejected}. Use more or "
+            "larger devices, smaller models, or shorter sequences."
+        )
+    top = _distinct(sorted(searched, key=_cost), top_k)
+    rejected = [c for c in presets.values() if not c.estimate.fits]
+    result = PlannerResult(
+        fitting[0],
+        [*_distinct([*presets.values(), *top], 2 * top_k + 3)] + rejected,
+        presets,
+        cluster,
+        workload,
+        rules,
+    )
+    result.candidates = sorted(_distinct(result.candidates, 2 * top_k + 3), key=_cost)
+    result.search_s = time.perf_counter() - start
+    return result
+
+
+def _cost(candidate: Candidate) -> tuple[float, str]:
+    return candidate.iteration_s if candidate.estimate.fits else math.inf, candidate.choice.label
+
+
+def _distinct(candidates: list[Candidate], limit: int) -> list[Candidate]:
+    seen, out = set(), []
+    for c in candidates:
+        if c.choice.key not in seen:
+            seen.add(c.choice.key)
+            out.append(c)
+    return out[:limit]
+
+
+def _check_replica_fits(model: CostModel) -> None:
+    """Fail early when even full sharding over every rank cannot hold the models."""
+    w, cluster = model.workload, model.cluster
+    n = cluster.world_size
+    total, lines = 0, []
+    for role in ("actor", "critic", "reference", "reward"):
+        shape = w.shape(role)
+        if shape is None:
+            continue
+        if shape.param_bytes > model.capacity:  # the engine holds frozen roles and shadows whole
+            raise PlannerError(
+                f"The {role} ({shape.name}, {gib(shape.param_bytes)} of weights) does not fit on one "
+                f"{cluster.device.name} ({gib(model.capacity)} usable): the engine keeps frozen roles "
+                "and generation copies whole (no tensor parallelism). Use larger devices or a smaller "
+                "model."
+            )
+        full = shape.param_bytes
+        if role in w.trainable:
+            full = int(shape.params * (2 * shape.dtype_bytes + w.optimizer_bytes_per_param))
+        lines.append(f"{role} {gib(full)}")
+        total += full
+    if total > n * model.capacity:
+        raise PlannerError(
+            f"{w.name} cannot fit on {cluster.name}: weights, grads and optimizer state take "
+            f"{gib(total)} = {' + '.join(lines)}, more than {n} x {gib(model.capacity)} usable. Use "
+            "more or larger devices, or smaller models."
+        )
+
+
+# ---------------------------------------------------------------- batch sizes for a plan
+
+
+def choose_batches(model: CostModel, plan: PlacementPlan) -> PlanChoice:
+    """The largest generation batch and micro-batch that fit (whole shards when they do, as the engine runs)."""
+    w = model.workload
+    gen_shard = ceil_div(w.batch_size, len(plan.ranks("actor.generate")))
+    generation = _fitting(model, plan, "generation_batch", gen_shard)
+    micro_shard = ceil_div(w.batch_size, min(len(plan.ranks(c)) for c in CALLS if not c.endswith("generate")))
+    micro = _fitting(model, plan, "micro_batch", micro_shard)
+    return PlanChoice(plan, generation, micro)
+
+
+def _fitting(model: CostModel, plan: PlacementPlan, what: str, shard: int) -> int | None:
+    """Largest value of ``what`` (None = the whole shard, then powers of two) whose calls fit next to the static
+    bytes of their ranks."""
+    static = [m.total for m in model.static_memory(plan)]
+    calls = ["actor.generate"] if what == "generation_batch" else [c for c in CALLS if c != "actor.generate"]
+    headroom = {c: model.capacity - max(static[r] for r in plan.ranks(c)) for c in calls}
+    options = [None] + [2**k for k in range(int(math.log2(max(shard, 1))), -1, -1) if 2**k < shard]
+    for value in options:
+        choice = PlanChoice(plan, **{what: value})
+        if all(sum(model.transient(choice, c)) <= headroom[c] for c in calls):
+            return value
+    return 1
+
+
+def evaluate(model: CostModel, plan: PlacementPlan) -> Estimate:
+    return model.evaluate(choose_batches(model, plan))
+
+
+def _best_of(model: CostModel, plans: list[PlacementPlan], source: str) -> Candidate:
+    estimates = [evaluate(model, p) for p in plans]
+    fitting = [e for e in estimates if e.fits]
+    if fitting:
+        return Candidate(min(fitting, key=lambda e: e.iteration_s), source)
+    return Candidate(min(estimates, key=lambda e: e.peak_bytes), source)
+
+
+def _wrappers(model: CostModel) -> list[str]:
+    return [w for w in WRAPPER_ORDER if w in model.workload.wrappers]
+
+
+def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
+    n = model.cluster.world_size
+    plans = {"flattening": [flattening_plan(n, w) for w in _wrappers(model)]}
+    if n >= 2:
+        plans["interleaving"] = (
+            [interleaving_plan(n, 0.5, 0.5, w) for w in _wrappers(model)]
+            if n % 2 == 0
+            else [interleaving_plan(n, (n // 2) / n, (n - n // 2) / n, w) for w in _wrappers(model)]
+        )
+        plans["separation"] = [
+            separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w) for w in _wrappers(model)
+        ]
+    return plans
+
+
+# ---------------------------------------------------------------- APP: prior rules, then a grid
+
+
+def _ratio_steps(n: int) -> list[int]:
+    """Rank counts a ratio may give: every count on up to 8 ranks, multiples of n/8 beyond."""
+    step = max(1, n // 8)
+    return list(range(step, n, step))
+
+
+def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
+    """APP's adaptive planner: prune placements with prior rules, then a grid over placement ratios and ZeRO stages,
+    with the generation batch and micro-batch set to the largest that fit."""
+    w, n = model.workload, model.cluster.world_size
+    capacity = model.capacity
+    plans: list[PlacementPlan] = [flattening_plan(n, wr) for wr in _wrappers(model)]
+    if n == 1:
+        rules.append("one device: only flattening")
+        return [Candidate(evaluate(model, p), "app") for p in plans]
+    frozen = sum(s.param_bytes for s in (w.reference, w.reward) if s is not None)
+    if frozen >= 0.05 * capacity:
+        for n_ref in _ratio_steps(n):
+            for n_rew in _ratio_steps(n):
+                if n_ref + n_rew <= n:
+                    plans += [
+                        interleaving_plan(n, Fraction(n_ref, n), Fraction(n_rew, n), wr)
+                        for wr in _wrappers(model)
+                    ]
+    else:
+        rules.append(
+            f"interleaving grid skipped: reference + reward weights ({gib(frozen)}) are under 5% of a "
+            "device, so splitting them saves little memory"
+        )
+    shadows = w.actor.param_bytes + w.critic.param_bytes + frozen
+    if shadows > capacity:
+        rules.append(
+            f"separation skipped: the generation group holds whole copies of all four models "
+            f"({gib(shadows)}), more than a device ({gib(capacity)})"
+        )
+    elif n < 4:
+        rules.append(
+            "separation grid skipped: it pays off at scale (>= 4 devices); only its preset is evaluated"
+        )
+    else:
+        for n_gen in _ratio_steps(n):
+            plans += [
+                separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)
+            ]
+    return [Candidate(evaluate(model, p), "app") for p in plans]
+
+
+# ---------------------------------------------------------------- ReaLHF: Metropolis MCMC over per-call groups
+
+
+def device_groups(cluster: Cluster) -> list[tuple[int, ...]]:
+    """Contiguous, aligned blocks of ranks (ReaLHF's meshes): power-of-two sizes up to a node, then whole nodes;
+    on multi-node clusters no smaller than half a node."""
+    n, per_node = cluster.world_size, cluster.devices_per_node
+    smallest = max(1, per_node // 2) if cluster.nodes > 1 else 1
+    sizes = sorted(
+        {s for s in (2**k for k in range(n.bit_length())) if smallest <= s <= per_node}
+        | {k * per_node for k in range(1, cluster.nodes + 1) if n % (k * per_node) == 0}
+    )
+    return [tuple(range(start, start + size)) for size in sizes for start in range(0, n - size + 1, size)]
+
+
+def mcmc_search(
+    model: CostModel,
+    *,
+    seed: int = 0,
+    steps: int = 2000,
+    time_budget_s: float = 10.0,
+    beta: float = 10.0,
+    top_k: int = 5,
+) -> list[Candidate]:
+    """ReaLHF's search: a state gives every call a device group and every trainable role a wrapper. It starts from
+    each call's individually fastest group, proposes changing one call's group (or one wrapper), and accepts a
+    plan ``d`` slower (relative) with probability ``exp(-beta * d)``. Returns the ``top_k`` best plans that fit,
+    fastest first, then the start (source ``mcmc start``)."""
+    rng = random.Random(seed)
+    groups = device_groups(model.cluster)
+    wrappers = _wrappers(model)
+    n = model.cluster.world_size
+    cache: dict[tuple, Estimate | None] = {}
+
+    def estimate(state: tuple) -> Estimate | None:
+        if state not in cache:
+            cache[state] = _evaluate_state(model, state, groups, wrappers, n)
+        return cache[state]
+
+    def cost(state: tuple) -> float:
+        e = estimate(state)
+        if e is None:
+            return math.inf
+        if not e.fits:  # a soft penalty, so the chain can cross infeasible plans: worse the more it overflows
+            return e.iteration_s * (1 + OVERFLOW_PENALTY * (e.peak_bytes / e.capacity_bytes - 1))
+        return e.iteration_s
+
+    current = _fastest_start(model, groups, wrappers, estimate)
+    current_cost = cost(current)
+    start_state = current
+    deadline = time.perf_counter() + time_budget_s
+    for _ in range(steps):
+        if time.perf_counter() > deadline:
+            break
+        proposal = list(current)
+        slot = rng.randrange(len(CALLS) + len(TRAINABLE_ROLES))
+        if slot < len(CALLS):
+            proposal[slot] = rng.randrange(len(groups))
+        else:
+            proposal[slot] = rng.randrange(len(wrappers))
+        proposal = tuple(proposal)
+        new_cost = cost(proposal)
+        if math.isinf(new_cost):
+            continue
+        delta = (new_cost - current_cost) / current_cost if math.isfinite(current_cost) else -1.0
+        if delta <= 0 or rng.random() < math.exp(-beta * delta):
+            current, current_cost = proposal, new_cost
+    ranked = sorted((s for s, e in cache.items() if e is not None and e.fits), key=lambda s: (cost(s), s))
+    best = [Candidate(cache[s], "mcmc") for s in ranked[:top_k]]
+    return [*best, Candidate(cache[start_state], "mcmc start")] if cache[start_state] is not None else best
+
+
+def _evaluate_state(
+    model: CostModel, state: tuple, groups: list, wrappers: list[str], n: int
+) -> Estimate | None:
+    calls = {c: groups[state[i]] for i, c in enumerate(CALLS)}
+    roles = {r: wrappers[state[len(CALLS) + i]] for i, r in enumerate(TRAINABLE_ROLES)}
+    try:
+        plan = PlacementPlan(n, calls, roles, name="mcmc")
+    except ValueError:
+        return None  # ranks left idle, or a sharded role split across its own group
+    return evaluate(model, plan)
+
+
+def _fastest_start(model: CostModel, groups: list, wrappers: list[str], estimate: Any) -> tuple:
+    """Each call on the group where it alone runs fastest, with the least-sharding wrapper that fits there."""
+    n = model.cluster.world_size
+    everyone = flattening_plan(n, wrappers[0])
+    state = []
+    for call in CALLS:
+        times = []
+        for i, group in enumerate(groups):
+            calls = {c: everyone.ranks(c) for c in CALLS}
+            calls[call] = group
+            plan = PlacementPlan(n, calls, everyone.wrappers, name="probe")
+            compute, comm = model.call_time(choose_batches(model, plan), call)
+            times.append((compute + comm, -len(group), i))
+        state.append(min(times)[2])
+    for wrapper_index in range(len(wrappers)):
+        candidate = (*state, wrapper_index, wrapper_index)
+        e = estimate(candidate)
+        if e is not None and e.fits:
+            return candidate
+    return (*state, len(wrappers) - 1, len(wrappers) - 1)

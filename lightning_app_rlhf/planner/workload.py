@@ -1,0 +1,393 @@
+"""What one PPO iteration computes: the shape of each role's model and the batch it runs. Plain Python.
+
+A role's shape comes from a named size (``llama-7b``, ``gpt2-tiny``...) or a Hugging Face config (a dict with
+``model_type`` or a ``PretrainedConfig``); :func:`workload_from_module` reads an ``RLHFModule``'s specs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lightning_app_rlhf.plan import TRAINABLE_ROLES, WRAPPERS
+
+ROLE_KINDS = ("causal_lm", "value", "classifier")
+
+
+@dataclass(frozen=True)
+class RoleShape:
+    """The model of one role, as the cost model needs it."""
+
+    name: str
+    """A label, e.g. ``llama-7b``."""
+    kind: str
+    """``causal_lm`` (actor, reference), ``value`` (critic: backbone + value head) or ``classifier`` (reward)."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    """Key/value heads (grouped-query attention); equal to ``heads`` for plain multi-head attention."""
+    intermediate: int
+    """Width of the MLP."""
+    vocab: int
+    params: int
+    """Parameters of the built model (tied weights counted once), as ``module.parameters()`` sees them."""
+    matmul_params: int
+    """Parameters multiplied once per token in a forward pass (all but embedding lookups and norms; an output
+    head counts once even when tied to the input embedding)."""
+    dtype_bytes: int = 4
+    """Bytes per parameter: 4 for float32, 2 for bfloat16."""
+    tied_head: bool = False
+    """Whether a causal LM's output head shares the input embedding (GPT-2)."""
+    config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The Hugging Face config fields it was read from (the profiler builds the model from them)."""
+
+    @property
+    def key(self) -> str:
+        """Identifies the shape for profile caches: kind, sizes and dtype."""
+        return (
+            f"{self.kind}-L{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}-ff{self.intermediate}"
+            f"-v{self.vocab}-p{self.params}-b{self.dtype_bytes}"
+        )
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROLE_KINDS:
+            raise ValueError(f"Role kind {self.kind!r} is not one of {ROLE_KINDS}.")
+        if min(self.layers, self.hidden, self.heads, self.vocab, self.params) < 1:
+            raise ValueError(f"Role shape {self.name!r} has a non-positive size: {self}.")
+
+    @property
+    def param_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache of one token over all layers (keys and values)."""
+        return 2 * self.layers * self.hidden * self.kv_heads // self.heads * self.dtype_bytes
+
+    @property
+    def head_outputs(self) -> int:
+        return self.vocab if self.kind == "causal_lm" else 1
+
+    def as_kind(self, kind: str) -> RoleShape:
+        """The same backbone with another head: a critic or a reward model built from a causal LM's config."""
+        if kind == self.kind:
+            return self
+        base_params = self.params - _head_params(self)
+        base_matmul = self.matmul_params - self.hidden * self.head_outputs
+        shaped = replace(self, kind=kind, params=base_params, matmul_params=base_matmul)
+        return replace(
+            shaped,
+            params=base_params + _head_params(shaped),
+            matmul_params=base_matmul + self.hidden * shaped.head_outputs,
+        )
+
+
+def _head_params(shape: RoleShape) -> int:
+    """Parameters of the head on top of the backbone: an untied LM head, a value head (with bias) or a score."""
+    if shape.kind == "value":
+        return shape.hidden + 1
+    if shape.kind == "classifier":
+        return shape.hidden
+    return 0 if shape.tied_head else shape.hidden * shape.vocab
+
+
+NAMED_SIZES: dict[str, dict[str, Any]] = {
+    # LLaMA-1 sizes (APP's and ReaLHF's experiments), 2k context.
+    "llama-7b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+    },
+    "llama-13b": {
+        "model_type": "llama",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "intermediate_size": 13824,
+        "vocab_size": 32000,
+    },
+    "llama-33b": {
+        "model_type": "llama",
+        "num_hidden_layers": 60,
+        "hidden_size": 6656,
+        "num_attention_heads": 52,
+        "intermediate_size": 17920,
+        "vocab_size": 32000,
+    },
+    "llama-65b": {
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "intermediate_size": 22016,
+        "vocab_size": 32000,
+    },
+    # Our demo model (examples/configs/demo_cpu.yaml) and GPT-2 small.
+    "gpt2-tiny": {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 4,
+        "vocab_size": 512,
+        "n_positions": 64,
+    },
+    "gpt2-small": {
+        "model_type": "gpt2",
+        "n_layer": 12,
+        "n_embd": 768,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    },
+}
+"""Named model sizes, as Hugging Face config fields."""
+
+
+def role_shape(
+    source: str | dict[str, Any] | Any, kind: str = "causal_lm", dtype_bytes: int = 4
+) -> RoleShape:
+    """The shape of a model from a named size, a config dict with ``model_type``, a ``PretrainedConfig``, a local
+    model directory or a ``config.json`` path.
+
+    Args:
+        source: ``llama-7b``, ``gpt2-tiny``... (see :data:`NAMED_SIZES`), a config, or a path.
+        kind: ``causal_lm``, ``value`` (critic) or ``classifier`` (reward model).
+        dtype_bytes: Bytes per parameter (4 float32, 2 bfloat16).
+    """
+    name = "custom"
+    if isinstance(source, str):
+        if source.lower() in NAMED_SIZES:
+            name, source = source.lower(), NAMED_SIZES[source.lower()]
+        elif os.path.exists(source):
+            path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+            with open(path) as f:
+                name, source = os.path.basename(os.path.dirname(os.path.abspath(path))), json.load(f)
+        else:
+            raise ValueError(
+                f"Unknown model size {source!r}: use one of {sorted(NAMED_SIZES)}, a local model "
+                "directory, a config.json path, or a config dict with 'model_type'."
+            )
+    fields = source if isinstance(source, dict) else source.to_dict()
+    model_type = fields.get("model_type")
+    if model_type is None:
+        raise ValueError(f"A model config needs 'model_type' (e.g. 'gpt2' or 'llama'); got {sorted(fields)}.")
+    if model_type == "gpt2":
+        shape = _gpt2_shape(fields, name)
+    elif "intermediate_size" in fields or model_type in ("llama", "mistral", "qwen2"):
+        shape = _llama_shape(fields, name)
+    else:
+        shape = _counted_shape(fields, name)
+    return replace(shape, dtype_bytes=dtype_bytes, config=dict(fields)).as_kind(kind)
+
+
+def _gpt2_shape(f: dict[str, Any], name: str) -> RoleShape:
+    layers, h = f.get("n_layer", 12), f.get("n_embd", 768)
+    heads, vocab, positions = f.get("n_head", 12), f.get("vocab_size", 50257), f.get("n_positions", 1024)
+    inner = f.get("n_inner") or 4 * h
+    # Per block: c_attn 3h^2+3h, attn c_proj h^2+h, c_fc h*inner+inner, mlp c_proj inner*h+h, two LayerNorms 4h.
+    block = 4 * h * h + 2 * h * inner + inner + 9 * h
+    params = vocab * h + positions * h + layers * block + 2 * h  # LM head tied to wte
+    matmul = layers * (4 * h * h + 2 * h * inner) + h * vocab
+    label = name if name != "custom" else f"gpt2-{layers}x{h}"
+    return RoleShape(
+        label, "causal_lm", layers, h, heads, heads, inner, vocab, params, matmul, tied_head=True
+    )
+
+
+def _llama_shape(f: dict[str, Any], name: str) -> RoleShape:
+    layers, h = f.get("num_hidden_layers", 32), f.get("hidden_size", 4096)
+    heads, vocab, inner = (
+        f.get("num_attention_heads", 32),
+        f.get("vocab_size", 32000),
+        f.get("intermediate_size"),
+    )
+    kv_heads = f.get("num_key_value_heads") or heads
+    kv = h * kv_heads // heads
+    tied = bool(f.get("tie_word_embeddings", False))
+    block = 2 * h * h + 2 * h * kv + 3 * h * inner + 2 * h  # q, o, k, v, gate/up/down, two RMSNorms
+    params = vocab * h + layers * block + h + (0 if tied else vocab * h)
+    matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * inner) + h * vocab
+    label = name if name != "custom" else f"{f['model_type']}-{layers}x{h}"
+    return RoleShape(
+        label, "causal_lm", layers, h, heads, kv_heads, inner, vocab, params, matmul, tied_head=tied
+    )
+
+
+def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
+    """Other architectures: count parameters on the meta device (no memory), read sizes from the config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(f)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    h, vocab = config.hidden_size, config.vocab_size
+    tied = model.get_output_embeddings() is not None and getattr(config, "tie_word_embeddings", False)
+    matmul = params - embeddings + (h * vocab if tied else 0)
+    heads = config.num_attention_heads
+    inner = getattr(config, "intermediate_size", None) or 4 * h
+    return RoleShape(
+        name if name != "custom" else config.model_type,
+        "causal_lm",
+        config.num_hidden_layers,
+        h,
+        heads,
+        getattr(config, "num_key_value_heads", None) or heads,
+        inner,
+        vocab,
+        params,
+        matmul,
+        tied_head=bool(tied),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One PPO iteration: the four roles' shapes and the batch they run."""
+
+    actor: RoleShape
+    critic: RoleShape
+    reference: RoleShape
+    reward: RoleShape | None
+    """None: the reward is a Python function (no model, no memory)."""
+    batch_size: int
+    """Prompts per iteration (the global rollout batch)."""
+    prompt_length: int
+    """Padded prompt tokens."""
+    generation_length: int
+    """Generated tokens per response (the cost model assumes every response runs to this length)."""
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    trainable: tuple[str, ...] = TRAINABLE_ROLES
+    """Roles with a train call. The engine trains both actor and critic."""
+    wrappers: tuple[str, ...] = ("ddp", "fsdp2")
+    """Wrappers the search may give the trainable roles. DeepSpeed's ``zero1``-``zero3`` only where deepspeed is
+    installed: ``PlacementPlan`` refuses them otherwise (see :func:`installed_wrappers`)."""
+    optimizer_bytes_per_param: float = 8.0
+    """Optimizer state per trainable parameter: AdamW's two slots in the parameter dtype (8 at float32, as
+    ``memory.py`` counts); 12 for mixed precision (fp32 master weights + two fp32 moments)."""
+    gradient_checkpointing: bool = False
+    """Train calls keep only each layer's input and recompute the rest in backward (one more forward)."""
+    flash_attention: bool = False
+    """Attention never stores the [heads, seq, seq] score matrix (fused kernels on GPUs)."""
+    reward_fn_s_per_sample: float = 50e-6
+    """Time of a Python reward function per sample (decoding and scoring)."""
+    name: str = "workload"
+
+    def __post_init__(self) -> None:
+        for what in ("batch_size", "prompt_length", "generation_length", "ppo_epochs", "num_minibatches"):
+            if getattr(self, what) < 1:
+                raise ValueError(f"Workload {what} must be >= 1, got {getattr(self, what)}.")
+        if self.batch_size % self.num_minibatches:
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by num_minibatches "
+                f"{self.num_minibatches}: pick a multiple."
+            )
+        bad = [r for r in self.trainable if r not in TRAINABLE_ROLES]
+        if bad:
+            raise ValueError(f"Trainable roles {bad} are not among {TRAINABLE_ROLES}.")
+        bad = [w for w in self.wrappers if w not in WRAPPERS]
+        if bad or not self.wrappers:
+            raise ValueError(
+                f"Wrappers {list(self.wrappers)} must be a non-empty subset of {list(WRAPPERS)}."
+            )
+
+    @property
+    def sequence_length(self) -> int:
+        return self.prompt_length + self.generation_length
+
+    def shape(self, role: str) -> RoleShape | None:
+        return getattr(self, role)
+
+
+def llama_workload(
+    actor: str = "llama-7b",
+    critic: str | None = None,
+    batch_size: int = 512,
+    prompt_length: int = 480,
+    generation_length: int = 480,
+    ppo_epochs: int = 1,
+    num_minibatches: int = 8,
+    **kwargs: Any,
+) -> Workload:
+    """APP's / ReaLHF's setting: bf16 models, reference = actor size, reward = critic size, mixed-precision AdamW,
+    gradient checkpointing and fused attention."""
+    critic = critic or actor
+    return Workload(
+        actor=role_shape(actor, "causal_lm", 2),
+        critic=role_shape(critic, "value", 2),
+        reference=role_shape(actor, "causal_lm", 2),
+        reward=role_shape(critic, "classifier", 2),
+        batch_size=batch_size,
+        prompt_length=prompt_length,
+        generation_length=generation_length,
+        ppo_epochs=ppo_epochs,
+        num_minibatches=num_minibatches,
+        optimizer_bytes_per_param=12.0,
+        gradient_checkpointing=True,
+        flash_attention=True,
+        name=f"{actor}+{critic}",
+        **{"wrappers": installed_wrappers(), **kwargs},
+    )
+
+
+def workload_from_module(
+    module: Any, batch_size: int, prompt_length: int, optimizer_slots: int = 2
+) -> Workload:
+    """The workload of an ``RLHFModule`` (its model specs, generation and PPO configs) at ``batch_size`` prompts.
+
+    Args:
+        module: An ``RLHFModule`` (models need not be built).
+        batch_size: Prompts per iteration (``data.batch_size``).
+        prompt_length: Padded prompt tokens of a batch.
+        optimizer_slots: State tensors per parameter of the optimizer (AdamW: 2, SGD with momentum: 1).
+    """
+
+    def shape(spec: Any, kind: str) -> RoleShape:
+        dtype_bytes = 2 if spec.dtype == "bfloat16" else 4
+        return role_shape(spec.load_config().to_dict(), kind, dtype_bytes)
+
+    actor = shape(module.actor_spec, "causal_lm")
+    reference = shape(module.reference_spec, "causal_lm") if module.reference_spec is not None else actor
+    reward = shape(module.reward_spec, "classifier") if module.reward_spec is not None else None
+    return Workload(
+        actor=actor,
+        critic=shape(module.critic_spec, "value"),
+        reference=reference,
+        reward=reward,
+        batch_size=batch_size,
+        prompt_length=prompt_length,
+        generation_length=module.generation.max_new_tokens,
+        ppo_epochs=module.ppo.ppo_epochs,
+        num_minibatches=module.ppo.num_minibatches,
+        optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
+        name="module",
+        wrappers=installed_wrappers(),
+    )
+
+
+def installed_wrappers() -> tuple[str, ...]:
+    """Wrappers this machine can run: DeepSpeed's only when it is installed (``PlacementPlan`` checks it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return ("ddp", "fsdp2")
+    return ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def log2_ceil(n: int) -> int:
+    return max(0, math.ceil(math.log2(n))) if n > 0 else 0

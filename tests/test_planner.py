@@ -1,0 +1,279 @@
+"""The placement planner: shapes, memory, FLOPs, the schedule, both searches, the ``plan`` command, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.planner import (
+    CostModel,
+    PlanChoice,
+    PlannerError,
+    Task,
+    Workload,
+    cluster_from_environment,
+    llama_workload,
+    mcmc_search,
+    parse_cluster,
+    plan_placement,
+    profile_workload,
+    role_shape,
+    simulate,
+    workload_from_module,
+)
+from lightning_app_rlhf.planner.command import main as plan_main
+from lightning_app_rlhf.planner.cost_model import forward_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 64,
+    "n_head": 4,
+    "vocab_size": 512,
+    "n_positions": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+# GPT-2, 2 layers, h=64, vocab 512, 64 positions. Block: 12h^2 + 13h = 49_984. Embeddings: 512*64 + 64*64.
+ACTOR_PARAMS = 512 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64  # 136_960, LM head tied
+CRITIC_PARAMS = ACTOR_PARAMS + 64 + 1  # value head with bias
+
+
+def demo_workload(**overrides) -> Workload:
+    fields = {
+        "actor": role_shape(DEMO),
+        "critic": role_shape(DEMO, "value"),
+        "reference": role_shape(DEMO),
+        "reward": None,
+        "batch_size": 32,
+        "prompt_length": 8,
+        "generation_length": 24,
+        "ppo_epochs": 2,
+        "num_minibatches": 2,
+        "wrappers": ("ddp", "fsdp2"),
+    }
+    return Workload(**{**fields, **overrides})
+
+
+def test_shapes_count_what_the_built_models_hold():
+    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+
+    spec = ModelSpec(config=DEMO)
+    assert (
+        role_shape(DEMO).params == ACTOR_PARAMS == sum(p.numel() for p in build_causal_lm(spec).parameters())
+    )
+    assert (
+        role_shape(DEMO, "value").params
+        == CRITIC_PARAMS
+        == sum(p.numel() for p in build_critic(spec).parameters())
+    )
+    assert role_shape(DEMO, "classifier").params == sum(
+        p.numel() for p in build_reward_model(spec, 0).parameters()
+    )
+    assert role_shape("gpt2-tiny").params == ACTOR_PARAMS
+    assert role_shape("llama-7b").params == 6_738_415_616  # LLaMA-7B's published count
+
+
+def test_forward_flops_of_a_known_shape():
+    shape = role_shape("gpt2-tiny")
+    # Matmul weights: 2 x (4h^2 + 2h*4h) + the tied head h*V = 131_072; attention adds 2*L*h*s^2 per sequence.
+    assert shape.matmul_params == 2 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 512 == 131_072
+    assert forward_flops(shape, 1, 10) == 2 * 131_072 * 10 + 2 * 2 * 64 * 10 * 10
+    assert forward_flops(shape, 3, 10) == 3 * forward_flops(shape, 1, 10)
+
+
+def test_memory_per_rank_counts_like_memory_py():
+    """Weights and (grads + two AdamW slots) per rank, as RLHFModule logs them for the three presets on 4 ranks."""
+    model = CostModel(parse_cluster("1x4xcpu"), demo_workload())
+    actor, critic, reference = 4 * ACTOR_PARAMS, 4 * CRITIC_PARAMS, 4 * ACTOR_PARAMS
+    adam = 3  # gradient + two moments per trainable byte (fp32)
+    expected = {
+        "flattening": [(actor + critic + reference, adam * (actor + critic))] * 4,
+        "interleaving": [(actor + critic + reference, adam * (actor + critic))] * 2
+        + [(actor + critic, adam * (actor + critic))] * 2,
+        "separation": [(actor + critic + reference, 0)] * 2 + [(actor + critic, adam * (actor + critic))] * 2,
+    }
+    for plan in (flattening_plan(4), interleaving_plan(4), separation_plan(4)):
+        rows = model.memory(PlanChoice(plan))
+        assert [(m.param_bytes, m.state_bytes) for m in rows] == expected[plan.name], plan.name
+    sharded = model.memory(PlanChoice(flattening_plan(4, "fsdp2")))[0]
+    assert sharded.param_bytes == -(-actor // 4) + -(-critic // 4) + reference
+    assert sharded.state_bytes == -(-actor // 4) + -(-critic // 4) + 2 * (-(-actor // 4) + -(-critic // 4))
+
+
+def test_schedule_overlaps_disjoint_groups_and_serialises_shared_ranks():
+    gpus = parse_cluster("1x4xA100-80GB")
+    tasks = [
+        Task("a", (0, 1), 2.0),
+        Task("b", (2, 3), 3.0),
+        Task("c", (0, 1, 2, 3), 1.0),
+        Task("d", (1, 2), 1.0),
+    ]
+    assert simulate(tasks, gpus) == [(0.0, 2.0), (0.0, 3.0), (3.0, 4.0), (4.0, 5.0)]
+    # Four processes on two cores: two 2-second calls that overlap each run at half speed.
+    cpus = replace(parse_cluster("1x4xcpu"), cores_per_node=2)
+    assert simulate([Task("a", (0, 1), 2.0), Task("b", (2, 3), 2.0)], cpus) == [(0.0, 4.0), (0.0, 4.0)]
+    assert simulate([Task("a", (0, 1), 2.0), Task("b", (2, 3), 2.0, compute=False)], cpus) == [
+        (0.0, 2.0),
+        (0.0, 2.0),
+    ]
+
+
+def test_separation_overlaps_reference_and_train_calls_by_group():
+    """In the schedule, interleaving runs reference and reward forwards at the same time on disjoint halves."""
+    model = CostModel(parse_cluster("1x8xA100-80GB"), llama_workload("llama-7b"))
+    timeline = {
+        name: (start, end)
+        for name, _, start, end in model.evaluate(PlanChoice(interleaving_plan(8))).timeline
+    }
+    ref, rew = timeline["reference.forward"], timeline["reward.forward"]
+    assert ref[0] == rew[0] and ref[1] > ref[0]
+
+
+def test_search_is_deterministic_and_beats_or_matches_presets():
+    cluster, workload = parse_cluster("2x8xA100-80GB"), llama_workload("llama-7b")
+    first = plan_placement(cluster, workload, seed=3, time_budget_s=60, mcmc_steps=300)
+    second = plan_placement(cluster, workload, seed=3, time_budget_s=60, mcmc_steps=300)
+    assert [c.choice.key for c in first.candidates] == [c.choice.key for c in second.candidates]
+    assert first.best.iteration_s == second.best.iteration_s
+    fitting = [c.iteration_s for c in first.presets.values() if c.estimate.fits]
+    assert first.best.iteration_s <= min(fitting)
+    assert first.best.estimate.fits and first.speedup_over("flattening") >= 1.0
+
+
+def test_mcmc_never_ends_worse_than_its_start():
+    model = CostModel(parse_cluster("1x8xA100-80GB"), llama_workload("llama-7b"))
+    *found, start = mcmc_search(model, seed=0, steps=200, time_budget_s=60)
+    assert start.source == "mcmc start" and all(c.source == "mcmc" for c in found)
+    assert found[0].iteration_s <= (start.iteration_s if start.estimate.fits else float("inf"))
+    assert all(c.estimate.fits for c in found)
+    assert [c.iteration_s for c in found] == sorted(c.iteration_s for c in found)
+
+
+def test_plan_command_json(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_app_rlhf",
+            "plan",
+            "--cluster",
+            "1x8xA100-80GB",
+            "--actor",
+            "llama-7b",
+            "--critic",
+            "llama-7b",
+            "--json",
+            "--time-budget",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert set(result["presets"]) == {"flattening", "interleaving", "separation"}
+    best = result["best"]
+    assert best["iteration_s"] > 0 and best["samples_per_s"] == pytest.approx(512 / best["iteration_s"])
+    assert set(best["calls"]) == {
+        "actor.generate",
+        "reference.forward",
+        "reward.forward",
+        "critic.forward",
+        "actor.train",
+        "critic.train",
+    }
+    assert len(best["memory"]) == 8 and best["peak_memory_bytes"] <= best["capacity_bytes"]
+    assert all("rejected" in c and "iteration_s" in c for c in result["candidates"])
+
+
+def test_plan_command_table_and_errors(capsys):
+    assert (
+        plan_main(
+            [
+                "--cluster",
+                "1x4xcpu",
+                "--actor",
+                "gpt2-tiny",
+                "--reward",
+                "function",
+                "--batch-size",
+                "32",
+                "--prompt-length",
+                "8",
+                "--generation-length",
+                "24",
+                "--num-minibatches",
+                "2",
+            ]
+        )
+        == 0
+    )
+    table = capsys.readouterr().out
+    assert "flattening" in table and "separation" in table and "samples/s" in table
+    assert plan_main(["--cluster", "1x8xTPU-v9", "--actor", "llama-7b"]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown device type 'TPU-v9'" in err and "A100-80GB" in err and "cpu" in err
+
+
+def test_impossible_requests_show_the_memory_breakdown():
+    with pytest.raises(ValueError, match="Known device types: .*H100-80GB"):
+        parse_cluster("1x8xB300")
+    with pytest.raises(
+        PlannerError, match=r"actor \(llama-65b, 121.6 GiB of weights\) does not fit on one A100-80GB"
+    ):
+        plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-65b"))
+    with pytest.raises(PlannerError, match=r"cannot fit on 1x1xA100-80GB: .* = actor .* GiB \+ critic"):
+        plan_placement(parse_cluster("1x1xA100-80GB"), llama_workload("llama-7b"))
+    with pytest.raises(
+        PlannerError, match=r"out of memory: rank \d+: .* GiB = weights .* GiB \+ grads .*optimizer"
+    ):
+        plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-13b"), time_budget_s=1)
+
+
+def test_workload_and_cluster_from_a_module_and_the_environment():
+    from lightning_app_rlhf.module import RLHFModule
+
+    module = RLHFModule(
+        actor={"config": DEMO},
+        tokenizer="lightning_app_rlhf.demo:build_tokenizer",
+        reward_fn="lightning_app_rlhf.demo.topic_reward",
+    )
+    workload = workload_from_module(module, batch_size=32, prompt_length=8)
+    assert workload.reward is None and workload.reference == workload.actor
+    assert workload.critic.params == CRITIC_PARAMS and workload.generation_length == 32
+    cluster = cluster_from_environment(4, cores=2)
+    assert cluster.world_size == 4 and cluster.compute_share(4) == 0.5
+    result = plan_placement(cluster, workload, time_budget_s=60, mcmc_steps=100)
+    assert result.best.plan.world_size == 4 and result.best.estimate.fits
+
+
+def test_profile_measures_caches_and_interpolates(tmp_path):
+    workload = demo_workload(prompt_length=4, generation_length=4)
+    profile = profile_workload(workload, batches=(1, 2), repeats=1, cache_dir=tmp_path)
+    actor, critic = workload.actor, workload.critic
+    assert set(profile.ops[actor.key]) == {"forward", "train", "decode", "optimizer"}
+    assert set(profile.ops[critic.key]) == {"forward", "train", "optimizer"}
+    one, two = profile.time(actor, "forward", 1, 8), profile.time(actor, "forward", 2, 8)
+    assert 0 < one and 0 < two
+    assert min(one, two) <= profile.time(actor, "forward", 1.5, 8) <= max(one, two)
+    assert profile.time(role_shape("llama-7b"), "forward", 1, 8) is None  # unprofiled: analytic fallback
+    assert len(list(tmp_path.rglob("*.json"))) == 2
+    again = profile_workload(workload, batches=(1, 2), repeats=1, cache_dir=tmp_path)
+    assert again.ops[actor.key] == profile.ops[actor.key]  # read back from the cache
+    model = CostModel(parse_cluster("1x2xcpu"), workload, profile)
+    assert model.evaluate(PlanChoice(flattening_plan(2))).iteration_s > 0
