@@ -12,6 +12,7 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
 
@@ -22,6 +23,13 @@ class RLHFCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.tokenizer")
+
+    def before_fit(self) -> None:
+        """A PlacementTuner must see ``--ckpt_path`` before the models are built, to reuse the saved plan."""
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, PlacementTuner) and callback.ckpt_path is None:
+                callback.ckpt_path = ckpt_path
 
 
 def main(args: list[str] | None = None) -> RLHFCLI | None:

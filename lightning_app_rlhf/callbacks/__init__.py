@@ -1,5 +1,6 @@
 """Lightning callbacks for RLHF runs."""
 
+from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
 from lightning_app_rlhf.callbacks.run_summary import RLHFRunSummary
 
-__all__ = ["RLHFRunSummary"]
+__all__ = ["PlacementTuner", "RLHFRunSummary"]

@@ -16,11 +16,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_app_rlhf.placement import DEFAULT_TIMEOUT
+from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.strategies.placement_setup import start_placement, wrap_trained_roles
 from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
-
 
 RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 """Checkpoint entries that differ per rank under a placement."""
@@ -124,6 +123,20 @@ class PlacementStrategy(ParallelStrategy):
         )
         self.placement_plan = module.placement.plan
 
+    def apply_plan(self, plan: PlacementPlan) -> None:
+        """Replace the plan after the process group exists and before any model is built, e.g. from a callback's
+        ``setup()`` (:class:`~lightning_app_rlhf.callbacks.PlacementTuner` does). Collective: every rank calls it
+        with the same plan."""
+        module = self.lightning_module
+        if any(getattr(module, role, None) is not None for role in ("actor", "critic", "reference", "reward_model")):
+            raise RuntimeError("apply_plan() must run before the models are built (in a callback's setup(), not "
+                               "later): each rank builds only the roles its plan gives it.")
+        if plan.world_size != self.world_size:
+            raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {self.world_size}. Plan for "
+                             f"{self.world_size} ranks, or launch {plan.world_size} processes.")
+        module.placement = create_placement(plan, self.global_rank, self.root_device, self._timeout)
+        self.placement_plan = plan
+
     @override
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -170,7 +183,8 @@ class PlacementStrategy(ParallelStrategy):
         if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
             raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} ranks; "
                              f"this run uses {plan.name!r} on {plan.world_size}. Resume with the same strategy, "
-                             "its arguments and --trainer.devices.")
+                             "its arguments and --trainer.devices (with a PlacementTuner: let it read the checkpoint "
+                             "by setting trainer.ckpt_path before fit, as RLHFCLI does for --ckpt_path).")
         mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
         return {**checkpoint, **{key: value for key, value in mine.items() if value is not None}}
 

@@ -1,0 +1,209 @@
+"""``PlacementTuner``: choose the placement before the models are built, and keep it across a resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+
+
+class PlacementTuner(Callback):
+    """Profiles this machine briefly, searches placements with the planner, and hands the best plan to the
+    placement strategy, all in ``setup()``: the one hook after the process group exists and before any model is
+    built. Rank 0 decides and broadcasts. The answer is kept in :attr:`optimal_plan`, logged, and saved in
+    checkpoints, so a resumed run reuses it instead of searching again.
+
+    Works with any placement strategy (``rlhf_flattening``, ``rlhf_interleaving``, ``rlhf_separation``,
+    ``PlacementStrategy``): the tuned plan replaces the strategy's own. The planner keeps training on-policy
+    (it never turns on Separation's ``overlap``), and searches only DDP while checkpointing is on, since
+    checkpoints of FSDP2-sharded roles are not supported yet.
+
+    Args:
+        search: ``both`` (APP grid + ReaLHF MCMC), ``app``, ``mcmc``, or ``presets`` (the three presets only).
+        seed: Seeds the MCMC chain; the choice is deterministic under it for a given profile.
+        time_budget_s: Wall-time bound of the MCMC search.
+        mcmc_steps: Proposals of the MCMC chain (it also stops at ``time_budget_s``).
+        profile: Measure this machine's op times first (a few seconds; cached on disk per hardware and model
+            shape). ``False`` uses the analytic model only.
+        cluster: Describe the devices instead of reading the running job, e.g. ``"1x8xA100-80GB"``; its device
+            count must equal the job's world size.
+        ckpt_path: A checkpoint whose saved plan to reuse. Default: ``trainer.ckpt_path`` when it is set before
+            ``fit`` (``RLHFCLI`` sets it from ``--ckpt_path``).
+    """
+
+    def __init__(
+        self,
+        search: str = "both",
+        seed: int = 0,
+        time_budget_s: float = 10.0,
+        mcmc_steps: int = 2000,
+        profile: bool = True,
+        cluster: str | None = None,
+        ckpt_path: str | None = None,
+    ) -> None:
+        from lightning_app_rlhf.planner.search import SEARCHES
+
+        if search not in SEARCHES:
+            raise ValueError(f"search must be one of {sorted(SEARCHES)}, got {search!r}.")
+        if time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}.")
+        self.search = search
+        self.seed = seed
+        self.time_budget_s = time_budget_s
+        self.mcmc_steps = mcmc_steps
+        self.profile = profile
+        self.cluster = cluster
+        self.ckpt_path = ckpt_path
+        self.optimal_plan: PlacementPlan | None = None
+        """The plan the run uses, once ``setup`` has run."""
+        self.prediction: dict[str, Any] = {}
+        """What the planner predicted for :attr:`optimal_plan` (seconds and samples per iteration, peak bytes,
+        source), or where the plan came from on a resume."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, PlacementStrategy):
+            raise TypeError(
+                f"PlacementTuner chooses among placements, so it needs a placement strategy; got "
+                f"{type(strategy).__name__}. Use strategy='rlhf_flattening' (any preset: the tuned plan replaces it)."
+            )
+        saved = self._saved_state(trainer)
+        if saved is not None:
+            plan, self.prediction = plan_from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
+        else:
+            outcome = self._decide(trainer, pl_module) if trainer.is_global_zero else None
+            outcome = strategy.broadcast(outcome)  # every rank applies the same plan, or raises the same error
+            if isinstance(outcome, str):
+                raise RuntimeError(outcome)
+            plan, self.prediction = outcome
+        strategy.apply_plan(plan)
+        self.optimal_plan = plan
+        rank_zero_info(f"PlacementTuner: using {describe(plan)} ({_prediction_text(self.prediction)}).")
+
+    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[PlacementPlan, dict] | str:
+        """Rank 0: profile, search, and return the best plan with its prediction (or the error's message)."""
+        from lightning_app_rlhf.planner import (
+            cluster_from_environment,
+            parse_cluster,
+            plan_placement,
+            profile_workload,
+            workload_from_module,
+        )
+
+        try:
+            datamodule = trainer.datamodule
+            if datamodule is None or getattr(datamodule, "dataset", None) is None:
+                raise ValueError("PlacementTuner reads the batch size and prompt lengths from a PromptDataModule: "
+                                 "pass one to fit (datamodule=...).")
+            lengths = [len(ids) for ids in datamodule.dataset.input_ids]
+            workload = workload_from_module(pl_module, datamodule.batch_size, _padded_prompt_length(
+                lengths, datamodule.batch_size))
+            if trainer.checkpoint_callbacks:
+                workload = dataclasses.replace(workload, wrappers=("ddp",))
+            profile = None
+            if self.profile:
+                profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,
+                                           prompts=datamodule.dataset.prompts[:64])
+            if self.cluster is not None:
+                cluster = parse_cluster(self.cluster)
+            else:
+                cluster = cluster_from_environment(trainer.world_size, device=profile.device if profile else None)
+            if cluster.world_size != trainer.world_size:
+                raise ValueError(f"cluster={self.cluster!r} has {cluster.world_size} devices but the job runs "
+                                 f"{trainer.world_size} processes: describe the job's devices, or leave cluster unset.")
+            result = plan_placement(cluster, workload, search=self.search, seed=self.seed,
+                                    time_budget_s=self.time_budget_s, mcmc_steps=self.mcmc_steps, profile=profile)
+        except Exception as err:  # noqa: BLE001 - sent to every rank, which all raise it
+            return f"PlacementTuner failed on rank 0: {type(err).__name__}: {err}"
+        best = result.best
+        prediction = {"source": best.source, "iteration_s": best.iteration_s, "samples_per_s": best.samples_per_s,
+                      "peak_memory_bytes": best.estimate.peak_bytes,
+                      "speedup_over_flattening": result.speedup_over("flattening")}
+        return best.plan, prediction
+
+    def _saved_state(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """The tuner state saved in the checkpoint this run resumes from, if any."""
+        path = self.ckpt_path or trainer.ckpt_path
+        if path is None:
+            return None
+        if not os.path.isfile(path):
+            raise ValueError(f"PlacementTuner reuses the plan saved in the checkpoint it resumes from, and needs "
+                             f"that file's path; got {path!r}. Pass the checkpoint file itself.")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return checkpoint.get("callbacks", {}).get(self.state_key)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.optimal_plan is None or not trainer.is_global_zero:
+            return
+        plan = self.optimal_plan
+        params = {"placement_tuner/plan": describe(plan), "placement_tuner/source": self.prediction.get("source")}
+        metrics = {f"placement_tuner/predicted_{k}": float(v) for k, v in self.prediction.items()
+                   if isinstance(v, (int, float)) and v is not None}
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+            if metrics:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimal_plan is None:
+            return {}
+        return {"plan": plan_to_dict(self.optimal_plan), "prediction": self.prediction}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict and self.optimal_plan is not None and plan_from_dict(state_dict["plan"]) != self.optimal_plan:
+            raise RuntimeError(
+                f"The checkpoint was trained under {describe(plan_from_dict(state_dict['plan']))}, but this run "
+                f"tuned {describe(self.optimal_plan)}. Let the tuner read the checkpoint before the models are "
+                "built: set `trainer.ckpt_path = PATH` before `fit` (RLHFCLI does it for --ckpt_path) or pass "
+                "PlacementTuner(ckpt_path=PATH)."
+            )
+
+
+def plan_to_dict(plan: PlacementPlan) -> dict[str, Any]:
+    return {"world_size": plan.world_size, "calls": {c: list(r) for c, r in plan.calls.items()},
+            "wrappers": dict(plan.wrappers), "name": plan.name, "overlap": plan.overlap}
+
+
+def plan_from_dict(fields: dict[str, Any]) -> PlacementPlan:
+    return PlacementPlan(**{**fields, "calls": {c: tuple(r) for c, r in fields["calls"].items()}})
+
+
+def describe(plan: PlacementPlan) -> str:
+    calls = "; ".join(f"{call} {_ranks(ranks)}" for call, ranks in plan.calls.items())
+    wrappers = ", ".join(f"{role} {wrapper}" for role, wrapper in plan.wrappers.items())
+    return f"plan {plan.name!r} on {plan.world_size} ranks [{calls}] ({wrappers})"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
+    return f"{ranks[0]}-{ranks[-1]}" if contiguous and len(ranks) > 1 else ",".join(map(str, ranks))
+
+
+def _prediction_text(prediction: dict[str, Any]) -> str:
+    if prediction.get("source") == "checkpoint" or "iteration_s" not in prediction:
+        return f"from {prediction.get('source', 'the checkpoint')}"
+    speedup = prediction.get("speedup_over_flattening")
+    versus = f"{speedup:.2f}x Flattening" if speedup else "Flattening does not fit"
+    return (f"{prediction['source']}; predicted {prediction['iteration_s']:.3f} s/iteration, "
+            f"{prediction['samples_per_s']:.1f} samples/s, {versus}")
+
+
+def _padded_prompt_length(lengths: list[int], batch_size: int) -> int:
+    """Batches are left-padded to their longest prompt: the mean of per-batch maxima, in dataset order."""
+    maxima = [max(lengths[i : i + batch_size]) for i in range(0, len(lengths) - batch_size + 1, batch_size)]
+    return round(sum(maxima) / len(maxima)) if maxima else max(lengths)
