@@ -25,8 +25,8 @@ from lightning_app_rlhf.bench.results import count_parameters, machine, summariz
 
 console = Console(stderr=True)
 PLACEMENT_SETTINGS = {
-    "generation-heavy": {"new_tokens": 96, "ppo_epochs": 1, "num_minibatches": 1},
-    "training-heavy": {"new_tokens": 16, "ppo_epochs": 4, "num_minibatches": 4},
+    "generation-heavy": {"new_tokens": 64, "ppo_epochs": 1, "num_minibatches": 1},
+    "training-heavy": {"new_tokens": 16, "ppo_epochs": 4, "num_minibatches": 2},
 }
 """The two placement workloads: long responses and one short update; short responses and many updates."""
 
@@ -87,7 +87,7 @@ def compare_placements(
     placements: list[str] = list(PLACEMENTS),  # noqa: B006
     batch_size: int = 32,
     warmup: int = 2,
-    iterations: int = 5,
+    iterations: int = 4,
     out: str = "bench_results/placements.json",
 ) -> list[dict[str, Any]]:
     """Flattening vs Interleaving vs Separation (on-policy and overlapped), one thread per process.
