@@ -37,6 +37,8 @@ def test_trl_comparison_placements_and_report(tmp_path):
           "2", "--out", "trl.json", *small)
     bench(tmp_path, "placements", "--preset", "tiny", "--processes", "[2]", "--workloads", "[training-heavy]",
           "--placements", "[flattening, separation]", "--out", "placements.json", *small)
+    bench(tmp_path, "profile", "--presets", "[tiny]", "--batch_size", "8", "--new_tokens", "4", "--out",
+          "profile.json")
     trl = json.loads((tmp_path / "trl.json").read_text())
     assert {"cpu", "cores", "torch", "python"} <= set(trl["machine"])
     (row,) = trl["trl"]
@@ -60,13 +62,19 @@ def test_trl_comparison_placements_and_report(tmp_path):
         assert r["settings"]["ppo_epochs"] == 4 and len(r["ours"]["peak_rss_bytes"]) == 2
     assert rows[0]["ours"]["reallocate_s"] < rows[1]["ours"]["reallocate_s"]  # only Separation moves weights
 
+    (profiled,) = json.loads((tmp_path / "profile.json").read_text())["profile"]
+    assert set(profiled["phases"]) == {"generate", "score", "train"}
+    for phase in profiled["phases"].values():
+        assert phase["wall_s"] > 0 and 0 < phase["matmul_share"] < 1 and phase["top_ops"][0]["calls"] >= 1
+
     docs = tmp_path / "docs" / "benchmarks.md"
     docs.parent.mkdir()
     docs.write_text(f"# Benchmarks\n\nHand-written intro.\n\n{BEGIN}\nold\n{END}\n\nHand-written tail.\n")
-    bench(tmp_path, "report", "--results", "[trl.json, placements.json]", "--docs", str(docs))
+    bench(tmp_path, "report", "--results", "[trl.json, placements.json, profile.json]", "--docs", str(docs))
     text = docs.read_text()
     assert "Hand-written intro." in text and "Hand-written tail." in text and "old" not in text
     assert "| tiny |" in text and "| training-heavy | 2 | separation |" in text and "Winners:" in text
+    assert "| train |" in text  # the profile table
     assert (docs.parent / "images" / "benchmarks.png").stat().st_size > 10_000
 
 

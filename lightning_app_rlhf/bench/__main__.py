@@ -20,6 +20,7 @@ from rich.console import Console
 
 from lightning_app_rlhf.bench.ours import run_ours
 from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
+from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
 from lightning_app_rlhf.bench.report import write_report
 from lightning_app_rlhf.bench.results import count_parameters, machine, summarize
 
@@ -120,8 +121,36 @@ def compare_placements(
     return rows
 
 
+def profile(
+    presets: list[str] = ["tiny", "small"],  # noqa: B006
+    batch_size: int = 32,
+    new_tokens: int = 32,
+    threads: int = 1,
+    precision: str = "32-true",
+    out: str = "bench_results/profile.json",
+) -> list[dict[str, Any]]:
+    """Profile one of our iterations per preset (after two warm-up iterations): per phase, op by op.
+
+    Args:
+        presets: Model presets to profile.
+        batch_size: Prompts per PPO iteration.
+        new_tokens: Response length.
+        threads: Torch threads.
+        precision: ``32-true`` or ``bf16-mixed``.
+        out: Where the JSON results go.
+    """
+    records = []
+    for preset in presets:
+        settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, threads=threads,
+                               precision=precision, warmup=2, iterations=1)
+        records.append({"settings": settings.as_dict(), "phases": profile_iteration(settings)})
+        print(profile_table(records[-1]), file=sys.stderr)
+    _save(out, {"machine": machine(), "profile": records})
+    return records
+
+
 def run(out_dir: str = "bench_results", docs: str = "docs/benchmarks.md", repeats: int = 2) -> None:
-    """Both comparisons with their defaults, then rewrite the results section of ``docs``.
+    """Both comparisons and the profile with their defaults, then rewrite the results section of ``docs``.
 
     Args:
         out_dir: Folder for ``trl.json`` and ``placements.json``.
@@ -130,15 +159,19 @@ def run(out_dir: str = "bench_results", docs: str = "docs/benchmarks.md", repeat
     """
     compare_trl(out=f"{out_dir}/trl.json", repeats=repeats)
     compare_placements(out=f"{out_dir}/placements.json")
-    report(results=[f"{out_dir}/trl.json", f"{out_dir}/placements.json"], docs=docs)
+    _profile_in_subprocess(f"{out_dir}/profile.json")
+    report(results=[f"{out_dir}/trl.json", f"{out_dir}/placements.json", f"{out_dir}/profile.json"], docs=docs)
 
 
-def report(results: list[str] = ["bench_results/trl.json", "bench_results/placements.json"],  # noqa: B006
-           docs: str = "docs/benchmarks.md") -> None:
+def report(
+    results: list[str] = ["bench_results/trl.json", "bench_results/placements.json",  # noqa: B006
+                          "bench_results/profile.json"],
+    docs: str = "docs/benchmarks.md",
+) -> None:
     """Rewrite the generated section of ``docs`` (tables, plot) from results JSON files.
 
     Args:
-        results: JSON files written by ``trl`` and ``placements``.
+        results: JSON files written by ``trl``, ``placements`` and ``profile``.
         docs: The markdown page to update.
     """
     merged: dict[str, Any] = {}
@@ -146,6 +179,15 @@ def report(results: list[str] = ["bench_results/trl.json", "bench_results/placem
         merged.update(json.loads(Path(path).read_text()))
     write_report(merged, Path(docs))
     console.print(f"Updated {docs}")
+
+
+def _profile_in_subprocess(out: str) -> None:
+    """One thread, fresh process: the same conditions as the single-process measurements."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lightning_app_rlhf.bench", "profile", "--out", out]
+    result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"The profile failed:\n{result.stderr[-3000:]}")
 
 
 def _run_trl(settings: RunSettings, work: Path) -> dict[str, Any]:
@@ -188,7 +230,8 @@ def _save(path: str, data: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "report": report})
+    auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "profile": profile,
+              "report": report})
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def run_trl(settings: RunSettings, out_path: Path) -> None:
             num_mini_batches=settings.num_minibatches, num_ppo_epochs=settings.ppo_epochs,
             response_length=settings.new_tokens, local_rollout_forward_batch_size=settings.batch_size,
             total_episodes=settings.batch_size * steps, stop_token="eos", temperature=1.0, kl_coef=0.05,
-            learning_rate=1e-5, use_cpu=True, bf16=settings.precision == "bf16-mixed", fp16=False, report_to="none", save_strategy="no",
+            learning_rate=1e-5, use_cpu=not torch.cuda.is_available(), bf16=settings.precision == "bf16-mixed",
+            fp16=False, report_to="none", save_strategy="no",
             logging_steps=1, num_sample_generations=0, disable_tqdm=True, seed=0, dataloader_num_workers=0,
         )
         trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=reference,
