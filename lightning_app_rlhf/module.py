@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -506,6 +508,44 @@ class RLHFModule(pl.LightningModule):
                 moved.append(placement.reallocate_weights(role, getattr(self, role)))
         return moved
 
+    # ---- export ----
+
+    def export_actor(self, directory: str | os.PathLike[str], merge: bool = True) -> Path | None:
+        """Save the trained actor and the tokenizer in Hugging Face format.
+
+        Call it on every rank; it runs no collective. The lowest rank of ``actor.train``, which holds the trained
+        weights, writes and returns the directory; the other ranks return None.
+
+        Args:
+            directory: Where to write; created if missing.
+            merge: ``True``: full weights with any LoRA adapter merged in, for
+                ``AutoModelForCausalLM.from_pretrained(directory)``. ``False``: the LoRA adapter alone
+                (``adapter_config.json`` + ``adapter_model.safetensors``), for
+                ``PeftModel.from_pretrained(base_model, directory)``; needs a LoRA actor.
+        """
+        if not merge and self.actor_spec.lora is None:
+            raise ValueError("The actor has no LoRA adapter to export: use merge=True to save its full weights.")
+        placement = self._placement()
+        if placement.rank != placement.leader("actor.train"):
+            return None
+        if self.actor is None:
+            raise RuntimeError("The actor is not built yet: export after `fit` (or after `configure_model`).")
+        if placement.sharded_here("actor"):
+            raise ValueError(f"The actor is sharded ({placement.plan.wrappers['actor']}) over "
+                             f"{placement.group_size('actor.train')} ranks; exporting a sharded actor is not supported "
+                             "yet. Train it with wrapper 'ddp' to export it.")
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        if not merge:
+            self.actor.save_pretrained(path)
+        elif is_lora(self.actor):
+            # Merge into a copy: the live actor keeps its adapters (and its reference, the base with them off).
+            copy.deepcopy(self.actor).merge_and_unload().save_pretrained(path)
+        else:
+            self.actor.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
     # ---- Trainer or Fabric ----
 
     @property
@@ -589,12 +629,16 @@ def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) 
         memory.add_column(column, justify="right" if column in ("params", "grads", "optimizer") else "left")
     for rank, rank_rows in enumerate(rows):
         for row in rank_rows:
-            role = f"{row.role} (on {row.shares}'s base)" if row.shares else row.role
+            role = f"{row.role} (shared)" if row.shares else row.role
             memory.add_row(str(rank), role, row.calls, *(f"{b / 2**20:.2f}" for b in (
                 row.param_bytes, row.grad_bytes, row.optimizer_bytes)))
     console = Console()
     console.print(calls)
     console.print(memory)
+    shared = sorted({(row.role, row.shares) for rank_rows in rows for row in rank_rows if row.shares})
+    for role, owner in shared:
+        console.print(f"{role} (shared): runs on the {owner}'s base weights with its LoRA adapters disabled, "
+                      "so it holds no parameters of its own.")
 
 
 def _call_wrapper(plan: PlacementPlan, call: str) -> str:
