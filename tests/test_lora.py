@@ -307,6 +307,7 @@ def run_lora_demo(
             *args,
         ],
         cwd=tmp_path,
+        check=False,
         env=env,
         capture_output=True,
         text=True,
