@@ -26,7 +26,7 @@ from lightning_app_rlhf.callbacks import ExportActor, RLHFRunSummary
 from lightning_app_rlhf.generation import generate, sample_keys
 
 sys.path.insert(0, str(Path(__file__).parent))
-from questions import HELD_OUT, QUESTIONS, answer_score  # noqa: E402
+from questions import HELD_OUT, QUESTIONS, answer_score
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "You are a helpful assistant."
@@ -100,10 +100,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--iterations", type=int, default=30, help="PPO iterations")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
+    parser.add_argument("--iterations", type=int, default=80, help="PPO iterations")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per iteration")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="longer answers are cut and penalised")
-    parser.add_argument("--lr", type=float, default=5e-4, help="learning rate of both LoRA adapters")
+    parser.add_argument("--lr", type=float, default=2e-4, help="learning rate of both LoRA adapters")
     parser.add_argument("--critic-layers", type=int, default=4, help="layers of SmolLM2 kept for the critic")
     parser.add_argument("--out", default="runs/smollm2_lora", help="logs and the exported LoRA adapter")
     args = parser.parse_args()
@@ -125,7 +125,7 @@ def main() -> None:
         tokenizer=tokenizer,
         reward_fn="questions:concise_correct_reward",
         generation=GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=1.0),
-        ppo=PPOConfig(ppo_epochs=2, num_minibatches=1, kl_coef=0.02, missing_eos_penalty=1.0),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, kl_coef=0.05, missing_eos_penalty=1.0),
         actor_optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
         critic_optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
     )
@@ -134,7 +134,7 @@ def main() -> None:
     show("Before training", module, tokenizer, args.max_new_tokens)
 
     prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS]
-    summary = RLHFRunSummary(window=5)
+    summary = RLHFRunSummary(window=10)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -149,7 +149,7 @@ def main() -> None:
     show("After training", module, tokenizer, args.max_new_tokens)
     first, last = summary.start_end("reward/mean")
     print(
-        f"\nreward/mean, mean of the first 5 vs last 5 iterations: {first:+.3f} -> {last:+.3f}; "
+        f"\nreward/mean, mean of the first 10 vs last 10 iterations: {first:+.3f} -> {last:+.3f}; "
         f"wall time {time.perf_counter() - started:.0f} s"
     )
 
