@@ -132,7 +132,8 @@ def generate(
     """Sample responses for left-padded prompts with a KV cache, stopping each row at EOS.
 
     Args:
-        model: A Hugging Face causal LM (or anything with the same call signature and output).
+        model: A Hugging Face causal LM (or anything with the same call signature and output), or a PEFT model
+            wrapping one; its adapters run unmerged.
         input_ids: [B, P] left-padded prompt tokens.
         attention_mask: [B, P] 1 for real prompt tokens.
         config: Sampling settings.
@@ -146,9 +147,10 @@ def generate(
     check_context_length(model, prompt_length, config.max_new_tokens)
     uniforms = keyed_uniforms(keys, config.max_new_tokens)
     position_ids = position_ids_from_mask(attention_mask)
-    # Only the last position's logits are sampled from: skip the LM head on the rest of the prompt.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                logits_to_keep=1)
+    # Only the last prompt position's logits are needed: with a large vocabulary the LM head dominates a prefill.
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+    )
     done = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
     tokens, logprobs, masks = [], [], []
     mask = attention_mask

@@ -23,6 +23,9 @@ class RoleMemory:
     """Gradients of the trainable parameters, on ranks that run the role's train call."""
     optimizer_bytes: int
     """Optimizer state: slots per element (Adam: 2) times the trainable parameter bytes."""
+    shares: str | None = None
+    """The role whose parameters this one runs on, counted there: a LoRA actor's reference is its base model with
+    the adapters disabled, so it costs no bytes of its own."""
 
 
 def role_memory(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,6 +45,7 @@ from lightning_app_rlhf.memory import RoleMemory, role_memory
 from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.plan import CALLS, PlacementPlan, role_of
 from lightning_app_rlhf.roles import (
+    AdapterDisabledReference,
     ModelSpec,
     RewardFunction,
     as_model_spec,
@@ -50,8 +53,10 @@ from lightning_app_rlhf.roles import (
     build_critic,
     build_reference,
     build_reward_model,
+    check_no_lora,
     check_vocabularies,
     freeze,
+    is_lora,
     load_tokenizer,
     resolve_import,
 )
@@ -71,8 +76,10 @@ class RLHFModule(pl.LightningModule):
     Args:
         actor: The policy: a :class:`ModelSpec`, its fields as a dict, or a local model directory.
         tokenizer: The actor's tokenizer, a local directory, or ``"package.module:function"`` building one.
-        critic: The value model's backbone. Defaults to the actor's spec (a fresh copy, with a value head).
-        reference: The frozen reference policy. Defaults to an exact copy of the initial actor.
+        critic: The value model's backbone. Defaults to the actor's spec (a fresh copy, with a value head, and
+            the actor's LoRA settings if it has any).
+        reference: The frozen reference policy. Defaults to an exact copy of the initial actor; for a LoRA actor,
+            to the actor's own base model with its adapters disabled (no second copy).
         reward_model: A sequence classifier with one label. Give this or ``reward_fn``.
         reward_fn: ``(prompts, responses) -> scores`` on decoded text, or its import path.
         generation: Sampling settings for rollouts.
@@ -111,6 +118,7 @@ class RLHFModule(pl.LightningModule):
         self.critic_spec = as_model_spec(critic) if critic is not None else self.actor_spec
         self.reference_spec = as_model_spec(reference) if reference is not None else None
         self.reward_spec = as_model_spec(reward_model) if reward_model is not None else None
+        self._check_lora_specs()
         self.reward_fn: RewardFunction | None = resolve_import(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
         if reward_model is not None and self.tokenizer.pad_token_id == self.tokenizer.eos_token_id:
@@ -145,6 +153,19 @@ class RLHFModule(pl.LightningModule):
         """Role -> the module its train call runs (DDP/FSDP2-wrapped by the strategy; a plain dict so the
         wrappers are not registered as submodules)."""
 
+    @property
+    def reference_shares_actor(self) -> bool:
+        """Whether the reference is the LoRA actor's base with adapters disabled, rather than a model of its own."""
+        return self.reference_spec is None and self.actor_spec.lora is not None
+
+    def _check_lora_specs(self) -> None:
+        check_no_lora("reference", self.reference_spec)
+        check_no_lora("reward_model", self.reward_spec)
+        if self.reference_shares_actor and self.actor_spec.lora.get("bias", "none") != "none":
+            raise ValueError(f"actor.lora.bias={self.actor_spec.lora['bias']!r} trains the base model's biases, so the "
+                             "base with adapters disabled would drift from the initial actor and could not serve as "
+                             "the reference. Use bias='none', or give a separate `reference` model.")
+
     def _placement(self) -> Placement:
         if self.placement is None:
             self.placement = Placement.single_process(self.device)
@@ -155,12 +176,16 @@ class RLHFModule(pl.LightningModule):
         if any(m is not None for m in (self.actor, self.critic, self.reference, self.reward_model)):
             return
         placement = self._placement()
+        if self.reference_shares_actor:
+            placement.plan.validate_shared_reference()
         # Each rank builds only the roles its calls need; random init is seeded per role, so every copy of
         # a role (trained weights or a shadow) starts identical on every rank.
         if placement.holds("actor"):
             self.actor = build_causal_lm(self.actor_spec)
         if placement.holds("reference"):
-            if self.reference_spec is None and self.actor is not None:
+            if self.reference_shares_actor:
+                self.reference = AdapterDisabledReference(self.actor)  # type: ignore[assignment]
+            elif self.reference_spec is None and self.actor is not None:
                 self.reference = build_reference(self.actor, None)
             else:
                 self.reference = freeze(build_causal_lm(self.reference_spec or self.actor_spec))
@@ -248,6 +273,9 @@ class RLHFModule(pl.LightningModule):
             if module is None:
                 continue
             calls = [call.split(".")[1] for call in CALLS if role_of(call) == role and placement.runs(call)]
+            if isinstance(module, AdapterDisabledReference):  # runs on the actor's weights, counted there
+                mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares="actor"))
+                continue
             optimizer = self._optimizer(role) if role in self.trained_roles() else None
             mine.append(role_memory(role, module, calls, optimizer))
         if not placement.distributed:
@@ -480,6 +508,44 @@ class RLHFModule(pl.LightningModule):
                 moved.append(placement.reallocate_weights(role, getattr(self, role)))
         return moved
 
+    # ---- export ----
+
+    def export_actor(self, directory: str | os.PathLike[str], merge: bool = True) -> Path | None:
+        """Save the trained actor and the tokenizer in Hugging Face format.
+
+        Call it on every rank; it runs no collective. The lowest rank of ``actor.train``, which holds the trained
+        weights, writes and returns the directory; the other ranks return None.
+
+        Args:
+            directory: Where to write; created if missing.
+            merge: ``True``: full weights with any LoRA adapter merged in, for
+                ``AutoModelForCausalLM.from_pretrained(directory)``. ``False``: the LoRA adapter alone
+                (``adapter_config.json`` + ``adapter_model.safetensors``), for
+                ``PeftModel.from_pretrained(base_model, directory)``; needs a LoRA actor.
+        """
+        if not merge and self.actor_spec.lora is None:
+            raise ValueError("The actor has no LoRA adapter to export: use merge=True to save its full weights.")
+        placement = self._placement()
+        if placement.rank != placement.leader("actor.train"):
+            return None
+        if self.actor is None:
+            raise RuntimeError("The actor is not built yet: export after `fit` (or after `configure_model`).")
+        if placement.sharded_here("actor"):
+            raise ValueError(f"The actor is sharded ({placement.plan.wrappers['actor']}) over "
+                             f"{placement.group_size('actor.train')} ranks; exporting a sharded actor is not supported "
+                             "yet. Train it with wrapper 'ddp' to export it.")
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        if not merge:
+            self.actor.save_pretrained(path)
+        elif is_lora(self.actor):
+            # Merge into a copy: the live actor keeps its adapters (and its reference, the base with them off).
+            copy.deepcopy(self.actor).merge_and_unload().save_pretrained(path)
+        else:
+            self.actor.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
     # ---- Trainer or Fabric ----
 
     @property
@@ -563,11 +629,16 @@ def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) 
         memory.add_column(column, justify="right" if column in ("params", "grads", "optimizer") else "left")
     for rank, rank_rows in enumerate(rows):
         for row in rank_rows:
-            memory.add_row(str(rank), row.role, row.calls, *(f"{b / 2**20:.2f}" for b in (
+            role = f"{row.role} (shared)" if row.shares else row.role
+            memory.add_row(str(rank), role, row.calls, *(f"{b / 2**20:.2f}" for b in (
                 row.param_bytes, row.grad_bytes, row.optimizer_bytes)))
     console = Console()
     console.print(calls)
     console.print(memory)
+    shared = sorted({(row.role, row.shares) for rank_rows in rows for row in rank_rows if row.shares})
+    for role, owner in shared:
+        console.print(f"{role} (shared): runs on the {owner}'s base weights with its LoRA adapters disabled, "
+                      "so it holds no parameters of its own.")
 
 
 def _call_wrapper(plan: PlacementPlan, call: str) -> str:

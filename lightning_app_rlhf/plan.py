@@ -95,6 +95,29 @@ class PlacementPlan:
                                  "Install it with `pip install 'lightning-app-rlhf[deepspeed]'`, or use 'ddp' or "
                                  "'fsdp2'.")
 
+    def validate_shared_reference(self) -> None:
+        """Raise a ``ValueError`` naming the fix if the reference cannot run on the actor's base model.
+
+        A LoRA actor's reference is the actor itself with adapters disabled, so every rank of ``reference.forward``
+        must hold the actor (trained weights or a shadow). A sharded actor (FSDP2 / ZeRO-3 over several ranks)
+        runs a forward as a collective over its train group: the reference call must then cover that whole group.
+        """
+        actor_ranks = {r for call, ranks in self.calls.items() if role_of(call) == "actor" for r in ranks}
+        reference = set(self.calls["reference.forward"])
+        missing = sorted(reference - actor_ranks)
+        if missing:
+            raise ValueError(
+                f"The reference shares the LoRA actor's base weights (adapters disabled), but ranks {missing} run "
+                f"'reference.forward' without holding the actor. Put 'reference.forward' on ranks that run an actor "
+                f"call ({sorted(actor_ranks)}), or give a separate `reference` model so those ranks load a copy.")
+        train = set(self.calls["actor.train"])
+        if self.wrappers.get("actor") in ("fsdp2", "zero3") and len(train) > 1 and reference & train != train \
+                and reference & train:
+            raise ValueError(
+                f"'reference.forward' runs on ranks {sorted(reference)}, part of the {self.wrappers['actor']} group "
+                f"{sorted(train)} of 'actor.train', and the reference shares the sharded actor's base: run it on all "
+                "of the actor's train ranks or on none of them, or use wrapper 'ddp'.")
+
     def ranks(self, call: str) -> tuple[int, ...]:
         return self.calls[call]
 

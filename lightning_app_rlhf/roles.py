@@ -4,12 +4,17 @@
 - critic: :class:`ValueModel`, a causal-LM backbone with a scalar value head per token;
 - reward: ``AutoModelForSequenceClassification`` with one label, or a Python function
   ``(prompts, responses) -> scores``.
+
+Actor and critic may carry PEFT LoRA adapters (``ModelSpec.lora``): their base weights freeze and only the
+adapters train (plus the critic's value head). A LoRA actor's reference is then its own base model with the
+adapters switched off (:class:`AdapterDisabledReference`), not a second copy.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +51,14 @@ class ModelSpec:
     """Seed for random initialisation, so every rank and every placement builds the same weights."""
     dtype: str = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16``."""
+    gguf_file: str | None = None
+    """A GGUF file inside ``path`` to load instead of ``config.json`` + weights; it is dequantized to ``dtype``.
+    Needs the ``gguf`` package."""
+    lora: dict[str, Any] | None = None
+    """PEFT LoRA adapters for a trainable role (actor or critic): ``peft.LoraConfig`` fields, e.g.
+    ``{"r": 8, "lora_alpha": 16, "target_modules": ["c_attn"]}``. The base weights freeze; only the adapters
+    train (plus the critic's value head). ``task_type`` is set per role and ``lora_dropout`` is turned off like
+    every dropout (PPO ratios need the same function at rollout and update). Needs ``peft``."""
 
     def __post_init__(self) -> None:
         if self.path is None and "model_type" not in self.config:
@@ -61,11 +74,18 @@ class ModelSpec:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        if self.gguf_file is not None:
+            if self.path is None or not os.path.isfile(os.path.join(self.path, self.gguf_file)):
+                raise FileNotFoundError(f"gguf_file={self.gguf_file!r} must name a file inside `path` ({self.path!r}).")
+            if importlib.util.find_spec("gguf") is None:
+                raise ImportError("Loading a GGUF file needs the gguf package: `pip install gguf`.")
+        if self.lora is not None:
+            lora_config(self.lora, task_type=None)  # bad fields fail here, before any model is built
 
     def load_config(self, **overrides: Any) -> PretrainedConfig:
         fields = {**self.config, **overrides}
         if self.path is not None:
-            return AutoConfig.from_pretrained(self.path, local_files_only=True, **fields)
+            return AutoConfig.from_pretrained(self.path, local_files_only=True, gguf_file=self.gguf_file, **fields)
         fields = dict(fields)
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
@@ -86,16 +106,21 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def _build(auto_class: Any, spec: ModelSpec, **config_overrides: Any) -> PreTrainedModel:
+def _build(auto_class: Any, spec: ModelSpec, lora_task_type: str | None = None, **config_overrides: Any) -> nn.Module:
     config = spec.load_config(**config_overrides)
     dtype = getattr(torch, spec.dtype)
-    # Seeded even when loading: weights missing from a checkpoint (a new classification head) are random.
+    # Seeded even when loading: weights missing from a checkpoint (a new classification head) and LoRA's A
+    # matrices are random, and every rank must build the same ones.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.init_seed)
         if spec.path is not None:
-            model = auto_class.from_pretrained(spec.path, config=config, local_files_only=True, dtype=dtype)
+            model = auto_class.from_pretrained(
+                spec.path, config=config, local_files_only=True, dtype=dtype, gguf_file=spec.gguf_file
+            )
         else:
             model = auto_class.from_config(config, dtype=dtype)
+        if spec.lora is not None:
+            model = _import_peft().get_peft_model(model, lora_config(spec.lora, lora_task_type))
     disable_dropout(model)
     fuse_activations(model)
     return model
@@ -114,15 +139,81 @@ def fuse_activations(model: nn.Module) -> None:
                 setattr(module, name, GELUTanh())
 
 
+def _import_peft() -> Any:
+    try:
+        import peft
+    except ImportError as err:
+        raise ImportError(
+            "LoRA roles (`lora` in a model spec) need peft: install it with `pip install 'lightning-app-rlhf[peft]'`."
+        ) from err
+    return peft
+
+
+def lora_config(fields: dict[str, Any], task_type: str | None) -> Any:
+    """A ``peft.LoraConfig`` from its fields, with the role's ``task_type`` (``CAUSAL_LM`` or None)."""
+    peft = _import_peft()
+    if not isinstance(fields, dict):
+        raise TypeError(f"`lora` takes peft.LoraConfig fields as a dict, e.g. {{'r': 8, 'target_modules': "
+                        f"['c_attn']}}; got {type(fields).__name__}.")
+    try:
+        return peft.LoraConfig(**{**fields, "task_type": task_type})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"Invalid LoRA settings {fields}: {err}. Use peft.LoraConfig fields such as r, lora_alpha, "
+                         "target_modules, bias.") from err
+
+
+def is_lora(model: nn.Module | None) -> bool:
+    """Whether ``model`` (or a critic's backbone) carries PEFT adapters."""
+    if isinstance(model, ValueModel):
+        model = model.backbone
+    return model is not None and hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
 def build_causal_lm(spec: ModelSpec) -> PreTrainedModel:
-    """The actor (or a separately given reference)."""
-    return _build(AutoModelForCausalLM, spec)
+    """The actor (or a separately given reference); with ``spec.lora`` a ``PeftModelForCausalLM``."""
+    return _build(AutoModelForCausalLM, spec, lora_task_type="CAUSAL_LM")
 
 
 def build_reference(actor: nn.Module, spec: ModelSpec | None) -> PreTrainedModel:
     """A frozen reference: an exact copy of the initial actor unless a spec is given."""
+    check_no_lora("reference", spec)
     reference = copy.deepcopy(actor) if spec is None else build_causal_lm(spec)
     return freeze(reference)
+
+
+class AdapterDisabledReference:
+    """The reference policy of a LoRA actor: the actor's own frozen base model with its adapters switched off.
+
+    No second copy of the weights exists (TRL's memory saving). It is deliberately not an ``nn.Module``, so the
+    actor's parameters are neither registered twice, counted twice, nor saved twice in checkpoints.
+
+    Args:
+        actor: The actor as a PEFT model (trained copy or shadow). Its base weights never train, so with adapters
+            off it computes the initial actor exactly (LoRA starts as the identity).
+    """
+
+    def __init__(self, actor: nn.Module) -> None:
+        if not is_lora(actor):
+            raise TypeError(f"AdapterDisabledReference needs a PEFT (LoRA) actor, got {type(actor).__name__}.")
+        self.actor = actor
+
+    def __call__(self, **kwargs: Any) -> Any:
+        with self.actor.disable_adapter():
+            return self.actor(**kwargs)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.actor.config
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.actor.get_input_embeddings()
+
+
+def check_no_lora(role: str, spec: ModelSpec | None) -> None:
+    """Frozen roles (reference, reward model) take no LoRA adapters."""
+    if spec is not None and spec.lora is not None:
+        raise ValueError(f"`{role}` is frozen, so LoRA adapters on it would never train: remove `lora` from its "
+                         "spec. LoRA belongs on the trainable roles, `actor` and `critic`.")
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -156,12 +247,16 @@ class ValueModel(nn.Module):
 
 
 def build_critic(spec: ModelSpec) -> ValueModel:
-    """The critic: the spec's backbone (a causal LM's weights load without their LM head) plus a value head."""
+    """The critic: the spec's backbone (a causal LM's weights load without their LM head) plus a value head.
+
+    With ``spec.lora`` the backbone carries LoRA adapters and the value head stays fully trainable.
+    """
     return ValueModel(_build(AutoModel, spec))
 
 
 def build_reward_model(spec: ModelSpec, pad_token_id: int) -> PreTrainedModel:
     """A frozen sequence classifier with one label; the score is read at the last non-pad token."""
+    check_no_lora("reward_model", spec)
     return freeze(_build(AutoModelForSequenceClassification, spec, num_labels=1, pad_token_id=pad_token_id))
 
 

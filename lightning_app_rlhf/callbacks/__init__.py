@@ -1,6 +1,7 @@
 """Lightning callbacks for RLHF runs."""
 
+from lightning_app_rlhf.callbacks.export_actor import ExportActor
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
 from lightning_app_rlhf.callbacks.run_summary import RLHFRunSummary
 
-__all__ = ["PlacementTuner", "RLHFRunSummary"]
+__all__ = ["ExportActor", "PlacementTuner", "RLHFRunSummary"]
