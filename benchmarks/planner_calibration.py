@@ -4,15 +4,17 @@
 
 For each model (``tiny``: the demo's GPT-2, 2 layers x 64; ``small``: GPT-2 6 layers x 256, 8 heads, vocab 8192, the
 benchmark's preset) and each process count the script first profiles the model calls afresh (no cache: close in time
-to the runs; the median of 5 repeats, scaled by the share of a core the profiling process got, measured around it)
+to the runs; the median CPU time of 7 repeats per point, batch 1 to 32)
 and measures the gloo all-gather latency of that many fresh processes. Then, for each preset and for
 the planner's chosen plan when it is not a preset, it
 
 1. measures the share of a core each of k = 1..n concurrently computing processes gets on this machine now
    (``measure_compute_shares``: the other jobs' load and our own processes together), and how many cores the other
    jobs keep busy (``/proc/stat``, reported only),
+   and the gloo all-gather latency of n fresh processes,
 2. trains the demo config with the CLI for ``--steps`` iterations (one thread per process),
-3. measures the shares again, and predicts with their mean as the cluster's ``compute_shares``,
+3. measures both again, and predicts with their means (the cluster's ``compute_shares``, the device's
+   ``collective_latency_s``),
 4. reads the CSV logger's metrics.csv: seconds per iteration (median over the iterations after ``--skip`` of
    ``batch / perf/samples_per_sec``, the time inside ``training_step`` on rank 0, where the rollout batch ends) and
    ``memory/param_bytes_rank{r}`` / ``memory/state_bytes_rank{r}`` (the placement summary's counts).
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,7 @@ from lightning_app_rlhf.demo import build_tokenizer, prompts, topic_reward
 from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import (
     CostModel,
+    DeviceType,
     PlanChoice,
     Workload,
     cluster_from_environment,
@@ -125,28 +129,32 @@ def demo_workload(model: dict[str, int]) -> Workload:
     )
 
 
-def full_speed_profile(workload: Workload, load_sample_s: float) -> Profile:
-    """A fresh profile (median of 5 repeats per point, no cache), scaled to full speed by the share of a core one
-    process got around it (measured before and after): on a busy machine the median op time is the full-speed time
-    over that share."""
-    before = measure_compute_shares(1, load_sample_s)[0]
-    profile = profile_workload(
-        workload, batches=(1, 4, 16), repeats=5, cache_dir=None, statistic="median",
+def full_speed_profile(workload: Workload) -> Profile:
+    """A fresh profile (no cache) of CPU seconds per op: the median process CPU time of 7 repeats per point, on one
+    thread, is what the op costs at full speed however busy the machine is; the measured compute shares then say how
+    fast the runs get that CPU."""
+    return profile_workload(
+        workload, batches=(1, 4, 16, 32), repeats=7, cache_dir=None, statistic="cpu",
         reward_fn=topic_reward, tokenizer=build_tokenizer(), prompts=prompts(),
     )  # fmt: skip
-    after = measure_compute_shares(1, load_sample_s)[0]
-    return profile.scaled((before + after) / 2)
 
 
 def measure_case(
-    plan: PlacementPlan, model: dict[str, int], args: argparse.Namespace, workdir: Path, name: str
+    plan: PlacementPlan,
+    model: dict[str, int],
+    args: argparse.Namespace,
+    workdir: Path,
+    name: str,
+    device: DeviceType,
 ) -> dict[str, Any]:
     """Train once (again while the machine's compute shares moved by more than ``--max-share-change``)."""
     n = plan.world_size
     for attempt in range(args.retries + 1):
         background = measure_background_cores(args.load_sample_s)
         before = measure_compute_shares(n, args.load_sample_s)
+        latency_before = measure_collectives_in_processes(device, n).collective_latency_s
         rows = run_cli(plan, model, args.steps, workdir, f"{name}_{attempt}")
+        latency_after = measure_collectives_in_processes(device, n).collective_latency_s
         after = measure_compute_shares(n, args.load_sample_s)
         if all(abs(a - b) <= args.max_share_change * max(a, b) for a, b in zip(before, after)):
             break
@@ -159,6 +167,7 @@ def measure_case(
         "compute_shares": tuple((a + b) / 2 for a, b in zip(before, after)),
         "shares_before_after": [before, after],
         "background_cores": background,
+        "collective_latency_s": (latency_before + latency_after) / 2,
         "attempts": attempt + 1,
         "param_bytes": [int(memory[f"memory/param_bytes_rank{r}"]) for r in range(n)],
         "state_bytes": [int(memory[f"memory/state_bytes_rank{r}"]) for r in range(n)],
@@ -190,7 +199,7 @@ def main() -> None:
             model = MODELS[model_name]
             workload = demo_workload(model)
             for devices in args.devices:
-                profile = full_speed_profile(workload, args.load_sample_s)
+                profile = full_speed_profile(workload)
                 device = measure_collectives_in_processes(profile.device, devices)
                 profiled = type(profile)(profile.hardware, device, profile.ops)
                 cases = {name: preset(devices) for name, preset in PRESETS.items()}
@@ -205,13 +214,13 @@ def main() -> None:
                 runs: dict[str, list[dict[str, Any]]] = {label: [] for label in cases}
                 for round_ in range(args.rounds):  # round-robin, so slow spells of the machine hit every case
                     for label, plan in cases.items():
-                        m = measure_case(
-                            plan, model, args, Path(tmp), f"{model_name}_{devices}_{label}_{round_}"
-                        )
+                        name = f"{model_name}_{devices}_{label}_{round_}"
+                        m = measure_case(plan, model, args, Path(tmp), name, device)
+                        at_run = replace(device, collective_latency_s=m["collective_latency_s"])
                         estimate = CostModel(
-                            cluster_from_environment(devices, device, compute_shares=m["compute_shares"]),
+                            cluster_from_environment(devices, at_run, compute_shares=m["compute_shares"]),
                             workload,
-                            profiled,
+                            Profile(profile.hardware, at_run, profile.ops),
                         ).evaluate(PlanChoice(plan))
                         runs[label].append({**m, "predicted_s": estimate.iteration_s, "estimate": estimate})
                 for label, plan in cases.items():
@@ -233,7 +242,6 @@ def main() -> None:
                         "state_bytes": done[-1]["state_bytes"],
                         "predicted_param_bytes": [r.param_bytes for r in estimate.memory],
                         "predicted_state_bytes": [r.state_bytes for r in estimate.memory],
-                        "collective_latency_s": device.collective_latency_s,
                     }
                     results.append(row)
                     shares = tuple(map(statistics.mean, zip(*(r["compute_shares"] for r in done))))

@@ -419,10 +419,11 @@ class CostModel:
         trained_bytes = trained * shape.dtype_bytes
         if wrapper in SHARD_PARAMS:  # gather for forward and backward, reduce-scatter grads, per micro-batch
             comm = micro_steps * (2 * self.sharded_gather_s(ranks, shape) + self.all_gather_s(ranks, trained_bytes))
+            comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
             comm = self.all_reduce_s(ranks, trained_bytes)
-        comm += 2 * self.all_reduce_s(ranks, 64)  # gradient-norm clip and the stats sum
-        return steps * compute, steps * comm
+        stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
+        return steps * compute, steps * comm + stats
 
     def reallocate_time(self, plan: PlacementPlan, role: str) -> tuple[tuple[int, ...], float]:
         """(ranks involved, seconds) to refresh the shadow copies of a trained role; no ranks when it has none."""

@@ -192,6 +192,8 @@ def plan_placement(
     rules: list[str] = []
     if search in ("app", "both"):
         searched += app_search(model, rules)
+    if search in ("app", "both"):
+        searched += role_block_plans(model)
     if search in ("mcmc", "both"):
         seeds = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
         searched += mcmc_search(
@@ -398,6 +400,36 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
                 separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)
             ]
     return [Candidate(evaluate(model, with_frozen(p, f)), "app") for p in plans for f in _frozen_options(model)]
+
+
+def role_block_plans(model: CostModel) -> list[Candidate]:
+    """Each model on its own contiguous block of ranks: the actor's calls (generate, reference on its base or a copy,
+    train) on the first half, the critic's (forward, train) and the reward model on the second half, or on a quarter
+    each. Sharded roles then gather within their block (a node, on multi-node clusters) instead of across the
+    cluster, which a chain moving one call at a time rarely reaches (source ``blocks``)."""
+    n = model.cluster.world_size
+    if n < 2 or n % 2:
+        return []
+    half, quarter = n // 2, n // 4
+    first, second = tuple(range(half)), tuple(range(half, n))
+    layouts = [(second, second)]
+    if n % 4 == 0:
+        layouts.append((tuple(range(half, half + quarter)), tuple(range(half + quarter, n))))
+    plans = []
+    for critic, reward in layouts:
+        calls = {
+            "actor.generate": first,
+            "reference.forward": first,
+            "actor.train": first,
+            "critic.forward": critic,
+            "critic.train": critic,
+            "reward.forward": reward,
+        }
+        for wrapper in _wrappers(model):
+            for frozen in _frozen_options(model):
+                wrappers = {"actor": wrapper, "critic": wrapper, **frozen}
+                plans.append(PlacementPlan(n, calls, wrappers, name="blocks"))
+    return [Candidate(evaluate(model, p), "blocks") for p in plans]
 
 
 # ---------------------------------------------------------------- ReaLHF: Metropolis MCMC over per-call groups
