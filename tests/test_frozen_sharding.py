@@ -14,30 +14,71 @@ import yaml
 from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/approx_kl", "value/loss",
-            "response/length_mean")
+COMPARED = (
+    "reward/mean",
+    "reward/std",
+    "kl/mean",
+    "policy/loss",
+    "policy/approx_kl",
+    "value/loss",
+    "response/length_mean",
+)
 
 
 def run_plan(tmp_path: Path, name: str, plan: PlacementPlan) -> list[dict[str, float]]:
     """The demo config with a reward model instead of the reward function, under ``plan``, for 3 iterations."""
     config = yaml.safe_load((ROOT / "examples/configs/demo_cpu.yaml").read_text())
     extra = {
-        "trainer": {"strategy": {
-            "class_path": "lightning_app_rlhf.strategies.PlacementStrategy",
-            "init_args": {"plan": {"world_size": plan.world_size, "calls": {c: list(plan.ranks(c)) for c in CALLS},
-                                   "wrappers": dict(plan.wrappers), "name": plan.name}},
-        }},
-        "model": {"reward_fn": None, "reward_model": {"config": config["model"]["actor"]["config"], "init_seed": 7}},
+        "trainer": {
+            "strategy": {
+                "class_path": "lightning_app_rlhf.strategies.PlacementStrategy",
+                "init_args": {
+                    "plan": {
+                        "world_size": plan.world_size,
+                        "calls": {c: list(plan.ranks(c)) for c in CALLS},
+                        "wrappers": dict(plan.wrappers),
+                        "name": plan.name,
+                    }
+                },
+            }
+        },
+        "model": {
+            "reward_fn": None,
+            "reward_model": {"config": config["model"]["actor"]["config"], "init_seed": 7},
+        },
     }
     extra_file = tmp_path / f"{name}.yaml"
     extra_file.write_text(yaml.safe_dump(extra))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-         "--config", str(extra_file), "--trainer.devices", str(plan.world_size), "--trainer.max_steps", "3",
-         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
-         "--trainer.logger.init_args.name", name, "--model.generation.max_new_tokens", "12"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "lightning_app_rlhf",
+            "fit",
+            "--config",
+            str(ROOT / "examples/configs/demo_cpu.yaml"),
+            "--config",
+            str(extra_file),
+            "--trainer.devices",
+            str(plan.world_size),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.logger.init_args.name",
+            name,
+            "--model.generation.max_new_tokens",
+            "12",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     (metrics,) = (tmp_path / name).rglob("metrics.csv")
@@ -47,8 +88,9 @@ def run_plan(tmp_path: Path, name: str, plan: PlacementPlan) -> list[dict[str, f
 def test_fsdp2_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
     """Sharding the frozen roles changes where their bytes live (half on each rank), not what is learned."""
     whole = flattening_plan(2)
-    sharded = PlacementPlan(2, whole.calls, {**whole.wrappers, "reference": "fsdp2", "reward": "fsdp2"},
-                            name="sharded-frozen")
+    sharded = PlacementPlan(
+        2, whole.calls, {**whole.wrappers, "reference": "fsdp2", "reward": "fsdp2"}, name="sharded-frozen"
+    )
     runs = {plan.name: run_plan(tmp_path, plan.name, plan) for plan in (whole, sharded)}
     steps = {name: [r for r in rows if "reward/mean" in r] for name, rows in runs.items()}
     assert len(steps["flattening"]) == 3
@@ -63,12 +105,16 @@ def test_fsdp2_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
     reference = sum(p.numel() for p in build_causal_lm(spec).parameters()) * 4
     reward = sum(p.numel() for p in build_reward_model(spec, 0).parameters()) * 4
     for rank in (0, 1):
-        saved = memory["flattening"][f"memory/param_bytes_rank{rank}"] - memory["sharded-frozen"][
-            f"memory/param_bytes_rank{rank}"]
+        saved = (
+            memory["flattening"][f"memory/param_bytes_rank{rank}"]
+            - memory["sharded-frozen"][f"memory/param_bytes_rank{rank}"]
+        )
         # FSDP2 splits every tensor on dim 0 (the larger half on rank 0): each rank keeps about half of each model.
         assert saved == pytest.approx((reference + reward) / 2, rel=0.01), rank
-        assert memory["sharded-frozen"][f"memory/state_bytes_rank{rank}"] == memory["flattening"][
-            f"memory/state_bytes_rank{rank}"]
+        assert (
+            memory["sharded-frozen"][f"memory/state_bytes_rank{rank}"]
+            == memory["flattening"][f"memory/state_bytes_rank{rank}"]
+        )
 
 
 def test_frozen_role_wrappers_are_validated():

@@ -234,7 +234,8 @@ def test_impossible_requests_show_the_memory_breakdown():
     with pytest.raises(ValueError, match="Known device types: .*H100-80GB"):
         parse_cluster("1x8xB300")
     with pytest.raises(
-        PlannerError, match=r"actor \(llama-65b, 121.6 GiB of weights\) does not fit on one A100-80GB .* no sharding"
+        PlannerError,
+        match=r"actor \(llama-65b, 121.6 GiB of weights\) does not fit on one A100-80GB .* no sharding",
     ):
         plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-65b", wrappers=("ddp",)))
     # Full fine-tuning of 65B: bf16 weights + grads + 12 bytes of AdamW state per parameter, over 8 x 72 GiB.

@@ -335,7 +335,9 @@ class CostModel:
         flops = forward_flops(shape, batch, length)
         if op == "forward":
             return max(flops / flops_per_s, shape.param_bytes / bytes_per_s) + overhead
-        if op == "train":  # backward = 2 forwards (1 with LoRA: no weight gradients of the frozen base), plus a
+        if (
+            op == "train"
+        ):  # backward = 2 forwards (1 with LoRA: no weight gradients of the frozen base), plus a
             # recomputed forward with gradient checkpointing
             passes = (2 if self.workload.lora_rank is not None else 3) + self.workload.gradient_checkpointing
             return passes * flops / flops_per_s + passes * overhead
@@ -359,7 +361,10 @@ class CostModel:
         transformer block, then the root), so ``layers + 1`` collectives' latency for the whole model's bytes."""
         if len(ranks) <= 1:
             return 0.0
-        return self.all_gather_s(ranks, shape.param_bytes) + shape.layers * (len(ranks) - 1) * self.collective_latency
+        return (
+            self.all_gather_s(ranks, shape.param_bytes)
+            + shape.layers * (len(ranks) - 1) * self.collective_latency
+        )
 
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
         if len(ranks) <= 1:
@@ -418,7 +423,9 @@ class CostModel:
         compute += self.op_time(shape, "optimizer", local_params, 0)
         trained_bytes = trained * shape.dtype_bytes
         if wrapper in SHARD_PARAMS:  # gather for forward and backward, reduce-scatter grads, per micro-batch
-            comm = micro_steps * (2 * self.sharded_gather_s(ranks, shape) + self.all_gather_s(ranks, trained_bytes))
+            comm = micro_steps * (
+                2 * self.sharded_gather_s(ranks, shape) + self.all_gather_s(ranks, trained_bytes)
+            )
             comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
             comm = self.all_reduce_s(ranks, trained_bytes)

@@ -303,7 +303,9 @@ def profile_workload(
             continue
         with _threads(threads):
             measured = Profile(
-                profile.hardware, None, {shape.key: measure_shape(shape, workload, batches, repeats, statistic)}
+                profile.hardware,
+                None,
+                {shape.key: measure_shape(shape, workload, batches, repeats, statistic)},
             )
         if path is not None:
             measured.save(path)

@@ -383,8 +383,11 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
             "device, so splitting them saves little memory"
         )
     # Generation copies of actor and critic are whole; frozen models may be sharded where FSDP2 is allowed.
-    shadows = (w.held_params("actor") * w.actor.dtype_bytes + w.held_params("critic") * w.critic.dtype_bytes
-               + (0 if "fsdp2" in w.wrappers else frozen))
+    shadows = (
+        w.held_params("actor") * w.actor.dtype_bytes
+        + w.held_params("critic") * w.critic.dtype_bytes
+        + (0 if "fsdp2" in w.wrappers else frozen)
+    )
     if shadows > capacity:
         rules.append(
             f"separation skipped: the generation group holds whole copies of the models "
@@ -399,7 +402,9 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
             plans += [
                 separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)
             ]
-    return [Candidate(evaluate(model, with_frozen(p, f)), "app") for p in plans for f in _frozen_options(model)]
+    return [
+        Candidate(evaluate(model, with_frozen(p, f)), "app") for p in plans for f in _frozen_options(model)
+    ]
 
 
 def role_block_plans(model: CostModel) -> list[Candidate]:

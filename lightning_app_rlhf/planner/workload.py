@@ -419,7 +419,9 @@ def installed_wrappers() -> tuple[str, ...]:
 def lora_params(shape: RoleShape, rank: int) -> int:
     """LoRA adapter parameters (A: in x r, B: r x out) on every attention and MLP projection of every layer."""
     h, kv, inner = shape.hidden, shape.hidden * shape.kv_heads // shape.heads, shape.intermediate
-    if (shape.config or {}).get("model_type") == "gpt2":  # c_attn h->3h, attn c_proj h->h, c_fc h->4h, c_proj 4h->h
+    if (shape.config or {}).get(
+        "model_type"
+    ) == "gpt2":  # c_attn h->3h, attn c_proj h->h, c_fc h->4h, c_proj 4h->h
         per_layer = (h + 3 * h) + 2 * h + 2 * (h + inner)
     else:  # q, o: h->h; k, v: h->kv; gate, up: h->inner; down: inner->h
         per_layer = 2 * (2 * h) + 2 * (h + kv) + 3 * (h + inner)
