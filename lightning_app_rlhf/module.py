@@ -643,8 +643,8 @@ def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) 
 
 def _call_wrapper(plan: PlacementPlan, call: str) -> str:
     role = role_of(call)
-    if role not in plan.wrappers:
-        return "frozen"
+    if f"{role}.train" not in plan.calls:  # a frozen role: held whole, or sharded over its forward group
+        return f"frozen, {plan.wrappers[role]}" if role in plan.wrappers else "frozen"
     if call.endswith(".train"):
         return plan.wrappers[role]
     return "shadow copy" if set(plan.ranks(call)) - set(plan.ranks(f"{role}.train")) else "trained copy"

@@ -18,8 +18,11 @@ CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forwar
 """The six model calls of one PPO iteration."""
 
 TRAINABLE_ROLES = ("actor", "critic")
+FROZEN_ROLES = ("reference", "reward")
 WRAPPERS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
 """Parallel wrappers of a trainable role on its train group: DDP, FSDP2, or DeepSpeed ZeRO stage 0-3."""
+FROZEN_WRAPPERS = ("fsdp2",)
+"""Wrappers of a frozen role on its forward call's group (absent: every rank of the group holds it whole)."""
 
 
 def role_of(call: str) -> str:
@@ -39,7 +42,8 @@ class PlacementPlan:
     calls: dict[str, tuple[int, ...]]
     """Call name -> the ranks that run it (sorted, no duplicates)."""
     wrappers: dict[str, str] = field(default_factory=lambda: {"actor": "ddp", "critic": "ddp"})
-    """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3``."""
+    """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3``. Optionally a frozen role (``reference``,
+    ``reward``) -> ``fsdp2``: sharded over its forward call's group, whose ranks run the forward in lockstep."""
     name: str = "custom"
     """A label for summaries and logs."""
     overlap: bool = False
@@ -94,6 +98,15 @@ class PlacementPlan:
                 raise ValueError(f"Role {role!r} asks for DeepSpeed ({wrapper}) but deepspeed is not installed. "
                                  "Install it with `pip install 'lightning-app-rlhf[deepspeed]'`, or use 'ddp' or "
                                  "'fsdp2'.")
+        unknown = sorted(set(self.wrappers) - set(TRAINABLE_ROLES) - set(FROZEN_ROLES))
+        if unknown:
+            raise ValueError(f"Wrappers name unknown roles {unknown}: give wrappers to {list(TRAINABLE_ROLES)} and, "
+                             f"optionally, {list(FROZEN_ROLES)}.")
+        for role in FROZEN_ROLES:
+            if role in self.wrappers and self.wrappers[role] not in FROZEN_WRAPPERS:
+                raise ValueError(f"Frozen role {role!r} has wrapper {self.wrappers[role]!r}; a frozen role is either "
+                                 f"held whole (leave it out of `wrappers`) or sharded with {list(FROZEN_WRAPPERS)} over "
+                                 f"the ranks of '{role}.forward'.")
 
     def validate_shared_reference(self) -> None:
         """Raise a ``ValueError`` naming the fix if the reference cannot run on the actor's base model.

@@ -37,6 +37,26 @@ def wrap_for_training(
     return DistributedDataParallel(module, process_group=group, device_ids=device_ids)
 
 
+def shard_frozen(
+    module: nn.Module, wrapper: str, group: dist.ProcessGroup | None, group_size: int, device: torch.device
+) -> nn.Module:
+    """Shard a frozen role (reference, reward model) with FSDP2 over its forward call's group, in place. Every rank
+    of the group then runs each forward together (one forward per call, on its shard of the batch).
+
+    Args:
+        module: The frozen role's module.
+        wrapper: The plan's wrapper for the role (``fsdp2``).
+        group: The process group of the role's forward call.
+        group_size: Ranks in that group.
+        device: This rank's device.
+    """
+    if wrapper != "fsdp2":
+        raise ValueError(f"A frozen role can only be sharded with 'fsdp2', got {wrapper!r}.")
+    if group_size == 1:
+        return module
+    return shard_with_fsdp2(module, DeviceMesh.from_group(group, device_type=device.type))
+
+
 def shard_with_fsdp2(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """``fully_shard`` each transformer block (the model's ``_no_split_modules`` classes), then the root."""
     block_names: set[str] = set()

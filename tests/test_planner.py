@@ -234,15 +234,19 @@ def test_impossible_requests_show_the_memory_breakdown():
     with pytest.raises(ValueError, match="Known device types: .*H100-80GB"):
         parse_cluster("1x8xB300")
     with pytest.raises(
-        PlannerError, match=r"actor \(llama-65b, 121.6 GiB of weights\) does not fit on one A100-80GB"
+        PlannerError,
+        match=r"actor \(llama-65b, 121.6 GiB of weights\) does not fit on one A100-80GB .* no sharding",
     ):
+        plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-65b", wrappers=("ddp",)))
+    # Full fine-tuning of 65B: bf16 weights + grads + 12 bytes of AdamW state per parameter, over 8 x 72 GiB.
+    with pytest.raises(PlannerError, match=r"cannot fit on 1x8xA100-80GB: .* = actor 972.8 GiB \+ critic"):
         plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-65b"))
     with pytest.raises(PlannerError, match=r"cannot fit on 1x1xA100-80GB: .* = actor .* GiB \+ critic"):
         plan_placement(parse_cluster("1x1xA100-80GB"), llama_workload("llama-7b"))
     with pytest.raises(
         PlannerError, match=r"out of memory: rank \d+: .* GiB = weights .* GiB \+ grads .*optimizer"
     ):
-        plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-13b"), time_budget_s=1)
+        plan_placement(parse_cluster("4x8xA100-80GB"), llama_workload("llama-65b"), search="presets")
 
 
 def test_workload_and_cluster_from_a_module_and_the_environment():
@@ -277,3 +281,98 @@ def test_profile_measures_caches_and_interpolates(tmp_path):
     assert again.ops[actor.key] == profile.ops[actor.key]  # read back from the cache
     model = CostModel(parse_cluster("1x2xcpu"), workload, profile)
     assert model.evaluate(PlanChoice(flattening_plan(2))).iteration_s > 0
+
+
+def test_measured_compute_shares_replace_processor_sharing():
+    """On a shared machine each busy process gets the measured share of a core, not cores / busy."""
+    shared = cluster_from_environment(4, cores=2, compute_shares=(0.9, 0.45, 0.3))
+    assert [shared.compute_share(k) for k in (1, 2, 3, 4)] == [0.9, 0.45, 0.3, 0.5]  # 4: beyond the measured
+    # Two 0.9-second calls on disjoint ranks at once: each runs at 0.45 of a core, so both end at 2 s.
+    assert simulate([Task("a", (0,), 0.9), Task("b", (1,), 0.9)], shared) == [(0.0, 2.0), (0.0, 2.0)]
+    assert simulate([Task("a", (0,), 0.9)], shared) == [(0.0, 1.0)]
+    with pytest.raises(ValueError, match="compute_shares must lie in"):
+        cluster_from_environment(2, cores=2, compute_shares=(1.5,))
+
+
+def test_world_gathers_count_one_collective_per_tensor_plus_the_shapes():
+    """gather_to_world all-gathers the shapes, then each tensor: the rollout (3 tensors) pays 4 latencies."""
+    device = replace(parse_cluster("1x2xcpu").device, collective_latency_s=1e-3, intra_node_bandwidth=1e30)
+    model = CostModel(cluster_from_environment(2, device, cores=2), demo_workload())
+    plan = flattening_plan(2)
+    assert model.world_gather_s(plan, "actor.generate", 0, tensors=3) == pytest.approx(4e-3)
+    assert model.world_gather_s(plan, "reference.forward", 0) == pytest.approx(2e-3)
+
+
+LLAMA_TINY = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 160,
+    "vocab_size": 128,
+}
+
+
+def test_lora_workload_trains_adapters_and_the_reference_is_the_actor_base():
+    """LoRA rank 8 on a 2-layer LLaMA (h=64, kv=32, MLP 160): adapters r*(in+out) on q,k,v,o,gate,up,down."""
+    from lightning_app_rlhf.planner.workload import lora_params
+
+    shape = role_shape(LLAMA_TINY)
+    per_layer = 8 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 2 * (64 + 160) + (160 + 64))
+    assert lora_params(shape, 8) == 2 * per_layer == 2 * 8 * 1120
+    workload = Workload(
+        actor=shape,
+        critic=role_shape(LLAMA_TINY, "value"),
+        reference=shape,
+        reward=role_shape(LLAMA_TINY, "classifier"),
+        batch_size=8,
+        prompt_length=4,
+        generation_length=4,
+        lora_rank=8,
+    )
+    adapters = 2 * 8 * 1120
+    assert workload.trainable_params("actor") == adapters
+    assert workload.trainable_params("critic") == adapters + 64 + 1  # plus the value head
+    rows = CostModel(parse_cluster("1x2xcpu"), workload).memory(PlanChoice(flattening_plan(2)))
+    actor, critic = shape.params + adapters, workload.critic.params + adapters
+    reward = workload.reward.params
+    for row in rows:  # fp32: 4 bytes; the reference adds nothing; grads + two AdamW slots on adapters only
+        assert row.param_bytes == 4 * (actor + critic + reward)
+        assert row.grads == 4 * (2 * adapters + 65) and row.optimizer == 8 * (2 * adapters + 65)
+        assert row.roles["reference"] == "actor base, adapters off"
+    # Separation reallocates only the adapters (and the value head) to the shadow copies.
+    model = CostModel(parse_cluster("1x2xcpu"), workload)
+    _, seconds = model.reallocate_time(separation_plan(2), "actor")
+    full = replace(workload, lora_rank=None)
+    _, full_seconds = CostModel(parse_cluster("1x2xcpu"), full).reallocate_time(separation_plan(2), "actor")
+    assert seconds < full_seconds
+
+
+def test_frozen_roles_sharded_with_fsdp2_hold_a_shard_per_rank():
+    """A frozen role with an fsdp2 wrapper holds 1/n of its bytes on each rank of its forward group."""
+    from lightning_app_rlhf.plan import PlacementPlan
+
+    workload = demo_workload(reward=role_shape(DEMO, "classifier"))
+    flat = flattening_plan(4)
+    sharded = PlacementPlan(4, flat.calls, {**flat.wrappers, "reference": "fsdp2", "reward": "fsdp2"})
+    model = CostModel(parse_cluster("1x4xcpu"), workload)
+    whole, split = model.memory(PlanChoice(flat))[0], model.memory(PlanChoice(sharded))[0]
+    reference, reward = 4 * ACTOR_PARAMS, 4 * workload.reward.params
+    assert whole.param_bytes - split.param_bytes == reference + reward - (-(-reference // 4) - (-reward // 4))
+    assert split.state_bytes == whole.state_bytes
+    assert split.roles["reference"] == "frozen shard 1/4 fsdp2"
+    assert "ref:fsdp2 rew:fsdp2" in PlanChoice(sharded).label
+
+
+def test_llama_33b_and_65b_with_lora_are_plannable_on_one_node():
+    """APP's setting (LoRA 128): sharding the frozen reward model and the actor/critic bases makes 65B fit 1x8."""
+    for size in ("llama-33b", "llama-65b"):
+        result = plan_placement(
+            parse_cluster("1x8xA100-80GB"),
+            llama_workload(size, prompt_length=256, lora_rank=128),
+            search="presets",
+        )
+        best = result.best
+        assert best.estimate.fits and best.estimate.peak_bytes <= 0.9 * 80 * 2**30
+        assert best.plan.wrappers["actor"] == "fsdp2" and best.plan.wrappers.get("reward") == "fsdp2"

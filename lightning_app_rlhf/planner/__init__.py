@@ -15,6 +15,8 @@ from lightning_app_rlhf.planner.cluster import (
     Cluster,
     DeviceType,
     cluster_from_environment,
+    measure_background_cores,
+    measure_compute_shares,
     parse_cluster,
 )
 from lightning_app_rlhf.planner.cost_model import CostModel, Estimate, PlanChoice, RankMemory, Task, simulate
@@ -58,6 +60,8 @@ __all__ = [
     "installed_wrappers",
     "llama_workload",
     "mcmc_search",
+    "measure_background_cores",
+    "measure_compute_shares",
     "parse_cluster",
     "plan_placement",
     "profile_workload",

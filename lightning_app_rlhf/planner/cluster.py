@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 GiB = 2**30
 
@@ -65,6 +67,10 @@ class Cluster:
     """The device type of every rank."""
     cores_per_node: int | None = None
     """CPU only: cores a node's processes share. None: every device computes on its own."""
+    compute_shares: tuple[float, ...] | None = None
+    """CPU only, measured (:func:`measure_compute_shares`): entry ``k - 1`` is the fraction of one core's speed each
+    of ``k`` processes computing at once gets on this machine now, other jobs included. Overrides the processor
+    sharing formula for up to ``len(compute_shares)`` busy processes."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -74,6 +80,8 @@ class Cluster:
             )
         if self.cores_per_node is not None and self.cores_per_node < 1:
             raise ValueError(f"cores_per_node must be >= 1 or None, got {self.cores_per_node}.")
+        if self.compute_shares is not None and not all(0 < x <= 1 for x in self.compute_shares):
+            raise ValueError(f"compute_shares must lie in (0, 1], got {self.compute_shares}.")
 
     @property
     def world_size(self) -> int:
@@ -92,8 +100,16 @@ class Cluster:
         return self.device.intra_node_bandwidth if len(nodes) <= 1 else self.device.inter_node_bandwidth
 
     def compute_share(self, busy_ranks_on_node: int) -> float:
-        """Fraction of a device's compute a rank gets while ``busy_ranks_on_node`` ranks of its node compute."""
-        if self.cores_per_node is None or busy_ranks_on_node <= self.cores_per_node:
+        """Fraction of a device's compute a rank gets while ``busy_ranks_on_node`` ranks of its node compute.
+
+        Measured ``compute_shares`` where given, else processor sharing: the busy ranks split the node's cores
+        evenly, and no rank gets more than one core.
+        """
+        if self.cores_per_node is None:
+            return 1.0
+        if self.compute_shares and 1 <= busy_ranks_on_node <= len(self.compute_shares):
+            return self.compute_shares[busy_ranks_on_node - 1]
+        if busy_ranks_on_node <= self.cores_per_node:
             return 1.0
         return self.cores_per_node / busy_ranks_on_node
 
@@ -127,7 +143,10 @@ def known_devices() -> list[str]:
 
 
 def cluster_from_environment(
-    world_size: int | None = None, device: DeviceType | None = None, cores: int | None = None
+    world_size: int | None = None,
+    device: DeviceType | None = None,
+    cores: int | None = None,
+    compute_shares: tuple[float, ...] | None = None,
 ) -> Cluster:
     """The cluster this process runs in: one node of ``world_size`` CPU processes sharing this machine's cores.
 
@@ -136,11 +155,72 @@ def cluster_from_environment(
         device: Device ceilings, e.g. ``profile.device`` measured by the profiler. Default: the ``cpu`` entry of
             :data:`DEVICE_TYPES` with this machine's memory split over the processes.
         cores: Cores the processes share. Default: the cores this process may run on.
+        compute_shares: Measured share of a core per busy process (:func:`measure_compute_shares`); None: the
+            cores are ours alone, shared evenly.
     """
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if device is None:
         device = replace(DEVICE_TYPES["cpu"], memory_bytes=_ram_bytes() // world_size)
-    return Cluster(1, world_size, device, cores_per_node=cores or _cores())
+    return Cluster(1, world_size, device, cores_per_node=cores or _cores(), compute_shares=compute_shares)
+
+
+def measure_compute_shares(processes: int, seconds: float = 1.0) -> tuple[float, ...]:
+    """Fraction of one core's speed each of ``k`` concurrently computing processes gets, for ``k = 1..processes``.
+
+    A process alone first finds its full speed: the most loop iterations it completes in any 5 ms burst out of
+    ``seconds`` (it gets a whole core for some bursts even on a busy machine). Then ``k`` forked processes each
+    count iterations for ``seconds``; their mean rate over the full speed is the share. This measures processor
+    sharing on this machine as it is now: our own processes and the other jobs' load together.
+    """
+    import multiprocessing
+
+    full = max(_spin(0.005) for _ in range(max(1, int(seconds / 0.005))))
+    context = multiprocessing.get_context("fork")
+    shares = []
+    for k in range(1, processes + 1):
+        with context.Pool(k) as pool:
+            rates = pool.map(_spin, [seconds] * k)
+        shares.append(min(1.0, sum(rates) / k / full))
+    return tuple(shares)
+
+
+def _spin(seconds: float) -> float:
+    """Iterations per second of a pure-Python loop over ``seconds`` of wall time."""
+    count, start = 0, time.perf_counter()
+    end = start + seconds
+    while True:
+        for _ in range(1000):
+            count += 1
+        now = time.perf_counter()
+        if now >= end:
+            return count / (now - start)
+
+
+def measure_background_cores(seconds: float = 1.0) -> float:
+    """Cores the machine's other jobs keep busy, sampled from ``/proc/stat`` over ``seconds`` (call it while this
+    job is idle). 0.0 where ``/proc/stat`` cannot be read. A diagnostic: how busy the machine was, not a term of
+    the cost model (:func:`measure_compute_shares` is)."""
+    first = _cpu_jiffies()
+    if first is None:
+        return 0.0
+    time.sleep(seconds)
+    second = _cpu_jiffies()
+    if second is None:
+        return 0.0
+    (busy0, total0, cpus), (busy1, total1, _) = first, second
+    return cpus * (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def _cpu_jiffies() -> tuple[int, int, int] | None:
+    """(busy, total) jiffies summed over all CPUs since boot, and the number of CPUs."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    fields = [int(x) for x in lines[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    cpus = sum(1 for line in lines if re.match(r"cpu\d+ ", line))
+    return sum(fields[:8]) - idle, sum(fields[:8]), max(cpus, 1)
 
 
 def _cores() -> int:

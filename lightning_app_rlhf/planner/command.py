@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(installed_wrappers()),
         help=f"comma-separated subset of {','.join(WRAPPERS)} (zero* need deepspeed installed)",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="train LoRA adapters of this rank (reference = the actor's base); 0 = full fine-tuning. "
+        "Default: full fine-tuning, and 128 with --sweep (as APP)",
+    )
     parser.add_argument("--search", choices=SEARCHES, default="both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-budget", type=float, default=5.0, help="seconds for the MCMC chain")
@@ -88,7 +95,8 @@ def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
         optimizer_bytes_per_param=12.0 if dtype_bytes == 2 else 8.0,
         gradient_checkpointing=gpu,
         flash_attention=gpu,
-        name=f"{args.actor}+{critic}",
+        lora_rank=args.lora_rank or None,
+        name=f"{args.actor}+{critic}" + (f" LoRA {args.lora_rank}" if args.lora_rank else ""),
     )
 
 
@@ -183,9 +191,12 @@ def _groups(candidate: Any) -> str:
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every LLaMA size on every cluster of the docs table; one row each (errors included)."""
     rows = []
+    lora_rank = 128 if args.lora_rank is None else args.lora_rank
     for model in SWEEP_MODELS:
         for cluster in SWEEP_CLUSTERS:
-            case = argparse.Namespace(**{**vars(args), "cluster": cluster, "actor": model, "critic": model})
+            case = argparse.Namespace(
+                **{**vars(args), "cluster": cluster, "actor": model, "critic": model, "lora_rank": lora_rank}
+            )
             try:
                 result = run(case)
             except PlannerError as err:
@@ -197,7 +208,8 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "model": model,
                     "cluster": cluster,
                     "best": _groups(best),
-                    "wrappers": "/".join(best.plan.wrappers.values()),
+                    "wrappers": "/".join(f"{r[:3]}:{w}" for r, w in best.plan.wrappers.items()),
+                    "peak_memory_gib": best.estimate.peak_bytes / 2**30,
                     "source": best.source,
                     "iteration_s": best.iteration_s,
                     "samples_per_s": best.samples_per_s,
@@ -213,20 +225,20 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def print_sweep(rows: list[dict[str, Any]]) -> None:
     print(
-        "| model | cluster | chosen plan (ranks per call) | wrappers | iter s | flattening s | interleaving s | "
-        "separation s | speedup vs flattening | search s |"
+        "| model | cluster | chosen plan (ranks per call) | wrappers | iter s | peak GiB | flattening s | "
+        "interleaving s | separation s | speedup vs flattening | search s |"
     )
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['cluster']} | does not fit: {r['error'][:160]}... | | | | | | | |")
+            print(f"| {r['model']} | {r['cluster']} | does not fit: {r['error']} | | | | | | | | |")
             continue
         presets = r["presets_s"]
         fmt = lambda v: f"{v:.1f}" if v is not None else "OOM"
         speedup = r["speedup_over_flattening"]
         print(
             f"| {r['model']} | {r['cluster']} | {r['best']} ({r['source']}) | {r['wrappers']} | "
-            f"{r['iteration_s']:.1f} | {fmt(presets.get('flattening'))} | {fmt(presets.get('interleaving'))} | "
+            f"{r['iteration_s']:.1f} | {r['peak_memory_gib']:.1f} | {fmt(presets.get('flattening'))} | {fmt(presets.get('interleaving'))} | "
             f"{fmt(presets.get('separation'))} | {f'{speedup:.2f}x' if speedup else 'flattening OOM'} | "
             f"{r['search_s']:.1f} |"
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_app_rlhf.plan import CALLS, TRAINABLE_ROLES, PlacementPlan, role_of
+from lightning_app_rlhf.plan import CALLS, FROZEN_ROLES, TRAINABLE_ROLES, PlacementPlan, role_of
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
@@ -61,6 +61,7 @@ class PlanChoice:
             f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in CALLS
         )
         wrappers = "/".join(plan.wrappers[r] for r in TRAINABLE_ROLES)
+        wrappers += "".join(f" {r[:3]}:{plan.wrappers[r]}" for r in FROZEN_ROLES if r in plan.wrappers)
         batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
         return f"{plan.name} [{wrappers}] {groups} {batches}"
 
@@ -194,21 +195,33 @@ class CostModel:
             if shape is None:
                 continue
             trainable = role in w.trainable and role in TRAINABLE_ROLES
-            train = plan.ranks(f"{role}.train") if trainable else ()
-            wrapper = plan.wrappers.get(role, "ddp")
+            weights = w.held_params(role) * shape.dtype_bytes
+            if trainable:
+                train = plan.ranks(f"{role}.train")
+                wrapper = plan.wrappers.get(role, "ddp")
+            else:  # a frozen role lives on its forward group: whole, or sharded there by its wrapper
+                train = plan.ranks(f"{role}.forward") if role in plan.wrappers else ()
+                wrapper = plan.wrappers.get(role, "none")
             n = len(train)
             holders = {r for c in CALLS if role_of(c) == role for r in plan.ranks(c)}
+            reference_on_actor = role == "reference" and self._reference_on_actor(plan)
+            trained_bytes = w.trainable_params(role) * shape.dtype_bytes
             for rank in sorted(holders):
                 row = rows[rank]
-                if rank in train:
-                    row.weights += _split(shape.param_bytes, n, wrapper in SHARD_PARAMS)
-                    row.grads += _split(shape.param_bytes, n, wrapper in SHARD_GRADS)
-                    optimizer = int(shape.params * w.optimizer_bytes_per_param)
-                    row.optimizer += _split(optimizer, n, wrapper in SHARD_OPTIMIZER)
+                if reference_on_actor:
+                    row.roles[role] = "actor base, adapters off"
+                elif rank in train:
+                    row.weights += _split(weights, n, wrapper in SHARD_PARAMS)
                     sharded = wrapper in SHARD_PARAMS and n > 1
-                    row.roles[role] = f"shard 1/{n} {wrapper}" if sharded else f"trained {wrapper}"
+                    if trainable:
+                        row.grads += _split(trained_bytes, n, wrapper in SHARD_GRADS)
+                        optimizer = int(w.trainable_params(role) * w.optimizer_bytes_per_param)
+                        row.optimizer += _split(optimizer, n, wrapper in SHARD_OPTIMIZER)
+                        row.roles[role] = f"shard 1/{n} {wrapper}" if sharded else f"trained {wrapper}"
+                    else:
+                        row.roles[role] = f"frozen shard 1/{n} {wrapper}" if sharded else "frozen"
                 else:
-                    row.weights += shape.param_bytes
+                    row.weights += weights
                     row.roles[role] = "shadow" if trainable else "frozen"
         return rows
 
@@ -258,12 +271,32 @@ class CostModel:
         return min(choice.micro_batch or shard, shard)
 
     def _sharded_call(self, plan: PlacementPlan, call: str) -> bool:
-        """A call that runs on the sharded (FSDP2 / ZeRO-3) train group of its role: it gathers weights per forward."""
+        """A call whose weights are sharded over its group (FSDP2 / ZeRO-3): it gathers them for every forward.
+
+        That is a call on its trainable role's sharded train group, a frozen role sharded over its forward group,
+        or with LoRA a reference forward on the ranks of a sharded actor (it runs the actor's base)."""
         role = role_of(call)
-        if role not in TRAINABLE_ROLES or plan.wrappers.get(role) not in SHARD_PARAMS:
+        ranks = set(plan.ranks(call))
+        if role in FROZEN_ROLES:
+            if role == "reference" and self._reference_on_actor(plan):
+                return self._sharded_call(plan, "actor.train") and ranks == set(plan.ranks("actor.train"))
+            return plan.wrappers.get(role) in SHARD_PARAMS and len(ranks) > 1
+        if plan.wrappers.get(role) not in SHARD_PARAMS:
             return False
         train = plan.ranks(f"{role}.train")
-        return len(train) > 1 and set(plan.ranks(call)) == set(train)
+        return len(train) > 1 and ranks == set(train)
+
+    def _reference_on_actor(self, plan: PlacementPlan) -> bool:
+        """With LoRA: the reference forward runs the actor's own base (adapters off), so it holds no weights. That
+        needs the actor on those ranks: whole (trained with DDP, or a shadow), or sharded over exactly them."""
+        if not self.workload.reference_is_actor_base:
+            return False
+        ranks = set(plan.ranks("reference.forward"))
+        if not ranks <= {r for c in CALLS if role_of(c) == "actor" for r in plan.ranks(c)}:
+            return False
+        train = set(plan.ranks("actor.train"))
+        sharded = plan.wrappers["actor"] in SHARD_PARAMS and len(train) > 1
+        return not sharded or not ranks & train or ranks == train
 
     def check_memory(self, rows: list[RankMemory]) -> str | None:
         """None when every rank fits, else a message with the breakdown of the fullest rank."""
@@ -302,8 +335,11 @@ class CostModel:
         flops = forward_flops(shape, batch, length)
         if op == "forward":
             return max(flops / flops_per_s, shape.param_bytes / bytes_per_s) + overhead
-        if op == "train":  # backward = 2 forwards; a recomputed forward with gradient checkpointing
-            passes = 4 if self.workload.gradient_checkpointing else 3
+        if (
+            op == "train"
+        ):  # backward = 2 forwards (1 with LoRA: no weight gradients of the frozen base), plus a
+            # recomputed forward with gradient checkpointing
+            passes = (2 if self.workload.lora_rank is not None else 3) + self.workload.gradient_checkpointing
             return passes * flops / flops_per_s + passes * overhead
         raise ValueError(f"Unknown op {op!r}: use forward, train, decode or optimizer.")
 
@@ -320,6 +356,16 @@ class CostModel:
         """Ring all-reduce: a reduce-scatter then an all-gather."""
         return 2 * self.all_gather_s(ranks, nbytes)
 
+    def sharded_gather_s(self, ranks: tuple[int, ...], shape: RoleShape) -> float:
+        """Gather a sharded (FSDP2 / ZeRO-3) role's weights for one pass: one all-gather per wrapped unit (each
+        transformer block, then the root), so ``layers + 1`` collectives' latency for the whole model's bytes."""
+        if len(ranks) <= 1:
+            return 0.0
+        return (
+            self.all_gather_s(ranks, shape.param_bytes)
+            + shape.layers * (len(ranks) - 1) * self.collective_latency
+        )
+
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
         if len(ranks) <= 1:
             return 0.0
@@ -335,7 +381,7 @@ class CostModel:
         role = role_of(call)
         shape = w.shape(role)
         local = ceil_div(w.batch_size, n)
-        gather = shape.param_bytes if shape is not None and self._sharded_call(plan, call) else 0
+        sharded = shape is not None and self._sharded_call(plan, call)
         if call == "actor.generate":
             g = min(choice.generation_batch or local, local)
             compute, forwards = 0.0, 0
@@ -346,7 +392,7 @@ class CostModel:
                 compute += (w.generation_length - 1) * self.op_time(shape, "decode", b, mid_context)
                 forwards += w.generation_length
             # A sharded generator gathers its weights for every forward (FSDP2's lockstep decode in generation.py).
-            return compute, forwards * self.all_gather_s(ranks, gather)
+            return compute, forwards * self.sharded_gather_s(ranks, shape) if sharded else 0.0
         if call == "reward.forward" and shape is None:
             measured = self.profile.ops.get("reward_fn") if self.profile is not None else None
             per_sample = measured["sample"][0][2] if measured else w.reward_fn_s_per_sample
@@ -357,7 +403,7 @@ class CostModel:
                 self.op_time(shape, "forward", min(b, local - i), w.sequence_length)
                 for i in range(0, local, b)
             )
-            return compute, ceil_div(local, b) * self.all_gather_s(ranks, gather)
+            return compute, ceil_div(local, b) * self.sharded_gather_s(ranks, shape) if sharded else 0.0
         return self._train_time(choice, call, shape, ranks)
 
     def _train_time(
@@ -372,14 +418,19 @@ class CostModel:
         compute = sum(
             self.op_time(shape, "train", min(b, local - i), w.sequence_length) for i in range(0, local, b)
         )
-        local_params = ceil_div(shape.params, n) if wrapper in SHARD_OPTIMIZER and n > 1 else shape.params
+        trained = w.trainable_params(role_of(call))
+        local_params = ceil_div(trained, n) if wrapper in SHARD_OPTIMIZER and n > 1 else trained
         compute += self.op_time(shape, "optimizer", local_params, 0)
+        trained_bytes = trained * shape.dtype_bytes
         if wrapper in SHARD_PARAMS:  # gather for forward and backward, reduce-scatter grads, per micro-batch
-            comm = micro_steps * 3 * self.all_gather_s(ranks, shape.param_bytes)
+            comm = micro_steps * (
+                2 * self.sharded_gather_s(ranks, shape) + self.all_gather_s(ranks, trained_bytes)
+            )
+            comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
-            comm = self.all_reduce_s(ranks, shape.param_bytes)
-        comm += 2 * self.all_reduce_s(ranks, 64)  # gradient-norm clip and the stats sum
-        return steps * compute, steps * comm
+            comm = self.all_reduce_s(ranks, trained_bytes)
+        stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
+        return steps * compute, steps * comm + stats
 
     def reallocate_time(self, plan: PlacementPlan, role: str) -> tuple[tuple[int, ...], float]:
         """(ranks involved, seconds) to refresh the shadow copies of a trained role; no ranks when it has none."""
@@ -388,18 +439,21 @@ class CostModel:
         if not shadows or shape is None:
             return (), 0.0
         train = plan.ranks(f"{role}.train")
-        seconds = self.broadcast_s((train[0], *shadows), shape.param_bytes)
-        seconds += ceil_div(shape.param_bytes, REALLOCATION_BUCKET_BYTES) * self.collective_latency
+        moved = self.workload.trainable_params(role) * shape.dtype_bytes  # only trainable parameters move
+        seconds = self.broadcast_s((train[0], *shadows), moved)
+        seconds += ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
         if plan.wrappers[role] in SHARD_PARAMS and len(train) > 1:
-            seconds += self.all_gather_s(train, shape.param_bytes)  # full_tensor() of every shard
+            seconds += self.all_gather_s(train, moved)  # full_tensor() of every trainable shard
             return tuple(sorted({*train, *shadows})), seconds
         return tuple(sorted({train[0], *shadows})), seconds
 
-    def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int) -> float:
-        """``Placement.gather_to_world``: every rank all-gathers the call's shards, padded to the largest."""
+    def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int, tensors: int = 1) -> float:
+        """``Placement.gather_to_world``: every rank all-gathers the shapes, then each of the call's ``tensors``
+        result tensors, padded to the largest shard (one collective each)."""
         world = tuple(range(plan.world_size))
         rows = ceil_div(self.workload.batch_size, len(plan.ranks(call)))
-        return self.all_gather_s(world, plan.world_size * rows * bytes_per_row) + self.all_gather_s(world, 0)
+        payload = self.all_gather_s(world, plan.world_size * rows * bytes_per_row)
+        return payload + tensors * self.all_gather_s(world, 0)
 
     # ---- the schedule
 
@@ -443,7 +497,7 @@ class CostModel:
             add(
                 f"gather.rollout#{i}",
                 world,
-                self.world_gather_s(plan, "actor.generate", gathers["actor.generate"]),
+                self.world_gather_s(plan, "actor.generate", gathers["actor.generate"], tensors=3),
                 compute=False,
             )
             for name in ("reference.forward", "reward.forward", "critic.forward"):

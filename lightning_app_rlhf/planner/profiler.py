@@ -122,14 +122,24 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _best_of(fn: Callable[[], Any], repeats: int) -> float:
+STATISTIC = {
+    "min": (min, time.perf_counter),
+    "cpu": (lambda times: sorted(times)[len(times) // 2], time.process_time),
+}
+"""How repeated timings of one op become its time: ``min``, the fastest wall time (right on a quiet machine);
+``cpu``, the median CPU time of this process (one thread): the full-speed time even while other jobs share the
+cores, which the cost model then applies as measured ``compute_shares``."""
+
+
+def _best_of(fn: Callable[[], Any], repeats: int, statistic: str = "min") -> float:
     fn()  # warm-up
-    best = float("inf")
+    reduce, clock = STATISTIC[statistic]
+    times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(clock() - start)
+    return reduce(times)
 
 
 def measure_device(threads: int | None = 1) -> DeviceType:
@@ -173,6 +183,85 @@ def measure_collectives(device: DeviceType) -> DeviceType:
     )
 
 
+def measure_collectives_in_processes(device: DeviceType, world_size: int, repeats: int = 30) -> DeviceType:
+    """All-gather latency and bandwidth of ``world_size`` fresh gloo processes on this machine (one thread each).
+
+    The engine's collectives on the CPU are small (``Placement.gather_to_world`` exchanges shapes, then rollouts
+    of a few KB), so their fixed cost dominates: the median time of a 48-byte all-gather, per ring hop, becomes
+    ``collective_latency_s``, and a 1 MB-per-rank all-gather gives the bandwidth.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if world_size < 2:
+        return device
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        mp.start_processes(
+            _collective_worker,
+            args=(world_size, _free_port(), repeats, str(out)),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        latency, large_s, large_bytes = json.loads(out.read_text())
+    hops = world_size - 1
+    bandwidth = hops * large_bytes / max(large_s - hops * latency / hops, 1e-9)
+    return replace(
+        device,
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=bandwidth,
+        collective_latency_s=latency / hops,
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_worker(rank: int, world_size: int, port: int, repeats: int, out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+
+        def median_s(tensor: torch.Tensor, n: int) -> float:
+            parts = [torch.empty_like(tensor) for _ in range(world_size)]
+            dist.all_gather(parts, tensor)
+            times = []
+            for _ in range(n):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_gather(parts, tensor)
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        small = median_s(torch.zeros(3, 2, dtype=torch.long), repeats)  # a shape exchange
+        large_tensor = torch.zeros(1 << 18)
+        large = median_s(large_tensor, max(3, repeats // 5))
+        result = torch.tensor([small, large], dtype=torch.float64)
+        dist.all_reduce(result)  # the same figures on every rank
+        if rank == 0:
+            small, large = (result / world_size).tolist()
+            Path(out).write_text(json.dumps([small, large, large_tensor.numel() * 4]))
+    finally:
+        dist.destroy_process_group()
+
+
 def profile_workload(
     workload: Workload,
     *,
@@ -183,6 +272,7 @@ def profile_workload(
     reward_fn: Callable[[list[str], list[str]], Any] | None = None,
     tokenizer: Any = None,
     prompts: list[str] | None = None,
+    statistic: str = "min",
 ) -> Profile:
     """Measure every role shape of ``workload`` (cached per hardware and shape) and this device's ceilings.
 
@@ -190,12 +280,16 @@ def profile_workload(
         workload: Its shapes must carry their Hugging Face ``config`` (from :func:`role_shape`).
         batches: Batch sizes of the grid; lengths are the workload's sequence length and half of it.
         threads: Torch threads while measuring (1: one thread per process, as multi-process CPU runs use).
-        repeats: Timed repeats per point (the fastest counts).
+        repeats: Timed repeats per point.
         cache_dir: Where profiles are cached; None disables the cache.
         reward_fn: A Python reward function to time per sample (with ``tokenizer``).
         tokenizer: Decodes responses for ``reward_fn``.
         prompts: Real prompts for ``reward_fn`` (some functions read them); default random tokens.
+        statistic: ``min`` (the fastest wall time counts) or ``cpu`` (the median CPU time; use it on a shared
+            machine, with ``threads=1``).
     """
+    if statistic not in STATISTIC:
+        raise ValueError(f"statistic={statistic!r}: choose one of {sorted(STATISTIC)}.")
     profile = Profile(hardware_key(), measure_device(threads))
     seen = set()
     for role in ("actor", "critic", "reference", "reward"):
@@ -209,20 +303,22 @@ def profile_workload(
             continue
         with _threads(threads):
             measured = Profile(
-                profile.hardware, None, {shape.key: measure_shape(shape, workload, batches, repeats)}
+                profile.hardware,
+                None,
+                {shape.key: measure_shape(shape, workload, batches, repeats, statistic)},
             )
         if path is not None:
             measured.save(path)
         profile = profile.merge(measured)
     if reward_fn is not None and tokenizer is not None:
         with _threads(threads):
-            per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts)
+            per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts, statistic)
         profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
     return profile
 
 
 def measure_shape(
-    shape: RoleShape, workload: Workload, batches: tuple[int, ...], repeats: int
+    shape: RoleShape, workload: Workload, batches: tuple[int, ...], repeats: int, statistic: str = "min"
 ) -> dict[str, list[list[float]]]:
     """Op times of one role shape over ``batches`` x (sequence length, half of it)."""
     import torch
@@ -283,9 +379,9 @@ def measure_shape(
                 forward = lambda r=rollout: critic_forward(model, r)
             else:
                 forward = lambda r=rollout: model(input_ids=r.sequences, attention_mask=r.attention_mask)
-            ops["forward"].append([b, n, _best_of(forward, repeats)])
+            ops["forward"].append([b, n, _best_of(forward, repeats, statistic)])
             if shape.kind != "classifier":
-                ops["train"].append([b, n, _best_of(lambda e=experience: train_step(e), repeats)])
+                ops["train"].append([b, n, _best_of(lambda e=experience: train_step(e), repeats, statistic)])
         if shape.kind == "causal_lm":  # decode step = (generate - prefill) / (steps - 1), at the mid context
             prompts = torch.randint(3, shape.vocab, (b, p))
             config = GenerationConfig(max_new_tokens=g)
@@ -293,8 +389,9 @@ def measure_shape(
             gen = _best_of(
                 lambda x=prompts, c=config, k=keys: generate(model, x, torch.ones_like(x), c, k, -1, 0),
                 repeats,
+                statistic,
             )
-            prefill = _best_of(lambda x=prompts: model(input_ids=x, use_cache=True), repeats)
+            prefill = _best_of(lambda x=prompts: model(input_ids=x, use_cache=True), repeats, statistic)
             ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
     if shape.kind == "classifier":
         del ops["train"]
@@ -312,7 +409,7 @@ def measure_shape(
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 
-        ops["optimizer"] = [[shape.params, 0, _best_of(step, repeats)]]
+        ops["optimizer"] = [[shape.params, 0, _best_of(step, repeats, statistic)]]
     return ops
 
 
@@ -321,6 +418,7 @@ def measure_reward_fn(
     tokenizer: Any,
     workload: Workload,
     prompts: list[str] | None,
+    statistic: str = "min",
 ) -> float:
     """Seconds per sample of decoding and scoring with a Python reward function."""
     import torch
@@ -337,4 +435,4 @@ def measure_reward_fn(
             sequences[row, p - len(ids) : p] = torch.tensor(ids)
     mask = torch.ones_like(sequences)
     rollout = Rollout(sequences, mask, mask[:, p:], torch.zeros(b, g), p)
-    return _best_of(lambda: reward_forward(reward_fn, rollout, tokenizer), 3) / b
+    return _best_of(lambda: reward_forward(reward_fn, rollout, tokenizer), 3, statistic) / b

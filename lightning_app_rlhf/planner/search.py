@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_app_rlhf.plan import (
     CALLS,
+    FROZEN_ROLES,
     TRAINABLE_ROLES,
     PlacementPlan,
     flattening_plan,
@@ -33,9 +34,12 @@ from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
 
 SEARCHES = ("app", "mcmc", "both", "presets")
+SHARDED = ("fsdp2", "zero3")
 PRESETS = ("flattening", "interleaving", "separation")
 WRAPPER_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 """Least sharding (least communication) first."""
+FROZEN_CHOICES = (None, "fsdp2")
+"""MCMC options for a frozen role's wrapper: held whole, or FSDP2-sharded over its forward group."""
 OVERFLOW_PENALTY = 2.0
 """MCMC cost of a plan that does not fit: its time x (1 + OVERFLOW_PENALTY x the fraction it overflows by)."""
 
@@ -188,9 +192,18 @@ def plan_placement(
     rules: list[str] = []
     if search in ("app", "both"):
         searched += app_search(model, rules)
+    if search in ("app", "both"):
+        searched += role_block_plans(model)
     if search in ("mcmc", "both"):
+        seeds = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
         searched += mcmc_search(
-            model, seed=seed, steps=mcmc_steps, time_budget_s=time_budget_s, beta=beta, top_k=top_k
+            model,
+            seed=seed,
+            steps=mcmc_steps,
+            time_budget_s=time_budget_s,
+            beta=beta,
+            top_k=top_k,
+            seeds=[c.plan for c in seeds[:3]],
         )
     fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
     if not fitting:
@@ -233,20 +246,24 @@ def _check_replica_fits(model: CostModel) -> None:
     w, cluster = model.workload, model.cluster
     n = cluster.world_size
     total, lines = 0, []
+    can_shard = any(wr in SHARDED for wr in w.wrappers)
     for role in ("actor", "critic", "reference", "reward"):
         shape = w.shape(role)
         if shape is None:
             continue
-        if shape.param_bytes > model.capacity:  # the engine holds frozen roles and shadows whole
+        held = w.held_params(role) * shape.dtype_bytes
+        if held > model.capacity and not can_shard:  # without FSDP2 / ZeRO-3 every copy is whole
             raise PlannerError(
-                f"The {role} ({shape.name}, {gib(shape.param_bytes)} of weights) does not fit on one "
-                f"{cluster.device.name} ({gib(model.capacity)} usable): the engine keeps frozen roles "
-                "and generation copies whole (no tensor parallelism). Use larger devices or a smaller "
-                "model."
+                f"The {role} ({shape.name}, {gib(held)} of weights) does not fit on one "
+                f"{cluster.device.name} ({gib(model.capacity)} usable) and no sharding wrapper (fsdp2, zero3) "
+                f"is allowed: the wrappers are {list(w.wrappers)}. Allow fsdp2, or use larger devices or a "
+                "smaller model."
             )
-        full = shape.param_bytes
-        if role in w.trainable:
-            full = int(shape.params * (2 * shape.dtype_bytes + w.optimizer_bytes_per_param))
+        if role == "reference" and w.reference_is_actor_base:
+            lines.append("reference 0 (the actor's base, adapters off)")
+            continue
+        trained = w.trainable_params(role)
+        full = held + int(trained * (shape.dtype_bytes + w.optimizer_bytes_per_param))
         lines.append(f"{role} {gib(full)}")
         total += full
     if total > n * model.capacity:
@@ -300,6 +317,23 @@ def _wrappers(model: CostModel) -> list[str]:
     return [w for w in WRAPPER_ORDER if w in model.workload.wrappers]
 
 
+def _frozen_options(model: CostModel) -> list[dict[str, str]]:
+    """Frozen-role wrappers to try: whole copies, then (where FSDP2 is allowed) both frozen models sharded."""
+    if "fsdp2" not in model.workload.wrappers:
+        return [{}]
+    roles = [r for r in FROZEN_ROLES if model.workload.shape(r) is not None]
+    if model.workload.reference_is_actor_base:
+        roles = [r for r in roles if r != "reference"]
+    return [{}, dict.fromkeys(roles, "fsdp2")] if roles else [{}]
+
+
+def with_frozen(plan: PlacementPlan, frozen: dict[str, str]) -> PlacementPlan:
+    """``plan`` with frozen-role wrappers added."""
+    if not frozen:
+        return plan
+    return PlacementPlan(plan.world_size, plan.calls, {**plan.wrappers, **frozen}, plan.name, plan.overlap)
+
+
 def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
     n = model.cluster.world_size
     plans = {"flattening": [flattening_plan(n, w) for w in _wrappers(model)]}
@@ -312,7 +346,8 @@ def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
         plans["separation"] = [
             separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w) for w in _wrappers(model)
         ]
-    return plans
+    frozen = _frozen_options(model)
+    return {name: [with_frozen(p, f) for p in group for f in frozen] for name, group in plans.items()}
 
 
 # ---------------------------------------------------------------- APP: prior rules, then a grid
@@ -347,10 +382,15 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
             f"interleaving grid skipped: reference + reward weights ({gib(frozen)}) are under 5% of a "
             "device, so splitting them saves little memory"
         )
-    shadows = w.actor.param_bytes + w.critic.param_bytes + frozen
+    # Generation copies of actor and critic are whole; frozen models may be sharded where FSDP2 is allowed.
+    shadows = (
+        w.held_params("actor") * w.actor.dtype_bytes
+        + w.held_params("critic") * w.critic.dtype_bytes
+        + (0 if "fsdp2" in w.wrappers else frozen)
+    )
     if shadows > capacity:
         rules.append(
-            f"separation skipped: the generation group holds whole copies of all four models "
+            f"separation skipped: the generation group holds whole copies of the models "
             f"({gib(shadows)}), more than a device ({gib(capacity)})"
         )
     elif n < 4:
@@ -362,7 +402,39 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
             plans += [
                 separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)
             ]
-    return [Candidate(evaluate(model, p), "app") for p in plans]
+    return [
+        Candidate(evaluate(model, with_frozen(p, f)), "app") for p in plans for f in _frozen_options(model)
+    ]
+
+
+def role_block_plans(model: CostModel) -> list[Candidate]:
+    """Each model on its own contiguous block of ranks: the actor's calls (generate, reference on its base or a copy,
+    train) on the first half, the critic's (forward, train) and the reward model on the second half, or on a quarter
+    each. Sharded roles then gather within their block (a node, on multi-node clusters) instead of across the
+    cluster, which a chain moving one call at a time rarely reaches (source ``blocks``)."""
+    n = model.cluster.world_size
+    if n < 2 or n % 2:
+        return []
+    half, quarter = n // 2, n // 4
+    first, second = tuple(range(half)), tuple(range(half, n))
+    layouts = [(second, second)]
+    if n % 4 == 0:
+        layouts.append((tuple(range(half, half + quarter)), tuple(range(half + quarter, n))))
+    plans = []
+    for critic, reward in layouts:
+        calls = {
+            "actor.generate": first,
+            "reference.forward": first,
+            "actor.train": first,
+            "critic.forward": critic,
+            "critic.train": critic,
+            "reward.forward": reward,
+        }
+        for wrapper in _wrappers(model):
+            for frozen in _frozen_options(model):
+                wrappers = {"actor": wrapper, "critic": wrapper, **frozen}
+                plans.append(PlacementPlan(n, calls, wrappers, name="blocks"))
+    return [Candidate(evaluate(model, p), "blocks") for p in plans]
 
 
 # ---------------------------------------------------------------- ReaLHF: Metropolis MCMC over per-call groups
@@ -388,11 +460,16 @@ def mcmc_search(
     time_budget_s: float = 10.0,
     beta: float = 10.0,
     top_k: int = 5,
+    seeds: list[PlacementPlan] | None = None,
 ) -> list[Candidate]:
-    """ReaLHF's search: a state gives every call a device group and every trainable role a wrapper. It starts from
-    each call's individually fastest group, proposes changing one call's group (or one wrapper), and accepts a
-    plan ``d`` slower (relative) with probability ``exp(-beta * d)``. Returns the ``top_k`` best plans that fit,
-    fastest first, then the start (source ``mcmc start``)."""
+    """ReaLHF's search: a state gives every call a device group, every trainable role a wrapper and every frozen
+    role a wrapper or none. It starts from each call's individually fastest group, proposes changing one call's
+    group, one wrapper, or (a third of the time) moving a trainable role's train group together with every call
+    of that role that runs on it (a sharded role must run a call on all of its train ranks or none, so single-call
+    moves cannot relocate it), and accepts a plan ``d`` slower (relative) with probability ``exp(-beta * d)``. When
+    one of ``seeds`` (e.g. the APP grid's best) is faster than the start and expressible in the chain's groups, the
+    chain starts there instead. Returns the ``top_k`` best plans that fit, fastest first, then the start (source
+    ``mcmc start``)."""
     rng = random.Random(seed)
     groups = device_groups(model.cluster)
     wrappers = _wrappers(model)
@@ -415,16 +492,30 @@ def mcmc_search(
     current = _fastest_start(model, groups, wrappers, estimate)
     current_cost = cost(current)
     start_state = current
+    for plan in seeds or []:
+        state = _state_of(plan, groups, wrappers)
+        if state is not None and cost(state) < current_cost:
+            current, current_cost = state, cost(state)
     deadline = time.perf_counter() + time_budget_s
     for _ in range(steps):
         if time.perf_counter() > deadline:
             break
         proposal = list(current)
-        slot = rng.randrange(len(CALLS) + len(TRAINABLE_ROLES))
-        if slot < len(CALLS):
+        slot = rng.randrange(len(CALLS) + len(TRAINABLE_ROLES) + len(FROZEN_ROLES))
+        if rng.random() < 1 / 3:  # move a trainable role's train group and the calls that share it
+            role = rng.choice(TRAINABLE_ROLES)
+            train = CALLS.index(f"{role}.train")
+            target = rng.randrange(len(groups))
+            for i, call in enumerate(CALLS):
+                if i != train and call.startswith(f"{role}.") and current[i] == current[train]:
+                    proposal[i] = target
+            proposal[train] = target
+        elif slot < len(CALLS):
             proposal[slot] = rng.randrange(len(groups))
-        else:
+        elif slot < len(CALLS) + len(TRAINABLE_ROLES):
             proposal[slot] = rng.randrange(len(wrappers))
+        else:
+            proposal[slot] = rng.randrange(len(FROZEN_CHOICES))
         proposal = tuple(proposal)
         new_cost = cost(proposal)
         if math.isinf(new_cost):
@@ -442,11 +533,31 @@ def _evaluate_state(
 ) -> Estimate | None:
     calls = {c: groups[state[i]] for i, c in enumerate(CALLS)}
     roles = {r: wrappers[state[len(CALLS) + i]] for i, r in enumerate(TRAINABLE_ROLES)}
+    for i, role in enumerate(FROZEN_ROLES):
+        frozen = FROZEN_CHOICES[state[len(CALLS) + len(TRAINABLE_ROLES) + i]]
+        if frozen is not None:
+            if "fsdp2" not in model.workload.wrappers or model.workload.shape(role) is None:
+                return None
+            if role == "reference" and model.workload.reference_is_actor_base:
+                return None
+            roles[role] = frozen
     try:
         plan = PlacementPlan(n, calls, roles, name="mcmc")
     except ValueError:
         return None  # ranks left idle, or a sharded role split across its own group
     return evaluate(model, plan)
+
+
+def _state_of(plan: PlacementPlan, groups: list, wrappers: list[str]) -> tuple | None:
+    """The MCMC state of ``plan``, or None when a call's ranks are not one of ``groups`` (or a wrapper is off)."""
+    index = {group: i for i, group in enumerate(groups)}
+    try:
+        calls = [index[plan.ranks(c)] for c in CALLS]
+        trained = [wrappers.index(plan.wrappers[r]) for r in TRAINABLE_ROLES]
+        frozen = [FROZEN_CHOICES.index(plan.wrappers.get(r)) for r in FROZEN_ROLES]
+    except (KeyError, ValueError):
+        return None
+    return (*calls, *trained, *frozen)
 
 
 def _fastest_start(model: CostModel, groups: list, wrappers: list[str], estimate: Any) -> tuple:
@@ -463,9 +574,11 @@ def _fastest_start(model: CostModel, groups: list, wrappers: list[str], estimate
             compute, comm = model.call_time(choose_batches(model, plan), call)
             times.append((compute + comm, -len(group), i))
         state.append(min(times)[2])
-    for wrapper_index in range(len(wrappers)):
-        candidate = (*state, wrapper_index, wrapper_index)
-        e = estimate(candidate)
-        if e is not None and e.fits:
-            return candidate
-    return (*state, len(wrappers) - 1, len(wrappers) - 1)
+    for frozen in (0, 1):
+        for wrapper_index in range(len(wrappers)):
+            for ref in (0, frozen):
+                candidate = (*state, wrapper_index, wrapper_index, ref, frozen)
+                e = estimate(candidate)
+                if e is not None and e.fits:
+                    return candidate
+    return (*state, len(wrappers) - 1, len(wrappers) - 1, 0, 0)

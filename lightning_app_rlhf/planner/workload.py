@@ -282,6 +282,10 @@ class Workload:
     """Attention never stores the [heads, seq, seq] score matrix (fused kernels on GPUs)."""
     reward_fn_s_per_sample: float = 50e-6
     """Time of a Python reward function per sample (decoding and scoring)."""
+    lora_rank: int | None = None
+    """LoRA: actor and critic train rank-``r`` adapters on every attention and MLP projection (plus the critic's
+    value head) and keep their base weights frozen; the reference is the actor's base with the adapters disabled, so
+    it costs no weights where the actor is held. None: full fine-tuning."""
     name: str = "workload"
 
     def __post_init__(self) -> None:
@@ -302,9 +306,36 @@ class Workload:
                 f"Wrappers {list(self.wrappers)} must be a non-empty subset of {list(WRAPPERS)}."
             )
 
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1 (or None for full fine-tuning), got {self.lora_rank}.")
+
     @property
     def sequence_length(self) -> int:
         return self.prompt_length + self.generation_length
+
+    def trainable_params(self, role: str) -> int:
+        """Parameters the optimizer updates: all of them, or with LoRA the adapters (and the critic's value head)."""
+        shape = self.shape(role)
+        if shape is None or role not in self.trainable:
+            return 0
+        if self.lora_rank is None:
+            return shape.params
+        head = shape.hidden + 1 if shape.kind == "value" else 0
+        return lora_params(shape, self.lora_rank) + head
+
+    def held_params(self, role: str) -> int:
+        """Parameters of one whole copy of the role: with LoRA a trainable role's base plus its adapters."""
+        shape = self.shape(role)
+        if shape is None:
+            return 0
+        if self.lora_rank is not None and role in self.trainable:
+            return shape.params + lora_params(shape, self.lora_rank)
+        return shape.params
+
+    @property
+    def reference_is_actor_base(self) -> bool:
+        """With LoRA the reference is the actor's base (adapters disabled) where the actor is held."""
+        return self.lora_rank is not None and self.reference == self.actor
 
     def shape(self, role: str) -> RoleShape | None:
         return getattr(self, role)
@@ -383,6 +414,18 @@ def installed_wrappers() -> tuple[str, ...]:
     if importlib.util.find_spec("deepspeed") is None:
         return ("ddp", "fsdp2")
     return ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+
+
+def lora_params(shape: RoleShape, rank: int) -> int:
+    """LoRA adapter parameters (A: in x r, B: r x out) on every attention and MLP projection of every layer."""
+    h, kv, inner = shape.hidden, shape.hidden * shape.kv_heads // shape.heads, shape.intermediate
+    if (shape.config or {}).get(
+        "model_type"
+    ) == "gpt2":  # c_attn h->3h, attn c_proj h->h, c_fc h->4h, c_proj 4h->h
+        per_layer = (h + 3 * h) + 2 * h + 2 * (h + inner)
+    else:  # q, o: h->h; k, v: h->kv; gate, up: h->inner; down: inner->h
+        per_layer = 2 * (2 * h) + 2 * (h + kv) + 3 * (h + inner)
+    return shape.layers * rank * per_layer
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_app_rlhf.placement import Placement, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.wrappers import wrap_for_training
+from lightning_app_rlhf.wrappers import shard_frozen, wrap_for_training
 
 
 def start_placement(
@@ -43,10 +43,17 @@ def start_placement(
 
 
 def wrap_trained_roles(module: nn.Module, placement: Placement, device: torch.device) -> None:
-    """Wrap each trainable role this rank trains on its own train group (never the whole module)."""
+    """Wrap each trainable role this rank trains on its own train group (never the whole module), and shard the
+    frozen roles the plan gives a wrapper over their forward call's group."""
     for role in module.trained_roles():
         call = f"{role}.train"
         module.train_modules[role] = wrap_for_training(
             getattr(module, role), placement.plan.wrappers[role], placement.groups.get(call),
             placement.group_size(call), device,
         )
+    for role, attribute in (("reference", "reference"), ("reward", "reward_model")):
+        call = f"{role}.forward"
+        frozen = getattr(module, attribute)
+        if role in placement.plan.wrappers and frozen is not None and placement.runs(call):
+            shard_frozen(frozen, placement.plan.wrappers[role], placement.groups.get(call),
+                         placement.group_size(call), device)
