@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=80, help="PPO iterations")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per iteration")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="longer answers are cut and penalised")
-    parser.add_argument("--lr", type=float, default=2e-4, help="learning rate of both LoRA adapters")
+    parser.add_argument("--lr", type=float, default=5e-4, help="learning rate of both LoRA adapters")
     parser.add_argument("--critic-layers", type=int, default=4, help="layers of SmolLM2 kept for the critic")
     parser.add_argument("--out", default="runs/smollm2_lora", help="logs and the exported LoRA adapter")
     args = parser.parse_args()

@@ -404,6 +404,8 @@ def workload_from_module(
         optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
         name="module",
         wrappers=installed_wrappers(),
+        # LoRA: adapters of this rank train (peft's default r is 8); the reference then shares the actor's base.
+        lora_rank=int(module.actor_spec.lora.get("r", 8)) if module.actor_spec.lora is not None else None,
     )
 
 
