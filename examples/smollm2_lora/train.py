@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--iterations", type=int, default=80, help="PPO iterations")
+    parser.add_argument("--iterations", type=int, default=40, help="PPO iterations")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per iteration")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="longer answers are cut and penalised")
     parser.add_argument("--lr", type=float, default=5e-4, help="learning rate of both LoRA adapters")
