@@ -61,14 +61,14 @@ def trl_table(rows: list[dict[str, Any]]) -> str:
         "one process, the same random-init models (actor, critic, reference, reward); medians over "
         "all measured iterations of alternating runs (min-max in brackets)."),
         "",
-        ("| preset | params | ours samples/s | TRL samples/s | ours / TRL | ours generate / score / train ms "
-        "| TRL generate ms | peak RSS ours / TRL MiB |"),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ("| preset | precision | params | ours samples/s | TRL samples/s | ours / TRL | ours generate / score / "
+         "train ms | TRL generate ms | peak RSS ours / TRL MiB |"),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         ours, peer = row["ours"], row["trl"]
         lines.append(
-            f"| {row['settings']['preset']} | {row['params'] / 1e6:.2f}M | {_spread(ours['samples_per_s'])} "
+            f"| {row['settings']['preset']} | {row['settings']['precision']} | {row['params'] / 1e6:.2f}M | {_spread(ours['samples_per_s'])} "
             f"| {_spread(peer['samples_per_s'])} | **{row['samples_per_s_ratio']:.2f}x** "
             f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} "
             f"| {_ms(peer, 'generate_s')} | {_mb(ours['peak_rss_bytes'])} / {_mb(peer['peak_rss_bytes'])} |"
@@ -131,7 +131,7 @@ def draw_plot(results: dict[str, Any], path: Path) -> None:
     axes = list(axes[0])
     if trl_rows:
         ax = axes.pop(0)
-        names = [row["settings"]["preset"] for row in trl_rows]
+        names = [f"{row['settings']['preset']}\n{row['settings']['precision']}" for row in trl_rows]
         for offset, (key, label) in enumerate((("ours", "lightning-app-rlhf"), ("trl", "TRL 1.12.0"))):
             medians = [row[key]["samples_per_s"]["median"] for row in trl_rows]
             errors = [[m - row[key]["samples_per_s"]["min"] for m, row in zip(medians, trl_rows)],
