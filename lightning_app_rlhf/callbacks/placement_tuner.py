@@ -80,7 +80,7 @@ class PlacementTuner(Callback):
                 f"{type(strategy).__name__}. Use strategy='rlhf_flattening' (any preset: the tuned plan replaces it)."
             )
         saved = self._saved_state(trainer)
-        if saved is not None:
+        if saved:  # a checkpoint written without a tuner (or before it chose) has no plan to reuse
             plan, self.prediction = plan_from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
         else:
             outcome = self._decide(trainer, pl_module) if trainer.is_global_zero else None
