@@ -87,8 +87,8 @@ def compare_placements(
     workloads: list[str] = ["generation-heavy", "training-heavy"],  # noqa: B006
     placements: list[str] = list(PLACEMENTS),  # noqa: B006
     batch_size: int = 32,
-    warmup: int = 2,
-    iterations: int = 4,
+    warmup: int = 1,
+    iterations: int = 3,
     out: str = "bench_results/placements.json",
 ) -> list[dict[str, Any]]:
     """Flattening vs Interleaving vs Separation (on-policy and overlapped), one thread per process.
@@ -149,7 +149,7 @@ def profile(
     return records
 
 
-def run(out_dir: str = "bench_results", docs: str = "docs/benchmarks.md", repeats: int = 2) -> None:
+def run(out_dir: str = "docs/bench_results", docs: str = "docs/benchmarks.md", repeats: int = 2) -> None:
     """Both comparisons and the profile with their defaults, then rewrite the results section of ``docs``.
 
     Args:
@@ -164,8 +164,8 @@ def run(out_dir: str = "bench_results", docs: str = "docs/benchmarks.md", repeat
 
 
 def report(
-    results: list[str] = ["bench_results/trl.json", "bench_results/placements.json",  # noqa: B006
-                          "bench_results/profile.json"],
+    results: list[str] = ["docs/bench_results/trl.json", "docs/bench_results/placements.json",  # noqa: B006
+                          "docs/bench_results/profile.json"],
     docs: str = "docs/benchmarks.md",
 ) -> None:
     """Rewrite the generated section of ``docs`` (tables, plot) from results JSON files.
