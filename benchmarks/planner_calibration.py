@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 from lightning_app_rlhf.demo import build_tokenizer, prompts, topic_reward
-from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import (
     CostModel,
     DeviceType,
@@ -78,13 +78,7 @@ def run_cli(
     strategy = {
         "class_path": "lightning_app_rlhf.strategies.PlacementStrategy",
         "init_args": {
-            "plan": {
-                "world_size": plan.world_size,
-                "calls": {c: list(plan.ranks(c)) for c in CALLS},
-                "wrappers": dict(plan.wrappers),
-                "name": plan.name,
-                "overlap": plan.overlap,
-            }
+            "plan": plan.to_dict()
         },
     }
     strategy_file = workdir / f"{name}.strategy.yaml"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward", "actor.train", "critic.train")
 """The six model calls of one PPO iteration."""
@@ -130,6 +131,16 @@ class PlacementPlan:
                 f"'reference.forward' runs on ranks {sorted(reference)}, part of the {self.wrappers['actor']} group "
                 f"{sorted(train)} of 'actor.train', and the reference shares the sharded actor's base: run it on all "
                 "of the actor's train ranks or on none of them, or use wrapper 'ddp'.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields (lists, not tuples): for checkpoints, JSON, and a strategy's ``plan:`` in a CLI config."""
+        return {"world_size": self.world_size, "calls": {c: list(r) for c, r in self.calls.items()},
+                "wrappers": dict(self.wrappers), "name": self.name, "overlap": self.overlap}
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> PlacementPlan:
+        """The inverse of :meth:`to_dict`; validates like the constructor."""
+        return cls(**fields)
 
     def ranks(self, call: str) -> tuple[int, ...]:
         return self.calls[call]

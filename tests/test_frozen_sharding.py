@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan
+from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = (
@@ -33,12 +33,7 @@ def run_plan(tmp_path: Path, name: str, plan: PlacementPlan) -> list[dict[str, f
             "strategy": {
                 "class_path": "lightning_app_rlhf.strategies.PlacementStrategy",
                 "init_args": {
-                    "plan": {
-                        "world_size": plan.world_size,
-                        "calls": {c: list(plan.ranks(c)) for c in CALLS},
-                        "wrappers": dict(plan.wrappers),
-                        "name": plan.name,
-                    }
+                    "plan": plan.to_dict()
                 },
             }
         },

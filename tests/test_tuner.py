@@ -10,11 +10,11 @@ from test_placements import COMPARED, run_demo
 
 from lightning_app_rlhf import RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
-from lightning_app_rlhf.callbacks.placement_tuner import _padded_prompt_length, plan_from_dict, plan_to_dict
+from lightning_app_rlhf.callbacks.placement_tuner import _padded_prompt_length
 from lightning_app_rlhf.config import GenerationConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import prompts, topic_reward
-from lightning_app_rlhf.plan import interleaving_plan, separation_plan
+from lightning_app_rlhf.plan import PlacementPlan, interleaving_plan, separation_plan
 
 TUNER = ["--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--trainer.callbacks.time_budget_s=2",
          "--trainer.callbacks.mcmc_steps=300"]
@@ -40,7 +40,7 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
     (step2,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
     checkpoint = torch.load(step2, map_location="cpu", weights_only=False)
     state = checkpoint["callbacks"]["PlacementTuner"]
-    chosen = plan_from_dict(state["plan"])
+    chosen = PlacementPlan.from_dict(state["plan"])
     assert logged["placement_tuner/plan"].startswith(f"plan '{chosen.name}' on 4 ranks")
     assert checkpoint["rlhf_plan"]["calls"] == chosen.calls  # the strategy ran the tuner's plan
     tuned = [r for r in tuned if "reward/mean" in r]
@@ -64,7 +64,7 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
 def test_plans_round_trip_through_checkpoint_state():
     for plan in (interleaving_plan(4, reference_ratio=0.25, reward_ratio=0.75),
                  separation_plan(4, generation_ranks=[0, 1, 2], training_ranks=[3], overlap=True)):
-        assert plan_from_dict(plan_to_dict(plan)) == plan
+        assert PlacementPlan.from_dict(plan.to_dict()) == plan
 
 
 def test_prompt_length_is_the_mean_of_per_batch_maxima():

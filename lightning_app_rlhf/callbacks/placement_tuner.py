@@ -81,7 +81,7 @@ class PlacementTuner(Callback):
             )
         saved = self._saved_state(trainer)
         if saved:  # a checkpoint written without a tuner (or before it chose) has no plan to reuse
-            plan, self.prediction = plan_from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
+            plan, self.prediction = PlacementPlan.from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
         else:
             outcome = self._decide(trainer, pl_module) if trainer.is_global_zero else None
             outcome = strategy.broadcast(outcome)  # every rank applies the same plan, or raises the same error
@@ -161,26 +161,17 @@ class PlacementTuner(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.optimal_plan is None:
             return {}
-        return {"plan": plan_to_dict(self.optimal_plan), "prediction": self.prediction}
+        return {"plan": self.optimal_plan.to_dict(), "prediction": self.prediction}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict and self.optimal_plan is not None and plan_from_dict(state_dict["plan"]) != self.optimal_plan:
+        if state_dict and self.optimal_plan is not None and PlacementPlan.from_dict(state_dict["plan"]) != self.optimal_plan:
             raise RuntimeError(
-                f"The checkpoint was trained under {describe(plan_from_dict(state_dict['plan']))}, but this run "
+                f"The checkpoint was trained under {describe(PlacementPlan.from_dict(state_dict['plan']))}, but this run "
                 f"tuned {describe(self.optimal_plan)}. Let the tuner read the checkpoint before the models are "
                 "built: set `trainer.ckpt_path = PATH` before `fit` (RLHFCLI does it for --ckpt_path) or pass "
                 "PlacementTuner(ckpt_path=PATH)."
             )
-
-
-def plan_to_dict(plan: PlacementPlan) -> dict[str, Any]:
-    return {"world_size": plan.world_size, "calls": {c: list(r) for c, r in plan.calls.items()},
-            "wrappers": dict(plan.wrappers), "name": plan.name, "overlap": plan.overlap}
-
-
-def plan_from_dict(fields: dict[str, Any]) -> PlacementPlan:
-    return PlacementPlan(**{**fields, "calls": {c: tuple(r) for c, r in fields["calls"].items()}})
 
 
 def describe(plan: PlacementPlan) -> str:
