@@ -46,6 +46,7 @@ from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving
 from lightning_app_rlhf.planner import (
     CostModel,
     DeviceType,
+    Estimate,
     PlanChoice,
     Workload,
     cluster_from_environment,
@@ -68,6 +69,33 @@ MODELS = {
         "vocab_size": 8192,
     },  # lightning_app_rlhf.bench "small"
 }
+
+
+PHASES = ("generate", "score", "train", "reallocate")
+"""The phases ``RLHFModule.training_step`` logs as ``time/{phase}_s`` (rank 0)."""
+
+
+def phase_of(task: str) -> str:
+    """The ``training_step`` phase a cost-model task belongs to."""
+    if task.startswith("actor.generate"):
+        return "generate"
+    if task.endswith(".reallocate"):
+        return "reallocate"
+    if ".train" in task or task.endswith(".stats"):
+        return "train"
+    return "score"  # the rollout gather, the forwards and their gathers
+
+
+def predicted_phases(estimate: Estimate, rank: int = 0) -> dict[str, float]:
+    """Seconds of each phase on ``rank`` in the predicted steady-state iteration: from the end of the previous
+    phase (waits included, as ``training_step`` measures them) to the end of its last task on that rank."""
+    mine = sorted((t for t in estimate.timeline if rank in t[1]), key=lambda t: t[2])
+    phases, previous = {}, mine[0][2] if mine else 0.0
+    for phase in PHASES:
+        ends = [end for name, _, _, end in mine if phase_of(name) == phase]
+        phases[phase] = max(ends) - previous if ends else 0.0
+        previous = max(ends, default=previous)
+    return phases
 
 
 def run_cli(
@@ -157,6 +185,7 @@ def measure_case(
     memory = next(r for r in rows if "memory/param_bytes_rank0" in r)
     return {
         "measured_s": statistics.median(seconds),  # robust to spikes of the other jobs
+        "measured_phases_s": {p: statistics.median(r[f"time/{p}_s"] for r in steps) for p in PHASES},
         "measured_spread_s": statistics.stdev(seconds) if len(seconds) > 1 else 0.0,
         "compute_shares": tuple((a + b) / 2 for a, b in zip(before, after)),
         "shares_before_after": [before, after],
@@ -166,6 +195,11 @@ def measure_case(
         "param_bytes": [int(memory[f"memory/param_bytes_rank{r}"]) for r in range(n)],
         "state_bytes": [int(memory[f"memory/state_bytes_rank{r}"]) for r in range(n)],
     }
+
+
+def _mean_phases(runs: Any) -> dict[str, float]:
+    runs = list(runs)
+    return {p: statistics.mean(r[p] for r in runs) for p in PHASES}
 
 
 def main() -> None:
@@ -183,6 +217,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
     results = []
+    profiles: dict[str, Any] = {}
     print(
         "| model | processes | plan | other jobs' cores | share of a core, 1..n busy | measured s/iter | predicted s/iter | error | "
         "param bytes per rank measured | predicted | state bytes measured | predicted |"
@@ -194,6 +229,7 @@ def main() -> None:
             workload = demo_workload(model)
             for devices in args.devices:
                 profile = full_speed_profile(workload)
+                profiles[f"{model_name} x{devices}"] = profile.ops
                 device = measure_collectives_in_processes(profile.device, devices)
                 profiled = type(profile)(profile.hardware, device, profile.ops)
                 cases = {name: preset(devices) for name, preset in PRESETS.items()}
@@ -216,7 +252,10 @@ def main() -> None:
                             workload,
                             Profile(profile.hardware, at_run, profile.ops),
                         ).evaluate(PlanChoice(plan))
-                        runs[label].append({**m, "predicted_s": estimate.iteration_s, "estimate": estimate})
+                        runs[label].append({
+                            **m, "predicted_s": estimate.iteration_s,
+                            "predicted_phases_s": predicted_phases(estimate), "estimate": estimate,
+                        })  # fmt: skip
                 for label, plan in cases.items():
                     done = runs[label]
                     measured = statistics.mean(r["measured_s"] for r in done)
@@ -232,6 +271,8 @@ def main() -> None:
                         "predicted_s": predicted,
                         "error": (predicted - measured) / measured,
                         "runs": [{k: v for k, v in r.items() if k != "estimate"} for r in done],
+                        "measured_phases_s": _mean_phases(r["measured_phases_s"] for r in done),
+                        "predicted_phases_s": _mean_phases(r["predicted_phases_s"] for r in done),
                         "param_bytes": done[-1]["param_bytes"],
                         "state_bytes": done[-1]["state_bytes"],
                         "predicted_param_bytes": [r.param_bytes for r in estimate.memory],
@@ -259,7 +300,10 @@ def main() -> None:
                 )
     if args.json is not None:
         args.json.write_text(
-            json.dumps({"profiled_on": profile.hardware, "time": time.ctime(), "rows": results}, indent=1)
+            json.dumps(
+                {"profiled_on": profile.hardware, "time": time.ctime(), "rows": results, "profiles": profiles},
+                indent=1,
+            )
         )
 
 

@@ -20,6 +20,7 @@ from lightning_app_rlhf.planner import (
     Workload,
     cluster_from_environment,
     llama_workload,
+    measure_compute_shares,
     mcmc_search,
     parse_cluster,
     plan_placement,
@@ -270,7 +271,7 @@ def test_profile_measures_caches_and_interpolates(tmp_path):
     workload = demo_workload(prompt_length=4, generation_length=4)
     profile = profile_workload(workload, batches=(1, 2), repeats=1, cache_dir=tmp_path)
     actor, critic = workload.actor, workload.critic
-    assert set(profile.ops[actor.key]) == {"forward", "train", "decode", "optimizer"}
+    assert set(profile.ops[actor.key]) == {"forward", "train", "prefill", "decode", "optimizer"}
     assert set(profile.ops[critic.key]) == {"forward", "train", "optimizer"}
     one, two = profile.time(actor, "forward", 1, 8), profile.time(actor, "forward", 2, 8)
     assert 0 < one and 0 < two
@@ -279,8 +280,24 @@ def test_profile_measures_caches_and_interpolates(tmp_path):
     assert len(list(tmp_path.rglob("*.json"))) == 2
     again = profile_workload(workload, batches=(1, 2), repeats=1, cache_dir=tmp_path)
     assert again.ops[actor.key] == profile.ops[actor.key]  # read back from the cache
+    # Generation costs its measured prefill (last position's logits only) plus the decode steps.
+    model = CostModel(parse_cluster("1x1xcpu"), workload, profile)
+    prefill = profile.time(actor, "prefill", 32, workload.prompt_length)
+    decode = profile.time(actor, "decode", 32, workload.prompt_length + 2)
+    assert prefill > 0 and decode > 0
+    assert model.call_time(PlanChoice(flattening_plan(1)), "actor.generate")[0] == pytest.approx(prefill + 3 * decode)
     model = CostModel(parse_cluster("1x2xcpu"), workload, profile)
     assert model.evaluate(PlanChoice(flattening_plan(2))).iteration_s > 0
+
+
+def test_compute_shares_measure_the_core_a_busy_process_gets():
+    """k spinning processes each get min(1, cores / k) of a core on an otherwise idle machine: CPU time over wall
+    time, so a lone process counts as a whole core (no biased "full speed" reference)."""
+    cores = len(os.sched_getaffinity(0))
+    shares = measure_compute_shares(cores + 1, seconds=0.3)
+    assert len(shares) == cores + 1 and all(0 < s <= 1 for s in shares)
+    assert shares[-1] < shares[0]  # one more busy process than cores: each gets less
+    assert shares[-1] == pytest.approx(cores / (cores + 1), abs=0.25)  # loose: other jobs may share the machine
 
 
 def test_measured_compute_shares_replace_processor_sharing():

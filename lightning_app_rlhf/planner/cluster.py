@@ -165,35 +165,32 @@ def cluster_from_environment(
 
 
 def measure_compute_shares(processes: int, seconds: float = 1.0) -> tuple[float, ...]:
-    """Fraction of one core's speed each of ``k`` concurrently computing processes gets, for ``k = 1..processes``.
+    """Fraction of one core each of ``k`` concurrently computing processes gets, for ``k = 1..processes``.
 
-    A process alone first finds its full speed: the most loop iterations it completes in any 5 ms burst out of
-    ``seconds`` (it gets a whole core for some bursts even on a busy machine). Then ``k`` forked processes each
-    count iterations for ``seconds``; their mean rate over the full speed is the share. This measures processor
-    sharing on this machine as it is now: our own processes and the other jobs' load together.
+    ``k`` forked processes each spin for ``seconds`` of wall time; the CPU time the kernel gave a process over
+    that wall time is its share (a descheduled process's CPU clock stands still). Their mean is the share for
+    ``k``. This measures processor sharing on this machine as it is now: our own processes and the other jobs'
+    load together, in the unit the profile uses (CPU seconds per op).
     """
     import multiprocessing
 
-    full = max(_spin(0.005) for _ in range(max(1, int(seconds / 0.005))))
     context = multiprocessing.get_context("fork")
     shares = []
     for k in range(1, processes + 1):
         with context.Pool(k) as pool:
-            rates = pool.map(_spin, [seconds] * k)
-        shares.append(min(1.0, sum(rates) / k / full))
+            got = pool.map(_spin, [seconds] * k)
+        shares.append(min(1.0, sum(got) / k))
     return tuple(shares)
 
 
 def _spin(seconds: float) -> float:
-    """Iterations per second of a pure-Python loop over ``seconds`` of wall time."""
-    count, start = 0, time.perf_counter()
-    end = start + seconds
-    while True:
+    """Spin a pure-Python loop for ``seconds`` of wall time; the share of a core it got (CPU time / wall time)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    end = wall + seconds
+    while time.perf_counter() < end:
         for _ in range(1000):
-            count += 1
-        now = time.perf_counter()
-        if now >= end:
-            return count / (now - start)
+            pass
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
 
 def measure_background_cores(seconds: float = 1.0) -> float:

@@ -312,7 +312,8 @@ class CostModel:
     def op_time(self, shape: RoleShape, op: str, batch: int, length: int) -> float:
         """Seconds of ``op`` (``forward``, ``train``, ``decode``, ``optimizer``) on one rank.
 
-        ``forward``/``train``: ``batch`` sequences of ``length`` tokens (train = forward + backward). ``decode``: one
+        ``forward``/``train``: ``batch`` sequences of ``length`` tokens (train = forward + backward); ``prefill``: the
+        forward of ``batch`` prompts of ``length`` tokens as generation runs it (last position's logits). ``decode``: one
         step of ``batch`` sequences with ``length`` tokens of context. ``optimizer``: ``batch`` is the parameter count.
         """
         if self.profile is not None:
@@ -328,6 +329,8 @@ class CostModel:
         overhead = shape.layers * self.device.kernel_overhead_s
         if op == "optimizer":  # read/write weights and both moments, read grads: bandwidth-bound
             return batch * (3 * shape.dtype_bytes + 2 * self.workload.optimizer_bytes_per_param) / bytes_per_s
+        if op == "prefill":  # the prompt's forward; logits of its last position only
+            return max(forward_flops(shape, batch, length) / flops_per_s, shape.param_bytes / bytes_per_s) + overhead
         if op == "decode":
             flops = decode_flops(shape, batch, length)
             moved = shape.param_bytes + shape.kv_bytes_per_token * length * batch
@@ -341,7 +344,7 @@ class CostModel:
             # recomputed forward with gradient checkpointing
             passes = (2 if self.workload.lora_rank is not None else 3) + self.workload.gradient_checkpointing
             return passes * flops / flops_per_s + passes * overhead
-        raise ValueError(f"Unknown op {op!r}: use forward, train, decode or optimizer.")
+        raise ValueError(f"Unknown op {op!r}: use forward, prefill, train, decode or optimizer.")
 
     # ---- communication
 
@@ -388,7 +391,7 @@ class CostModel:
             for start in range(0, local, g):
                 b = min(g, local - start)
                 mid_context = w.prompt_length + (w.generation_length + 1) // 2
-                compute += self.op_time(shape, "forward", b, w.prompt_length)
+                compute += self.op_time(shape, "prefill", b, w.prompt_length)
                 compute += (w.generation_length - 1) * self.op_time(shape, "decode", b, mid_context)
                 forwards += w.generation_length
             # A sharded generator gathers its weights for every forward (FSDP2's lockstep decode in generation.py).

@@ -100,9 +100,13 @@ def hardware_key() -> str:
     return f"{cpu} | threads={torch.get_num_threads()} | torch {torch.__version__}"
 
 
+PROFILE_FORMAT = 2
+"""Bumped when the profiled ops change (2: ``prefill``), so older cached profiles are measured again."""
+
+
 def cache_path(shape: RoleShape, workload: Workload, cache_dir: Path = DEFAULT_CACHE) -> Path:
     digest = hashlib.sha1(
-        f"{hardware_key()}|{shape.key}|{workload.prompt_length}|{workload.generation_length}".encode()
+        f"v{PROFILE_FORMAT}|{hardware_key()}|{shape.key}|{workload.prompt_length}|{workload.generation_length}".encode()
     ).hexdigest()[:16]
     return cache_dir / "profiles" / f"{shape.key}-{digest}.json"
 
@@ -347,7 +351,7 @@ def measure_shape(
     }[shape.kind](spec)
     p, g = workload.prompt_length, workload.generation_length
     lengths = sorted({max(2, (p + g) // 2), p + g})
-    ops: dict[str, list[list[float]]] = {"forward": [], "train": [], "decode": []}
+    ops: dict[str, list[list[float]]] = {"forward": [], "train": [], "decode": [], "prefill": []}
     ppo = PPOConfig()
 
     def batch_of(b: int, n: int) -> tuple[Rollout, Experience]:
@@ -391,14 +395,19 @@ def measure_shape(
                 repeats,
                 statistic,
             )
-            prefill = _best_of(lambda x=prompts: model(input_ids=x, use_cache=True), repeats, statistic)
+            # The prefill as generate() runs it: logits of the last prompt position only.
+            prefill = _best_of(
+                lambda x=prompts: model(input_ids=x, use_cache=True, logits_to_keep=1), repeats, statistic
+            )
+            ops["prefill"].append([b, p, prefill])
             ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
     if shape.kind == "classifier":
         del ops["train"]
     if shape.kind != "causal_lm":
-        del ops["decode"]
-    else:  # a second context point so decode interpolates along the context too
+        del ops["decode"], ops["prefill"]
+    else:  # a second point along the length, so both interpolate along it too
         ops["decode"] += [[b, 2 * n, t] for b, n, t in ops["decode"]]
+        ops["prefill"] += [[b, 2 * n, 2 * t] for b, n, t in ops["prefill"]]
     if shape.kind != "classifier":
         optimizer = torch.optim.AdamW(model.parameters())
         for param in model.parameters():
