@@ -55,7 +55,12 @@ from lightning_app_rlhf.planner import (
     plan_placement,
     role_shape,
 )
-from lightning_app_rlhf.planner.profiler import Profile, measure_collectives_in_processes, profile_workload
+from lightning_app_rlhf.planner.profiler import (
+    Profile,
+    measure_collectives_in_processes,
+    model_work,
+    profile_workload,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/configs/demo_cpu.yaml"
@@ -105,9 +110,7 @@ def run_cli(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     strategy = {
         "class_path": "lightning_app_rlhf.strategies.PlacementStrategy",
-        "init_args": {
-            "plan": plan.to_dict()
-        },
+        "init_args": {"plan": plan.to_dict()},
     }
     strategy_file = workdir / f"{name}.strategy.yaml"
     strategy_file.write_text(yaml.safe_dump({"trainer": {"strategy": strategy}}))
@@ -168,16 +171,17 @@ def measure_case(
     workdir: Path,
     name: str,
     device: DeviceType,
+    work: Any,
 ) -> dict[str, Any]:
     """Train once (again while the machine's compute shares moved by more than ``--max-share-change``)."""
     n = plan.world_size
     for attempt in range(args.retries + 1):
         background = measure_background_cores(args.load_sample_s)
-        before = measure_compute_shares(n, args.load_sample_s)
+        before = measure_compute_shares(n, args.load_sample_s, work)
         latency_before = measure_collectives_in_processes(device, n).collective_latency_s
         rows = run_cli(plan, model, args.steps, workdir, f"{name}_{attempt}")
         latency_after = measure_collectives_in_processes(device, n).collective_latency_s
-        after = measure_compute_shares(n, args.load_sample_s)
+        after = measure_compute_shares(n, args.load_sample_s, work)
         if all(abs(a - b) <= args.max_share_change * max(a, b) for a, b in zip(before, after)):
             break
     steps = [r for r in rows if "perf/samples_per_sec" in r][args.skip :]
@@ -210,7 +214,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=5, help="first iterations left out of the measured mean")
-    parser.add_argument("--load-sample-s", type=float, default=1.0, help="seconds of each load measurement")
+    parser.add_argument("--load-sample-s", type=float, default=2.0, help="seconds of each load measurement")
     parser.add_argument("--max-share-change", type=float, default=0.2, help="relative; more: measure again")
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="round-robin repeats of every case; their mean")
@@ -227,6 +231,7 @@ def main() -> None:
         for model_name in args.models:
             model = MODELS[model_name]
             workload = demo_workload(model)
+            work = model_work(workload.actor, workload)  # what the shares are measured with
             for devices in args.devices:
                 profile = full_speed_profile(workload)
                 profiles[f"{model_name} x{devices}"] = profile.ops
@@ -235,7 +240,7 @@ def main() -> None:
                 cases = {name: preset(devices) for name, preset in PRESETS.items()}
                 # The planner decides with the machine's shares as they are now; its choice is measured too.
                 cluster = cluster_from_environment(
-                    devices, device, compute_shares=measure_compute_shares(devices, args.load_sample_s)
+                    devices, device, compute_shares=measure_compute_shares(devices, args.load_sample_s, work)
                 )
                 best = plan_placement(cluster, workload, profile=profiled, seed=0, time_budget_s=5).best
                 chosen = next((k for k, p in cases.items() if PlanChoice(p).key == best.choice.key), "chosen")
@@ -245,7 +250,7 @@ def main() -> None:
                 for round_ in range(args.rounds):  # round-robin, so slow spells of the machine hit every case
                     for label, plan in cases.items():
                         name = f"{model_name}_{devices}_{label}_{round_}"
-                        m = measure_case(plan, model, args, Path(tmp), name, device)
+                        m = measure_case(plan, model, args, Path(tmp), name, device, work)
                         at_run = replace(device, collective_latency_s=m["collective_latency_s"])
                         estimate = CostModel(
                             cluster_from_environment(devices, at_run, compute_shares=m["compute_shares"]),
@@ -273,6 +278,13 @@ def main() -> None:
                         "runs": [{k: v for k, v in r.items() if k != "estimate"} for r in done],
                         "measured_phases_s": _mean_phases(r["measured_phases_s"] for r in done),
                         "predicted_phases_s": _mean_phases(r["predicted_phases_s"] for r in done),
+                        "planned_with": {  # what the planner decided with, before the runs
+                            "compute_shares": cluster.compute_shares,
+                            "collective_latency_s": device.collective_latency_s,
+                            "predicted_s": CostModel(cluster, workload, profiled)
+                            .evaluate(PlanChoice(plan))
+                            .iteration_s,
+                        },
                         "param_bytes": done[-1]["param_bytes"],
                         "state_bytes": done[-1]["state_bytes"],
                         "predicted_param_bytes": [r.param_bytes for r in estimate.memory],
@@ -301,7 +313,12 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(
             json.dumps(
-                {"profiled_on": profile.hardware, "time": time.ctime(), "rows": results, "profiles": profiles},
+                {
+                    "profiled_on": profile.hardware,
+                    "time": time.ctime(),
+                    "rows": results,
+                    "profiles": profiles,
+                },
                 indent=1,
             )
         )

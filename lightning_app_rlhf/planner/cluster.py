@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -164,33 +165,62 @@ def cluster_from_environment(
     return Cluster(1, world_size, device, cores_per_node=cores or _cores(), compute_shares=compute_shares)
 
 
-def measure_compute_shares(processes: int, seconds: float = 1.0) -> tuple[float, ...]:
-    """Fraction of one core each of ``k`` concurrently computing processes gets, for ``k = 1..processes``.
+def measure_compute_shares(
+    processes: int, seconds: float = 1.0, work: Callable[[], object] | None = None
+) -> tuple[float, ...]:
+    """Fraction of one core's full speed each of ``k`` concurrently computing processes gets, ``k = 1..processes``.
 
-    ``k`` forked processes each spin for ``seconds`` of wall time; the CPU time the kernel gave a process over
-    that wall time is its share (a descheduled process's CPU clock stands still). Their mean is the share for
-    ``k``. This measures processor sharing on this machine as it is now: our own processes and the other jobs'
-    load together, in the unit the profile uses (CPU seconds per op).
+    ``k`` forked processes each run ``work`` over and over for ``seconds`` of wall time. A process's share is the
+    CPU time the kernel gave it over that wall time (our own processes and the other jobs' load), times its
+    efficiency: the median CPU time of a unit of work alone over the same with ``k`` busy. Time-slicing costs the
+    work itself: a process switched out finds its caches cold (a small model's generate costs about 25% more CPU
+    time with 4 processes on 2 cores; a pure-Python loop shows nothing of it). Medians keep a spike of the other
+    jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed.
+
+    Args:
+        processes: Largest number of busy processes to measure.
+        seconds: Wall time of each measurement.
+        work: One unit of representative work, e.g. :func:`~lightning_app_rlhf.planner.profiler.model_work`
+            (a forward and backward of the workload's actor). Default: a pure-Python loop, which sees only
+            the CPU time.
     """
     import multiprocessing
 
-    context = multiprocessing.get_context("fork")
-    shares = []
+    global _WORK
+    _WORK = work or _python_loop
+    context = multiprocessing.get_context("fork")  # the children inherit ``_WORK``: it need not pickle
+    shares, alone = [], 0.0
     for k in range(1, processes + 1):
         with context.Pool(k) as pool:
-            got = pool.map(_spin, [seconds] * k)
-        shares.append(min(1.0, sum(got) / k))
+            runs = pool.map(_run_work, [seconds] * k)
+        if k == 1:
+            alone = runs[0][1]
+        shares.append(min(1.0, sum(share * alone / unit for share, unit in runs) / k))
     return tuple(shares)
 
 
-def _spin(seconds: float) -> float:
-    """Spin a pure-Python loop for ``seconds`` of wall time; the share of a core it got (CPU time / wall time)."""
+_WORK: Callable[[], object] | None = None
+
+
+def _python_loop() -> None:
+    for _ in range(1000):
+        pass
+
+
+def _run_work(seconds: float) -> tuple[float, float]:
+    """Run ``_WORK`` for ``seconds`` of wall time, after one warm-up: (CPU time / wall time, median CPU seconds of
+    one unit)."""
+    work = _WORK or _python_loop
+    work()
+    units: list[float] = []
     wall, cpu = time.perf_counter(), time.process_time()
     end = wall + seconds
     while time.perf_counter() < end:
-        for _ in range(1000):
-            pass
-    return (time.process_time() - cpu) / (time.perf_counter() - wall)
+        start = time.process_time()
+        work()
+        units.append(time.process_time() - start)
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    return share, sorted(units)[len(units) // 2]
 
 
 def measure_background_cores(seconds: float = 1.0) -> float:

@@ -19,10 +19,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CACHE = Path(
     os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf")
@@ -100,8 +103,9 @@ def hardware_key() -> str:
     return f"{cpu} | threads={torch.get_num_threads()} | torch {torch.__version__}"
 
 
-PROFILE_FORMAT = 2
-"""Bumped when the profiled ops change (2: ``prefill``), so older cached profiles are measured again."""
+PROFILE_FORMAT = 3
+"""Bumped when the profiled ops change (2: ``prefill``; 3: left-padded inputs), so older cached profiles are
+measured again."""
 
 
 def cache_path(shape: RoleShape, workload: Workload, cache_dir: Path = DEFAULT_CACHE) -> Path:
@@ -335,7 +339,7 @@ def measure_shape(
         reference_forward,
     )
     from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-    from lightning_app_rlhf.generation import Rollout, generate
+    from lightning_app_rlhf.generation import Rollout, generate, position_ids_from_mask
     from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     if shape.config is None:
@@ -357,7 +361,7 @@ def measure_shape(
     def batch_of(b: int, n: int) -> tuple[Rollout, Experience]:
         prompt = max(1, round(n * p / (p + g)))
         sequences = torch.randint(3, shape.vocab, (b, n))
-        mask = torch.ones(b, n, dtype=torch.long)
+        mask = left_padded_mask(b, prompt, n)
         rollout = Rollout(
             sequences, mask, torch.ones(b, n - prompt, dtype=torch.long), torch.zeros(b, n - prompt), prompt
         )
@@ -387,17 +391,25 @@ def measure_shape(
             if shape.kind != "classifier":
                 ops["train"].append([b, n, _best_of(lambda e=experience: train_step(e), repeats, statistic)])
         if shape.kind == "causal_lm":  # decode step = (generate - prefill) / (steps - 1), at the mid context
-            prompts = torch.randint(3, shape.vocab, (b, p))
+            prompts, prompt_mask = torch.randint(3, shape.vocab, (b, p)), left_padded_mask(b, p, p)
             config = GenerationConfig(max_new_tokens=g)
             keys = torch.arange(b)
             gen = _best_of(
-                lambda x=prompts, c=config, k=keys: generate(model, x, torch.ones_like(x), c, k, -1, 0),
+                lambda x=prompts, m=prompt_mask, c=config, k=keys: generate(model, x, m, c, k, -1, 0),
                 repeats,
                 statistic,
             )
-            # The prefill as generate() runs it: logits of the last prompt position only.
+            # The prefill as generate() runs it: positions that skip the padding, last position's logits only.
             prefill = _best_of(
-                lambda x=prompts: model(input_ids=x, use_cache=True, logits_to_keep=1), repeats, statistic
+                lambda x=prompts, m=prompt_mask: model(
+                    input_ids=x,
+                    attention_mask=m,
+                    position_ids=position_ids_from_mask(m),
+                    use_cache=True,
+                    logits_to_keep=1,
+                ),
+                repeats,
+                statistic,
             )
             ops["prefill"].append([b, p, prefill])
             ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
@@ -420,6 +432,46 @@ def measure_shape(
 
         ops["optimizer"] = [[shape.params, 0, _best_of(step, repeats, statistic)]]
     return ops
+
+
+def model_work(shape: RoleShape, workload: Workload, batch: int = 4) -> Callable[[], None]:
+    """One unit of work like the engine's, for :func:`~lightning_app_rlhf.planner.cluster.measure_compute_shares`:
+    a forward and backward of ``shape``'s model over ``batch`` left-padded sequences of the workload's length,
+    then a 4-token generate. Build it before forking (the model is made here, once)."""
+    import torch
+
+    from lightning_app_rlhf.config import GenerationConfig
+    from lightning_app_rlhf.generation import generate
+    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm
+
+    if shape.config is None:
+        raise ValueError(
+            f"Shape {shape.name!r} has no Hugging Face config to build a model from: make it with role_shape()."
+        )
+    model = build_causal_lm(ModelSpec(config=dict(shape.config)))
+    p, n = workload.prompt_length, workload.sequence_length
+    tokens, mask = torch.randint(3, shape.vocab, (batch, n)), left_padded_mask(batch, p, n)
+    config, keys = GenerationConfig(max_new_tokens=4), torch.arange(batch)
+
+    def work() -> None:
+        model(input_ids=tokens, attention_mask=mask).logits.float().mean().backward()
+        model.zero_grad(set_to_none=True)
+        generate(model, tokens[:, :p], mask[:, :p], config, keys, -1, 0)
+
+    return work
+
+
+def left_padded_mask(batch: int, prompt: int, length: int) -> torch.Tensor:
+    """An attention mask like the engine's batches: every other row's prompt is left-padded by a quarter.
+
+    Prompts of different lengths are left-padded to the longest, and a mask with zeros takes the model's slower
+    masked-attention path (measured here: generation about 10% slower than with an all-ones mask).
+    """
+    import torch
+
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[::2, : prompt // 4] = 0
+    return mask
 
 
 def measure_reward_fn(
