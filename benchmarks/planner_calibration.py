@@ -206,6 +206,43 @@ def _mean_phases(runs: Any) -> dict[str, float]:
     return {p: statistics.mean(r[p] for r in runs) for p in PHASES}
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Predicted against measured seconds per iteration, one panel per model, the 20% band shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({row["model"] for row in results["rows"]}, key=list(MODELS).index)
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [row for row in results["rows"] if row["model"] == model]
+        top = 1.15 * max(max(r["measured_s"], r["predicted_s"]) for r in rows)
+        ax.fill_between([0, top], [0, 0.8 * top], [0, 1.2 * top], color="0.9", label="within 20%")
+        ax.plot([0, top], [0, top], color="0.5", linewidth=0.8)
+        colors = {"flattening": "C0", "interleaving": "C1", "separation": "C2", "chosen": "C3"}
+        for row in rows:
+            marker = "o" if row["processes"] == 2 else "s"
+            ax.scatter(
+                row["measured_s"],
+                row["predicted_s"],
+                marker=marker,
+                s=40,
+                color=colors.get(row["plan"], "C4"),
+                label=f"{row['plan']}, {row['processes']} processes",
+            )
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("measured s / iteration")
+        ax.set_ylabel("predicted s / iteration")
+        ax.set_title(f"{model} (o: 2 processes, s: 4 processes)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -214,12 +251,19 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=5, help="first iterations left out of the measured mean")
-    parser.add_argument("--load-sample-s", type=float, default=2.0, help="seconds of each load measurement")
+    parser.add_argument(
+        "--load-sample-s", type=float, default=1.0, help="seconds of each load measurement (3 per share)"
+    )
     parser.add_argument("--max-share-change", type=float, default=0.2, help="relative; more: measure again")
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="round-robin repeats of every case; their mean")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw predicted vs measured here (a .png)")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only draw --plot from this --json file")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        plot(json.loads(args.plot_from.read_text()), args.plot or args.plot_from.with_suffix(".png"))
+        return
     results = []
     profiles: dict[str, Any] = {}
     print(
@@ -310,18 +354,11 @@ def main() -> None:
                     f"({mine['measured_s'] / fastest['measured_s'] - 1:+.1%}) -->",
                     flush=True,
                 )
+    figures = {"profiled_on": profile.hardware, "time": time.ctime(), "rows": results, "profiles": profiles}
     if args.json is not None:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "profiled_on": profile.hardware,
-                    "time": time.ctime(),
-                    "rows": results,
-                    "profiles": profiles,
-                },
-                indent=1,
-            )
-        )
+        args.json.write_text(json.dumps(figures, indent=1))
+    if args.plot is not None:
+        plot(figures, args.plot)
 
 
 if __name__ == "__main__":

@@ -41,15 +41,17 @@ def _module(tokenizer, lr: float = 1e-3, **ppo_kwargs) -> RLHFModule:
 def test_reward_rises_on_demo_task(demo_tokenizer):
     """With fixed seeds, PPO raises the demo reward far above its start within 200 iterations."""
     pl.seed_everything(0)
-    module = _module(demo_tokenizer, lr=3e-3, ppo_epochs=4, num_minibatches=2)
+    module = _module(demo_tokenizer, lr=1e-3, ppo_epochs=4, num_minibatches=2)
     module.generation = GenerationConfig(max_new_tokens=24)
     data = PromptDataModule(demo.prompts(), demo_tokenizer, batch_size=32)
     summary = RLHFRunSummary(window=20)
     _trainer(200, callbacks=[summary]).fit(module, data)
     start, end = summary.start_end("reward/mean")
     assert start < 0.08, start  # a random-init policy names almost no topic words
-    # Seeds 0 and 1 measured here: 0.044 -> 0.20 and 0.065 -> 0.19 (means of the first / last 20 iterations).
-    assert end > start + 0.08 and end > 2 * start, (start, end)
+    # Seeds 0-3 on the 2-core AMD EPYC CI machine: 0.049 -> 1.15, 0.042 -> 1.06, 0.033 -> 0.48, 0.037 -> 1.13 (means
+    # of the first / last 20 iterations). The trajectory changes with the CPU's kernels (lr 3e-3 rose to 0.20 on an
+    # Intel machine and only to 0.08 here), so the bar sits well below the worst seed.
+    assert end > start + 0.3, (start, end)
 
 
 def test_global_step_is_one_per_iteration(demo_tokenizer):

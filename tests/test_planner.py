@@ -31,6 +31,7 @@ from lightning_app_rlhf.planner import (
 )
 from lightning_app_rlhf.planner.command import main as plan_main
 from lightning_app_rlhf.planner.cost_model import forward_flops
+from lightning_app_rlhf.planner.profiler import model_work
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = {
@@ -298,6 +299,19 @@ def test_compute_shares_measure_the_core_a_busy_process_gets():
     assert len(shares) == cores + 1 and all(0 < s <= 1 for s in shares)
     assert shares[-1] < shares[0]  # one more busy process than cores: each gets less
     assert shares[-1] == pytest.approx(cores / (cores + 1), abs=0.25)  # loose: other jobs may share the machine
+
+
+def test_compute_shares_on_model_work_count_what_time_slicing_costs():
+    """With a unit of model work, a share is CPU time / wall time times the work's efficiency (median CPU time of a
+    unit alone over the same with k busy), so it is never more than the CPU share a spinning process gets."""
+    workload = demo_workload(prompt_length=4, generation_length=4)
+    work = model_work(workload.actor, workload, batch=2)
+    work()  # it runs: a forward + backward and a 4-token generate of the actor's shape
+    cores = len(os.sched_getaffinity(0))
+    shares = measure_compute_shares(cores + 1, seconds=0.3, work=work)
+    assert len(shares) == cores + 1 and all(0 < s <= 1 for s in shares)
+    assert shares[0] == pytest.approx(1.0, abs=0.25)  # alone: the reference itself, up to the other jobs' load
+    assert shares[-1] <= cores / (cores + 1) + 0.15
 
 
 def test_measured_compute_shares_replace_processor_sharing():

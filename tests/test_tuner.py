@@ -34,7 +34,7 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
 
     (hparams,) = (tmp_path / "tuned").rglob("hparams.yaml")
     logged = yaml.safe_load(hparams.read_text())
-    assert logged["placement_tuner/source"] in ("preset", "app", "mcmc")
+    assert logged["placement_tuner/source"] in ("preset", "app", "blocks", "mcmc")
     assert next(r for r in tuned if "placement_tuner/predicted_iteration_s" in r)[
         "placement_tuner/predicted_iteration_s"] > 0
     (step2,) = (tmp_path / "ckpt").glob("step=2*.ckpt")

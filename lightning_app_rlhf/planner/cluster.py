@@ -8,11 +8,14 @@ runs more processes than it has cores, the processes share the cores, and the co
 from __future__ import annotations
 
 import os
+import queue
 import re
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 GiB = 2**30
 
@@ -166,7 +169,7 @@ def cluster_from_environment(
 
 
 def measure_compute_shares(
-    processes: int, seconds: float = 1.0, work: Callable[[], object] | None = None
+    processes: int, seconds: float = 1.0, work: Callable[[], object] | None = None, repeats: int = 3
 ) -> tuple[float, ...]:
     """Fraction of one core's full speed each of ``k`` concurrently computing processes gets, ``k = 1..processes``.
 
@@ -175,7 +178,9 @@ def measure_compute_shares(
     efficiency: the median CPU time of a unit of work alone over the same with ``k`` busy. Time-slicing costs the
     work itself: a process switched out finds its caches cold (a small model's generate costs about 25% more CPU
     time with 4 processes on 2 cores; a pure-Python loop shows nothing of it). Medians keep a spike of the other
-    jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed.
+    jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed. Each ``k`` is measured
+    ``repeats`` times and the median kept, and a share is never above the one for fewer busy processes (one more
+    cannot make the others faster): one burst of the other jobs would otherwise decide the plan.
 
     Args:
         processes: Largest number of busy processes to measure.
@@ -183,19 +188,21 @@ def measure_compute_shares(
         work: One unit of representative work, e.g. :func:`~lightning_app_rlhf.planner.profiler.model_work`
             (a forward and backward of the workload's actor). Default: a pure-Python loop, which sees only
             the CPU time.
+        repeats: Measurements per ``k``; the median is kept.
     """
     import multiprocessing
 
     global _WORK
     _WORK = work or _python_loop
     context = multiprocessing.get_context("fork")  # the children inherit ``_WORK``: it need not pickle
-    shares, alone = [], 0.0
+    runs = {
+        k: [_run_concurrently(context, k, seconds) for _ in range(repeats)] for k in range(1, processes + 1)
+    }
+    alone = statistics.median(run[0][1] for run in runs[1])
+    shares: list[float] = []
     for k in range(1, processes + 1):
-        with context.Pool(k) as pool:
-            runs = pool.map(_run_work, [seconds] * k)
-        if k == 1:
-            alone = runs[0][1]
-        shares.append(min(1.0, sum(share * alone / unit for share, unit in runs) / k))
+        measured = [sum(share * alone / unit for share, unit in run) / k for run in runs[k]]
+        shares.append(min(1.0, statistics.median(measured), *shares[-1:]))
     return tuple(shares)
 
 
@@ -207,11 +214,35 @@ def _python_loop() -> None:
         pass
 
 
-def _run_work(seconds: float) -> tuple[float, float]:
-    """Run ``_WORK`` for ``seconds`` of wall time, after one warm-up: (CPU time / wall time, median CPU seconds of
-    one unit)."""
+def _run_concurrently(context: Any, k: int, seconds: float) -> list[tuple[float, float]]:
+    """``k`` processes, released together by a barrier, each run :func:`_run_work` once (a pool could hand two
+    runs to one worker, one after the other, and measure less contention than ``k``)."""
+    barrier, results = context.Barrier(k), context.Queue()
+    workers = [
+        context.Process(target=_run_work, args=(seconds, barrier, results), daemon=True) for _ in range(k)
+    ]
+    for w in workers:
+        w.start()
+    try:
+        return [results.get(timeout=60 + 10 * seconds) for _ in range(k)]
+    except queue.Empty:
+        raise RuntimeError(
+            f"A compute-share measurement process did not report within {60 + 10 * seconds:.0f} s (exit codes "
+            f"{[w.exitcode for w in workers]}): the unit of work failed or the machine is overloaded."
+        ) from None
+    finally:
+        for w in workers:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+
+
+def _run_work(seconds: float, barrier: Any, results: Any) -> None:
+    """After one warm-up and the barrier, run ``_WORK`` for ``seconds`` of wall time; report (CPU time / wall time,
+    median CPU seconds of one unit)."""
     work = _WORK or _python_loop
     work()
+    barrier.wait(timeout=60)
     units: list[float] = []
     wall, cpu = time.perf_counter(), time.process_time()
     end = wall + seconds
@@ -220,7 +251,7 @@ def _run_work(seconds: float) -> tuple[float, float]:
         work()
         units.append(time.process_time() - start)
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
-    return share, sorted(units)[len(units) // 2]
+    results.put((share, sorted(units)[len(units) // 2]))
 
 
 def measure_background_cores(seconds: float = 1.0) -> float:
