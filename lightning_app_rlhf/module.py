@@ -19,15 +19,6 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_app_rlhf.ppo import (
-    AdaptiveKLController,
-    FixedKLController,
-    RunningMoments,
-    gae_advantages,
-    kl_penalty,
-    masked_whiten,
-    token_rewards,
-)
 from lightning_app_rlhf.calls import (
     Experience,
     actor_loss,
@@ -44,6 +35,15 @@ from lightning_app_rlhf.generation import Rollout, generate, sample_keys
 from lightning_app_rlhf.memory import RoleMemory, role_memory
 from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.plan import CALLS, PlacementPlan, role_of
+from lightning_app_rlhf.ppo import (
+    AdaptiveKLController,
+    FixedKLController,
+    RunningMoments,
+    gae_advantages,
+    kl_penalty,
+    masked_whiten,
+    token_rewards,
+)
 from lightning_app_rlhf.roles import (
     AdapterDisabledReference,
     ModelSpec,

@@ -95,18 +95,37 @@ def test_plan_presets_assign_the_documented_ranks():
 
 
 def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
-    """Killing rank 2 of 4 ends the run with an error naming the failed call and its role, not a hang."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-         "--trainer.devices", "4", "--trainer.strategy", "rlhf_separation", "--trainer.max_steps", "4",
-         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
-         "--trainer.callbacks+=killrank_callback.KillRank", "--model.generation.max_new_tokens", "8"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert result.returncode != 0
-    assert "PlacementError: Rank 0: the gather of results of call 'actor.generate' (role 'actor'" in result.stderr
-    assert "another rank died" in result.stderr
+    """Killing rank 2 of 4 ends every other rank with an error naming the failed call and its role, not a hang.
+
+    The ranks are launched as torchrun or SLURM would, one process each with ``LOCAL_RANK`` set. Under Lightning's
+    own launcher a watcher thread SIGKILLs all ranks within 5 s of a child's death, racing the ranks' own errors.
+    """
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port()), "WORLD_SIZE": "4",
+           "NODE_RANK": "0"}
+    command = [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config",
+               str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.devices", "4",
+               "--trainer.strategy", "rlhf_separation", "--trainer.max_steps", "4",
+               "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+               "--trainer.callbacks+=killrank_callback.KillRank", "--model.generation.max_new_tokens", "8"]
+    logs = [tmp_path / f"rank{rank}.err" for rank in range(4)]
+    ranks = [subprocess.Popen(command, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.DEVNULL, stderr=log.open("w")) for rank, log in enumerate(logs)]
+    try:
+        for proc in ranks:
+            proc.wait(timeout=240)
+    finally:
+        for proc in ranks:
+            proc.kill()
+    errors = [log.read_text() for log in logs]
+    assert [proc.returncode for proc in ranks][2] == 17  # KillRank's exit code
+    for rank in (0, 1, 3):
+        assert ranks[rank].returncode != 0, errors[rank]
+        expected = f"PlacementError: Rank {rank}: the gather of results of call 'actor.generate' (role 'actor'"
+        assert expected in errors[rank], errors[rank][-3000:]
+        assert "another rank died" in errors[rank]
 
 
 def test_batches_too_small_for_the_groups_are_rejected(tokenizer, tiny_gpt2_config):

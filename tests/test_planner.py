@@ -297,8 +297,11 @@ def test_compute_shares_measure_the_core_a_busy_process_gets():
     cores = len(os.sched_getaffinity(0))
     shares = measure_compute_shares(cores + 1, seconds=0.3)
     assert len(shares) == cores + 1 and all(0 < s <= 1 for s in shares)
+    assert list(shares) == sorted(shares, reverse=True)  # one more busy process never makes the others faster
     assert shares[-1] < shares[0]  # one more busy process than cores: each gets less
-    assert shares[-1] == pytest.approx(cores / (cores + 1), abs=0.25)  # loose: other jobs may share the machine
+    # At most cores / (cores + 1) each, whatever else runs; how much less depends on the other jobs (CI measured
+    # 0.40 once on 2 cores), so no lower bound.
+    assert shares[-1] <= cores / (cores + 1) + 0.05
 
 
 def test_compute_shares_on_model_work_count_what_time_slicing_costs():
@@ -310,8 +313,8 @@ def test_compute_shares_on_model_work_count_what_time_slicing_costs():
     cores = len(os.sched_getaffinity(0))
     shares = measure_compute_shares(cores + 1, seconds=0.3, work=work)
     assert len(shares) == cores + 1 and all(0 < s <= 1 for s in shares)
-    assert shares[0] == pytest.approx(1.0, abs=0.25)  # alone: the reference itself, up to the other jobs' load
-    assert shares[-1] <= cores / (cores + 1) + 0.15
+    assert list(shares) == sorted(shares, reverse=True) and shares[-1] < shares[0]
+    assert shares[-1] <= cores / (cores + 1) + 0.05  # the CPU share times an efficiency of at most about 1
 
 
 def test_measured_compute_shares_replace_processor_sharing():

@@ -175,10 +175,10 @@ def measure_compute_shares(
 
     ``k`` forked processes each run ``work`` over and over for ``seconds`` of wall time. A process's share is the
     CPU time the kernel gave it over that wall time (our own processes and the other jobs' load), times its
-    efficiency: the median CPU time of a unit of work alone over the same with ``k`` busy. Time-slicing costs the
-    work itself: a process switched out finds its caches cold (a small model's generate costs about 25% more CPU
-    time with 4 processes on 2 cores; a pure-Python loop shows nothing of it). Medians keep a spike of the other
-    jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed. Each ``k`` is measured
+    efficiency: the median CPU time of a unit of work alone over the same with ``k`` busy, at most 1. Time-slicing
+    costs the work itself: a process switched out finds its caches cold (a small model's generate costs about 25%
+    more CPU time with 4 processes on 2 cores), and virtual cores may share one physical core. Medians keep a spike
+    of the other jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed. Each ``k`` is measured
     ``repeats`` times and the median kept, and a share is never above the one for fewer busy processes (one more
     cannot make the others faster): one burst of the other jobs would otherwise decide the plan.
 
@@ -186,8 +186,8 @@ def measure_compute_shares(
         processes: Largest number of busy processes to measure.
         seconds: Wall time of each measurement.
         work: One unit of representative work, e.g. :func:`~lightning_app_rlhf.planner.profiler.model_work`
-            (a forward and backward of the workload's actor). Default: a pure-Python loop, which sees only
-            the CPU time.
+            (a forward and backward of the workload's actor). Default: a pure-Python loop, which sees the CPU time
+            and little of the cache cost.
         repeats: Measurements per ``k``; the median is kept.
     """
     import multiprocessing
@@ -201,7 +201,8 @@ def measure_compute_shares(
     alone = statistics.median(run[0][1] for run in runs[1])
     shares: list[float] = []
     for k in range(1, processes + 1):
-        measured = [sum(share * alone / unit for share, unit in run) / k for run in runs[k]]
+        # Contention cannot make a unit cheaper: an efficiency above 1 is timer noise.
+        measured = [sum(share * min(1.0, alone / unit) for share, unit in run) / k for run in runs[k]]
         shares.append(min(1.0, statistics.median(measured), *shares[-1:]))
     return tuple(shares)
 

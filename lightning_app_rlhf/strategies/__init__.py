@@ -8,7 +8,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.strategies.fabric_placement_strategy import FabricPlacementStrategy
-
 from lightning_app_rlhf.strategies.flattening import FlatteningStrategy
 from lightning_app_rlhf.strategies.interleaving import InterleavingStrategy
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy

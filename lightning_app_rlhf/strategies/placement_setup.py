@@ -8,7 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from torch import nn
 
 from lightning_app_rlhf.placement import Placement, create_placement
