@@ -178,9 +178,10 @@ def measure_compute_shares(
     efficiency: the median CPU time of a unit of work alone over the same with ``k`` busy, at most 1. Time-slicing
     costs the work itself: a process switched out finds its caches cold (a small model's generate costs about 25%
     more CPU time with 4 processes on 2 cores), and virtual cores may share one physical core. Medians keep a spike
-    of the other jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed. Each ``k`` is measured
-    ``repeats`` times and the median kept, and a share is never above the one for fewer busy processes (one more
-    cannot make the others faster): one burst of the other jobs would otherwise decide the plan.
+    of the other jobs out of the efficiency. The unit is the profile's: CPU seconds per op at full speed. Each
+    ``k`` is measured ``repeats`` times and the median kept, and a share is never above the one for fewer busy
+    processes (one more cannot make the others faster): one burst of the other jobs would otherwise decide the
+    plan.
 
     Args:
         processes: Largest number of busy processes to measure.
