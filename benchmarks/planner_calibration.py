@@ -169,17 +169,20 @@ def settled_shares(n: int, args: argparse.Namespace, work: Any) -> tuple[float, 
     twice, again while the two differ by more than ``--max-share-change``; the mean of the last two. (Measured
     right after the profile, 2 busy processes on 2 idle cores read 0.66-0.75 in 3 of 8 cases, against 0.96-1.00
     around every run.)"""
-    previous = None
+    previous: tuple[float, ...] | None = None
     for _ in range(args.retries + 2):
         # Idle first: let the profile's and the collectives' processes settle.
         measure_background_cores(args.load_sample_s)
         shares = measure_compute_shares(n, args.load_sample_s, work)
-        if previous is not None and all(
-            abs(a - b) <= args.max_share_change * max(a, b) for a, b in zip(previous, shares)
-        ):
+        if previous is not None and shares_agree(previous, shares, args):
             break
         previous = shares
-    return tuple((a + b) / 2 for a, b in zip(previous or shares, shares))
+    return tuple((a + b) / 2 for a, b in zip(previous, shares))
+
+
+def shares_agree(first: tuple[float, ...], second: tuple[float, ...], args: argparse.Namespace) -> bool:
+    """Whether two share measurements differ by at most ``--max-share-change`` (relative) for every k."""
+    return all(abs(a - b) <= args.max_share_change * max(a, b) for a, b in zip(first, second))
 
 
 def measure_case(
@@ -200,7 +203,7 @@ def measure_case(
         rows = run_cli(plan, model, args.steps, workdir, f"{name}_{attempt}")
         latency_after = measure_collectives_in_processes(device, n).collective_latency_s
         after = measure_compute_shares(n, args.load_sample_s, work)
-        if all(abs(a - b) <= args.max_share_change * max(a, b) for a, b in zip(before, after)):
+        if shares_agree(before, after, args):
             break
     steps = [r for r in rows if "perf/samples_per_sec" in r][args.skip :]
     seconds = [32 / r["perf/samples_per_sec"] for r in steps]  # the demo's rollout batch is 32 prompts

@@ -111,14 +111,16 @@ def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
                "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
                "--trainer.callbacks+=killrank_callback.KillRank", "--model.generation.max_new_tokens", "8"]
     logs = [tmp_path / f"rank{rank}.err" for rank in range(4)]
+    files = [log.open("w") for log in logs]
     ranks = [subprocess.Popen(command, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.DEVNULL, stderr=log.open("w")) for rank, log in enumerate(logs)]
+                              stdout=subprocess.DEVNULL, stderr=file) for rank, file in enumerate(files)]
     try:
         for proc in ranks:
             proc.wait(timeout=240)
     finally:
-        for proc in ranks:
+        for proc, file in zip(ranks, files):
             proc.kill()
+            file.close()
     errors = [log.read_text() for log in logs]
     assert [proc.returncode for proc in ranks][2] == 17  # KillRank's exit code
     for rank in (0, 1, 3):
