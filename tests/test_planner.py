@@ -31,7 +31,7 @@ from lightning_app_rlhf.planner import (
 )
 from lightning_app_rlhf.planner.command import main as plan_main
 from lightning_app_rlhf.planner.cost_model import forward_flops
-from lightning_app_rlhf.planner.profiler import model_work
+from lightning_app_rlhf.planner.profiler import measure_collectives_in_processes, model_work
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = {
@@ -335,6 +335,34 @@ def test_world_gathers_count_one_collective_per_tensor_plus_the_shapes():
     plan = flattening_plan(2)
     assert model.world_gather_s(plan, "actor.generate", 0, tensors=3) == pytest.approx(4e-3)
     assert model.world_gather_s(plan, "reference.forward", 0) == pytest.approx(2e-3)
+
+
+def test_gradient_all_reduce_and_broadcast_use_the_measured_bucket_bandwidth():
+    """gloo's all-reduce of DDP buckets is faster than its all-gathers: the ring all-reduce of 1 MB over 2 ranks
+    moves 2 x 0.5 MB at 1 GB/s and pays 2 latencies; the all-gather keeps its own (slower) bandwidth."""
+    device = replace(
+        parse_cluster("1x2xcpu").device,
+        collective_latency_s=1e-3,
+        intra_node_bandwidth=1e8,
+        inter_node_bandwidth=1e8,
+        all_reduce_bandwidth=1e9,
+    )
+    model = CostModel(cluster_from_environment(2, device, cores=2), demo_workload())
+    assert model.all_reduce_s((0, 1), 1e6) == pytest.approx(2 * (0.5e6 / 1e9 + 1e-3))
+    assert model.broadcast_s((0, 1), 1e6) == pytest.approx(1e6 / 1e9 + 1e-3)
+    assert model.all_gather_s((0, 1), 1e6) == pytest.approx(0.5e6 / 1e8 + 1e-3)
+    unmeasured = CostModel(
+        cluster_from_environment(2, replace(device, all_reduce_bandwidth=None), cores=2), demo_workload()
+    )
+    assert unmeasured.all_reduce_s((0, 1), 1e6) == pytest.approx(2 * (0.5e6 / 1e8 + 1e-3))
+
+
+def test_collectives_measured_in_two_gloo_processes():
+    """Real gloo processes: a per-hop latency, the all-gather bandwidth and the bucket all-reduce bandwidth."""
+    device = measure_collectives_in_processes(parse_cluster("1x2xcpu").device, 2)
+    assert 1e-6 < device.collective_latency_s < 0.1
+    assert device.intra_node_bandwidth == device.inter_node_bandwidth > 1e6
+    assert device.all_reduce_bandwidth > 1e6
 
 
 LLAMA_TINY = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -14,6 +14,9 @@ from typing_extensions import override
 
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+
+if TYPE_CHECKING:
+    from lightning_app_rlhf.planner import DeviceType
 
 
 class PlacementTuner(Callback):
@@ -83,7 +86,11 @@ class PlacementTuner(Callback):
         if saved:  # a checkpoint written without a tuner (or before it chose) has no plan to reuse
             plan, self.prediction = PlacementPlan.from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
         else:
-            outcome = self._decide(trainer, pl_module) if trainer.is_global_zero else None
+            from lightning_app_rlhf.planner.profiler import measure_collectives, measure_device
+
+            # Every rank joins the measurement of the job's own collectives; rank 0 decides with it.
+            device = measure_collectives(measure_device()) if self.profile and self.cluster is None else None
+            outcome = self._decide(trainer, pl_module, device) if trainer.is_global_zero else None
             outcome = strategy.broadcast(outcome)  # every rank applies the same plan, or raises the same error
             if isinstance(outcome, str):
                 raise RuntimeError(outcome)
@@ -92,8 +99,16 @@ class PlacementTuner(Callback):
         self.optimal_plan = plan
         rank_zero_info(f"PlacementTuner: using {describe(plan)} ({_prediction_text(self.prediction)}).")
 
-    def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[PlacementPlan, dict] | str:
-        """Rank 0: profile, search, and return the best plan with its prediction (or the error's message)."""
+    def _decide(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: DeviceType | None
+    ) -> tuple[PlacementPlan, dict] | str:
+        """Rank 0: profile, search, and return the best plan with its prediction (or the error's message).
+
+        Args:
+            trainer: The trainer being set up.
+            pl_module: The RLHF module, read for the workload.
+            device: This machine's measured ceilings and collectives (None: the profile's, or the cluster's).
+        """
         from lightning_app_rlhf.planner import (
             cluster_from_environment,
             parse_cluster,
@@ -116,6 +131,7 @@ class PlacementTuner(Callback):
             if self.profile:
                 profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,
                                            prompts=datamodule.dataset.prompts[:64])
+                profile = dataclasses.replace(profile, device=device or profile.device)
             if self.cluster is not None:
                 cluster = parse_cluster(self.cluster)
             else:

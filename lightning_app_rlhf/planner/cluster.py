@@ -42,6 +42,10 @@ class DeviceType:
     """Fixed cost of one collective hop."""
     dtype_bytes: int = 2
     """Bytes per weight in the dtype this device trains in."""
+    all_reduce_bandwidth: float | None = None
+    """Bus bytes/s of an all-reduce (and a broadcast) of large buckets within a node, where it differs from an
+    all-gather's: gloo's all-reduce of a 25 MiB gradient bucket moves 2-8x the bytes/s of its 1 MB all-gathers on
+    the CPU, and its broadcast is faster still. None: ``intra_node_bandwidth``."""
 
 
 DEVICE_TYPES: dict[str, DeviceType] = {

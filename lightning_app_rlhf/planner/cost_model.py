@@ -356,8 +356,20 @@ class CostModel:
         return (n - 1) / n * total_bytes / self.cluster.bandwidth(ranks) + (n - 1) * self.collective_latency
 
     def all_reduce_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
-        """Ring all-reduce: a reduce-scatter then an all-gather."""
-        return 2 * self.all_gather_s(ranks, nbytes)
+        """Ring all-reduce: a reduce-scatter then an all-gather, at the device's measured all-reduce bandwidth
+        within a node (DDP's gradient buckets)."""
+        n = len(ranks)
+        if n <= 1:
+            return 0.0
+        return 2 * ((n - 1) / n * nbytes / self.bucket_bandwidth(ranks) + (n - 1) * self.collective_latency)
+
+    def bucket_bandwidth(self, ranks: tuple[int, ...]) -> float:
+        """Bytes/s of an all-reduce or broadcast of large buckets over ``ranks``: the device's measured
+        ``all_reduce_bandwidth`` within a node, else the cluster's bandwidth."""
+        one_node = len({self.cluster.node_of(r) for r in ranks}) == 1
+        if one_node and self.device.all_reduce_bandwidth is not None:
+            return self.device.all_reduce_bandwidth
+        return self.cluster.bandwidth(ranks)
 
     def sharded_gather_s(self, ranks: tuple[int, ...], shape: RoleShape) -> float:
         """Gather a sharded (FSDP2 / ZeRO-3) role's weights for one pass: one all-gather per wrapped unit (each
@@ -372,7 +384,7 @@ class CostModel:
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
         if len(ranks) <= 1:
             return 0.0
-        return nbytes / self.cluster.bandwidth(ranks) + _log2(len(ranks)) * self.collective_latency
+        return nbytes / self.bucket_bandwidth(ranks) + _log2(len(ranks)) * self.collective_latency
 
     # ---- call times (one rank of the call's group; compute, then communication)
 

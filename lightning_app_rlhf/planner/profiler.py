@@ -164,40 +164,61 @@ def measure_device(threads: int | None = 1) -> DeviceType:
     )
 
 
-def measure_collectives(device: DeviceType) -> DeviceType:
-    """All-reduce bandwidth and latency of the running default process group (every rank must call this)."""
+def measure_collectives(device: DeviceType, repeats: int = 30) -> DeviceType:
+    """``device`` with the collective figures of the running gloo process group (every rank must call this).
+
+    The engine's result gathers on the CPU are small (``Placement.gather_to_world`` exchanges shapes, then rollouts
+    of a few KB), so their fixed cost dominates: the median time of a 48-byte all-gather, per ring hop, becomes
+    ``collective_latency_s``; a 1 MB-per-rank all-gather gives the bandwidth, and an all-reduce of a 25 MiB bucket
+    (DDP's default ``bucket_cap_mb``) the gradients' ``all_reduce_bandwidth``.
+    """
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return device
+    if dist.get_backend() != "gloo":  # CPU tensors; a GPU cluster keeps its datasheet figures
+        return device
     n = dist.get_world_size()
-    small, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
 
-    def all_reduce(t: torch.Tensor) -> Callable[[], None]:
-        return lambda: dist.all_reduce(t)
+    def median_s(op: Callable[[], Any], times: int) -> float:
+        op()
+        seconds = []
+        for _ in range(times):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            seconds.append(time.perf_counter() - start)
+        return sorted(seconds)[len(seconds) // 2]
 
-    latency = _best_of(all_reduce(small), 5)
-    big = _best_of(all_reduce(large), 3)
-    bandwidth = 2 * (n - 1) / n * large.numel() * 4 / max(big - latency, 1e-6)
-    result = torch.tensor([latency, bandwidth], dtype=torch.float64)
-    dist.all_reduce(result)  # the same figures on every rank
-    latency, bandwidth = (result / n).tolist()
+    def all_gather(tensor: torch.Tensor) -> Callable[[], Any]:
+        parts = [torch.empty_like(tensor) for _ in range(n)]
+        return lambda: dist.all_gather(parts, tensor)
+
+    shapes, rows, bucket = torch.zeros(3, 2, dtype=torch.long), torch.zeros(1 << 18), torch.zeros(25 << 18)
+    figures = torch.tensor(
+        [
+            median_s(all_gather(shapes), repeats),
+            median_s(all_gather(rows), repeats),
+            median_s(lambda: dist.all_reduce(bucket), 3),
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(figures)  # the same figures on every rank
+    small, gather, reduce = (figures / n).tolist()
+    hops = n - 1
+    bandwidth = hops * rows.numel() * 4 / max(gather - small, 1e-9)
     return replace(
         device,
         intra_node_bandwidth=bandwidth,
         inter_node_bandwidth=bandwidth,
-        collective_latency_s=latency / max(1, 2 * (n - 1)),
+        collective_latency_s=small / hops,
+        all_reduce_bandwidth=2 * hops / n * bucket.numel() * 4 / max(reduce - 2 * small, 1e-9),
     )
 
 
-def measure_collectives_in_processes(device: DeviceType, world_size: int, repeats: int = 30) -> DeviceType:
-    """All-gather latency and bandwidth of ``world_size`` fresh gloo processes on this machine (one thread each).
-
-    The engine's collectives on the CPU are small (``Placement.gather_to_world`` exchanges shapes, then rollouts
-    of a few KB), so their fixed cost dominates: the median time of a 48-byte all-gather, per ring hop, becomes
-    ``collective_latency_s``, and a 1 MB-per-rank all-gather gives the bandwidth.
-    """
+def measure_collectives_in_processes(device: DeviceType, world_size: int) -> DeviceType:
+    """:func:`measure_collectives` in ``world_size`` fresh gloo processes on this machine (one thread each)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -208,19 +229,11 @@ def measure_collectives_in_processes(device: DeviceType, world_size: int, repeat
         out = Path(tmp) / "collectives.json"
         mp.start_processes(
             _collective_worker,
-            args=(world_size, _free_port(), repeats, str(out)),
+            args=(world_size, _free_port(), device, str(out)),
             nprocs=world_size,
             start_method="spawn",
         )
-        latency, large_s, large_bytes = json.loads(out.read_text())
-    hops = world_size - 1
-    bandwidth = hops * large_bytes / max(large_s - hops * latency / hops, 1e-9)
-    return replace(
-        device,
-        intra_node_bandwidth=bandwidth,
-        inter_node_bandwidth=bandwidth,
-        collective_latency_s=latency / hops,
-    )
+        return DeviceType(**json.loads(out.read_text()))
 
 
 def _free_port() -> int:
@@ -231,7 +244,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _collective_worker(rank: int, world_size: int, port: int, repeats: int, out: str) -> None:
+def _collective_worker(rank: int, world_size: int, port: int, device: DeviceType, out: str) -> None:
     import datetime
 
     import torch
@@ -246,26 +259,9 @@ def _collective_worker(rank: int, world_size: int, port: int, repeats: int, out:
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-
-        def median_s(tensor: torch.Tensor, n: int) -> float:
-            parts = [torch.empty_like(tensor) for _ in range(world_size)]
-            dist.all_gather(parts, tensor)
-            times = []
-            for _ in range(n):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_gather(parts, tensor)
-                times.append(time.perf_counter() - start)
-            return sorted(times)[len(times) // 2]
-
-        small = median_s(torch.zeros(3, 2, dtype=torch.long), repeats)  # a shape exchange
-        large_tensor = torch.zeros(1 << 18)
-        large = median_s(large_tensor, max(3, repeats // 5))
-        result = torch.tensor([small, large], dtype=torch.float64)
-        dist.all_reduce(result)  # the same figures on every rank
+        measured = measure_collectives(device)
         if rank == 0:
-            small, large = (result / world_size).tolist()
-            Path(out).write_text(json.dumps([small, large, large_tensor.numel() * 4]))
+            Path(out).write_text(json.dumps(asdict(measured)))
     finally:
         dist.destroy_process_group()
 
