@@ -11,7 +11,8 @@ the planner's chosen plan when it is not a preset, it
 1. measures the share of a core each of k = 1..n concurrently computing processes gets on this machine now
    (``measure_compute_shares``: the other jobs' load and our own processes together), and how many cores the other
    jobs keep busy (``/proc/stat``, reported only),
-   and the gloo all-gather latency of n fresh processes,
+   and the gloo all-gather latency of n fresh processes (``measure_collectives_in_processes``; the bandwidths of
+   its 1 MB all-gather and 25 MiB all-reduce are measured once, before the planner decides),
 2. trains the demo config with the CLI for ``--steps`` iterations (one thread per process),
 3. measures both again, and predicts with their means (the cluster's ``compute_shares``, the device's
    ``collective_latency_s``),
@@ -346,6 +347,8 @@ def main() -> None:
                         "planned_with": {  # what the planner decided with, before the runs
                             "compute_shares": cluster.compute_shares,
                             "collective_latency_s": device.collective_latency_s,
+                            "all_gather_bandwidth": device.intra_node_bandwidth,
+                            "all_reduce_bandwidth": device.all_reduce_bandwidth,
                             "predicted_s": CostModel(cluster, workload, profiled)
                             .evaluate(PlanChoice(plan))
                             .iteration_s,
