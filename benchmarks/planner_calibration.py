@@ -59,6 +59,7 @@ from lightning_app_rlhf.planner import (
 from lightning_app_rlhf.planner.profiler import (
     Profile,
     measure_collectives_in_processes,
+    measure_ddp_steps,
     model_work,
     profile_workload,
 )
@@ -297,9 +298,9 @@ def main() -> None:
         for model_name in args.models:
             model = MODELS[model_name]
             workload = demo_workload(model)
-            work = model_work(workload.actor, workload)  # what the shares are measured with
+            work = model_work(workload)  # what the shares are measured with: an engine-like iteration
             for devices in args.devices:
-                profile = full_speed_profile(workload)
+                profile = full_speed_profile(workload).merge(measure_ddp_steps(workload, devices))
                 profiles[f"{model_name} x{devices}"] = profile.ops
                 device = measure_collectives_in_processes(profile.device, devices)
                 profiled = type(profile)(profile.hardware, device, profile.ops)

@@ -308,8 +308,8 @@ def test_compute_shares_on_model_work_count_what_time_slicing_costs():
     """With a unit of model work, a share is CPU time / wall time times the work's efficiency (median CPU time of a
     unit alone over the same with k busy), so it is never more than the CPU share a spinning process gets."""
     workload = demo_workload(prompt_length=4, generation_length=4)
-    work = model_work(workload.actor, workload, batch=2)
-    work()  # it runs: a forward + backward and a 4-token generate of the actor's shape
+    work = model_work(workload, batch=2)
+    work()  # it runs: a generate, the reference's and critic's forwards, actor and critic train steps
     cores = len(os.sched_getaffinity(0))
     shares = measure_compute_shares(cores + 1, seconds=0.3, work=work)
     assert len(shares) == cores + 1 and all(0 < s <= 1 for s in shares)

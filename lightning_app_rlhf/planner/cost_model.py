@@ -443,9 +443,17 @@ class CostModel:
             )
             comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
-            comm = self.all_reduce_s(ranks, trained_bytes)
+            measured = self._measured_ddp_step(shape, n) if wrapper == "ddp" else None
+            comm = measured if measured is not None else self.all_reduce_s(ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
         return steps * compute, steps * comm + stats
+
+    def _measured_ddp_step(self, shape: RoleShape, group: int) -> float | None:
+        """Seconds DDP adds to one optimizer step on ``group`` ranks, where the profile measured it
+        (:func:`~lightning_app_rlhf.planner.profiler.measure_ddp_steps`: full fine-tuning only)."""
+        if self.profile is None or group < 2 or self.workload.lora_rank is not None:
+            return None
+        return self.profile.time(shape, "ddp_step", group, 1)
 
     def reallocate_time(self, plan: PlacementPlan, role: str) -> tuple[tuple[int, ...], float]:
         """(ranks involved, seconds) to refresh the shadow copies of a trained role; no ranks when it has none."""
