@@ -5,7 +5,8 @@
 For each model (``tiny``: the demo's GPT-2, 2 layers x 64; ``small``: GPT-2 6 layers x 256, 8 heads, vocab 8192, the
 benchmark's preset) and each process count the script first profiles the model calls afresh (no cache: close in time
 to the runs; the median CPU time of 7 repeats per point, batch 1 to 32)
-and measures the gloo all-gather latency of that many fresh processes. Then, for each preset and for
+and measures the gloo collectives of that many fresh processes and the time DDP adds to a train step on groups of
+2..n of them (``measure_ddp_steps``). Then, for each preset and for
 the planner's chosen plan when it is not a preset, it
 
 1. measures the share of a core each of k = 1..n concurrently computing processes gets on this machine now

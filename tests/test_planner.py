@@ -31,7 +31,12 @@ from lightning_app_rlhf.planner import (
 )
 from lightning_app_rlhf.planner.command import main as plan_main
 from lightning_app_rlhf.planner.cost_model import forward_flops
-from lightning_app_rlhf.planner.profiler import measure_collectives_in_processes, model_work
+from lightning_app_rlhf.planner.profiler import (
+    Profile,
+    measure_collectives_in_processes,
+    measure_ddp_steps,
+    model_work,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = {
@@ -363,6 +368,39 @@ def test_collectives_measured_in_two_gloo_processes():
     assert 1e-6 < device.collective_latency_s < 0.1
     assert device.intra_node_bandwidth == device.inter_node_bandwidth > 1e6
     assert device.all_reduce_bandwidth > 1e6
+
+
+def test_ddp_steps_measured_in_gloo_processes_price_the_ddp_train_calls():
+    """measure_ddp_steps times a real DDP train step against a bare one in 2 gloo processes; the cost model then
+    charges that per optimizer step of a DDP train call instead of the bare all-reduce."""
+    workload = demo_workload(generation_length=4, wrappers=("ddp",))
+    measured = measure_ddp_steps(workload, 2, repeats=3)
+    keys = {workload.actor.key, workload.critic.key}
+    assert set(measured.ops) == keys
+    for key in keys:
+        ((group, length, seconds),) = measured.ops[key]["ddp_step"]
+        assert (group, length) == (2, 1) and 0.0 <= seconds < 1.0
+    # Priced by hand: 0.01 s a step, 2 epochs x 2 minibatches, plus the statistics' all-reduce.
+    ops = {key: {"ddp_step": [[2, 1, 0.01]]} for key in keys}
+    device = replace(parse_cluster("1x2xcpu").device, collective_latency_s=1e-3)
+    model = CostModel(cluster_from_environment(2, device, cores=2), workload, Profile("here", device, ops))
+    choice = PlanChoice(flattening_plan(2))
+    _, comm = model.call_time(choice, "actor.train")
+    assert comm == pytest.approx(4 * 0.01 + model.all_reduce_s((0, 1), 64))
+    bare = CostModel(cluster_from_environment(2, device, cores=2), workload)
+    trained_bytes = workload.trainable_params("actor") * workload.actor.dtype_bytes
+    assert bare.call_time(choice, "actor.train")[1] == pytest.approx(
+        4 * bare.all_reduce_s((0, 1), trained_bytes) + bare.all_reduce_s((0, 1), 64)
+    )
+
+
+def test_profiles_merge_ops_per_shape():
+    first = Profile("here", None, {"a": {"train": [[1, 1, 1.0]]}})
+    merged = first.merge(Profile("here", None, {"a": {"ddp_step": [[2, 1, 0.1]]}, "b": {"forward": [[1, 1, 2.0]]}}))
+    assert merged.ops == {
+        "a": {"train": [[1, 1, 1.0]], "ddp_step": [[2, 1, 0.1]]},
+        "b": {"forward": [[1, 1, 2.0]]},
+    }
 
 
 LLAMA_TINY = {
