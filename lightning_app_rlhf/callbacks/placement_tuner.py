@@ -130,8 +130,7 @@ class PlacementTuner(Callback):
             profile = None
             if self.profile:
                 profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,
-                                           prompts=datamodule.dataset.prompts[:64])
-                profile = dataclasses.replace(profile, device=device or profile.device)
+                                           prompts=datamodule.dataset.prompts[:64], device=device)
             if self.cluster is not None:
                 cluster = parse_cluster(self.cluster)
             else:

@@ -374,6 +374,7 @@ def profile_workload(
     tokenizer: Any = None,
     prompts: list[str] | None = None,
     statistic: str = "min",
+    device: DeviceType | None = None,
 ) -> Profile:
     """Measure every role shape of ``workload`` (cached per hardware and shape) and this device's ceilings.
 
@@ -388,10 +389,12 @@ def profile_workload(
         prompts: Real prompts for ``reward_fn`` (some functions read them); default random tokens.
         statistic: ``min`` (the fastest wall time counts) or ``cpu`` (the median CPU time; use it on a shared
             machine, with ``threads=1``).
+        device: This device's ceilings, already measured (e.g. with :func:`measure_collectives`); None: measure
+            them here.
     """
     if statistic not in STATISTIC:
         raise ValueError(f"statistic={statistic!r}: choose one of {sorted(STATISTIC)}.")
-    profile = Profile(hardware_key(), measure_device(threads))
+    profile = Profile(hardware_key(), device or measure_device(threads))
     seen = set()
     for role in ("actor", "critic", "reference", "reward"):
         shape = workload.shape(role)
