@@ -1,14 +1,16 @@
-"""The model calls of one PPO iteration, besides ``actor.generate`` (see ``generation.py``).
+"""The model calls of one iteration, besides ``actor.generate`` (see ``generation.py``).
 
-``reference.forward``, ``critic.forward`` and ``reward.forward`` score a rollout; ``actor.train`` and
-``critic.train`` are built from :func:`actor_loss` and :func:`critic_loss`. Each call takes only the tensors
-it needs, so a placement can run it on any group of ranks. Plain PyTorch, no Lightning.
+``reference.forward``, ``critic.forward`` and ``reward.forward`` score a rollout; the train calls are built from
+:func:`policy_logprobs` (the algorithm's policy loss on top) and :func:`critic_loss`. Each call takes only the
+tensors it needs, so a placement can run it on any group of ranks. Plain PyTorch, no Lightning.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +41,7 @@ def response_logits(
 def reference_forward(reference: nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
     """Reference log-probabilities [B, T] of the sampled response tokens."""
     logits = response_logits(reference, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-    return ppo.logprobs_from_logits(logits / temperature, rollout.responses) * rollout.response_mask
+    return ppo.logprobs_from_logits(logits, rollout.responses, temperature) * rollout.response_mask
 
 
 @torch.no_grad()
@@ -53,9 +55,16 @@ def critic_forward(critic: nn.Module, rollout: Rollout) -> torch.Tensor:
 
 @torch.no_grad()
 def reward_forward(
-    reward: nn.Module | RewardFunction, rollout: Rollout, tokenizer: PreTrainedTokenizerBase
+    reward: nn.Module | RewardFunction,
+    rollout: Rollout,
+    tokenizer: PreTrainedTokenizerBase,
+    row_fields: dict[str, list[Any]] | None = None,
 ) -> torch.Tensor:
-    """Scores [B] in float32: a reward model's output, or a reward function's on decoded text."""
+    """Scores [B] in float32: a reward model's output, or a reward function's on decoded text.
+
+    A reward function also receives the dataset rows' other fields (e.g. ``answer=[...]``, one entry per response)
+    as keyword arguments, when its signature takes them by name or takes ``**kwargs`` (TRL's convention).
+    """
     if isinstance(reward, nn.Module):
         logits = reward(
             input_ids=rollout.sequences,
@@ -65,7 +74,8 @@ def reward_forward(
         return logits[:, 0].float()
     prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
     responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
-    scores = torch.as_tensor(reward(prompts, responses), dtype=torch.float32).flatten()
+    scores = torch.as_tensor(reward(prompts, responses, **_accepted(reward, row_fields or {})), dtype=torch.float32)
+    scores = scores.flatten()
     if scores.numel() != len(prompts):
         raise ValueError(
             f"The reward function returned {scores.numel()} scores for {len(prompts)} responses: it must "
@@ -74,20 +84,36 @@ def reward_forward(
     return scores.to(rollout.sequences.device)
 
 
+def _accepted(function: Any, row_fields: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """The row fields ``function`` can take as keyword arguments."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # builtins and some callables have no signature: pass nothing extra
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return row_fields
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in row_fields.items() if k in names}
+
+
 @dataclass
 class Experience:
-    """A scored rollout, ready for PPO updates. Every tensor has the batch as its first dimension."""
+    """A scored rollout, ready for the policy update. Every tensor has the batch as its first dimension."""
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     logprobs: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
+    """Critic values at rollout time; None for a critic-free algorithm."""
     advantages: torch.Tensor
-    returns: torch.Tensor
+    returns: torch.Tensor | None
+    """Targets of the critic; None for a critic-free algorithm."""
     prompt_length: int
     iteration: int
-    """The PPO iteration whose rollout this is; keys the minibatch order of every update on it."""
+    """The iteration whose rollout this is; keys the minibatch order of every update on it."""
+    ref_logprobs: torch.Tensor | None = None
+    """Reference log-probabilities, kept when the actor's loss has a KL term (``ppo.kl_loss_coef > 0``)."""
 
     def minibatch(self, indices: torch.Tensor) -> Experience:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -98,25 +124,14 @@ class Experience:
         return Experience(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in parts.items()})
 
 
-def actor_loss(
-    actor: nn.Module,
-    batch: Experience,
-    config: PPOConfig,
-    temperature: float,
-    token_count: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The ``actor.train`` loss on one minibatch (or one data-parallel shard of it, with the minibatch's
-    ``token_count``): clipped surrogate minus the entropy bonus."""
-    logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length) / temperature
+def policy_logprobs(
+    actor: nn.Module, batch: Experience, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The actor's log-probabilities [B, T] of the sampled response tokens (with gradients) and its entropies
+    [B, T], at the sampling temperature: the forward of the ``actor.train`` call."""
+    logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length)
     responses = batch.sequences[:, batch.prompt_length :]
-    logprobs = ppo.logprobs_from_logits(logits, responses)
-    loss, clipfrac, approx_kl = ppo.policy_loss(
-        logprobs, batch.logprobs, batch.advantages, batch.response_mask, config.clip_range, token_count
-    )
-    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), batch.response_mask, count=token_count)
-    total = loss - config.entropy_coef * entropy
-    stats = {"policy/loss": loss, "policy/clipfrac": clipfrac, "policy/approx_kl": approx_kl}
-    return total, {**stats, "policy/entropy": entropy.detach()}
+    return ppo.logprobs_from_logits(logits, responses, temperature), ppo.entropy_from_logits(logits, temperature)
 
 
 def critic_loss(

@@ -1,9 +1,15 @@
-"""Configuration dataclasses for generation and PPO. Plain Python: no Lightning, no torch."""
+"""Configuration dataclasses for generation and the policy update. Plain Python: no Lightning, no torch."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
+
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+"""How per-token losses become one number (veRL's names): the mean over all tokens of the minibatch; the mean over
+sequences of their token sums; the mean over sequences of their token means; Dr. GRPO's sum over tokens divided by
+a constant (sequences x ``generation.max_new_tokens``)."""
 
 
 @dataclass
@@ -18,6 +24,9 @@ class GenerationConfig:
     """Keep only the k most likely tokens when sampling (0 disables)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 disables)."""
+    num_samples: int = 1
+    """Responses sampled per prompt (the group size G of GRPO, RLOO and REINFORCE++-baseline). Each response's draws
+    are keyed by (seed, iteration, prompt index, sample index)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -31,11 +40,15 @@ class GenerationConfig:
             raise ValueError(f"generation.top_k must be >= 0 (0 disables it), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}.")
+        if self.num_samples < 1:
+            raise ValueError(f"generation.num_samples must be >= 1 (responses per prompt), got {self.num_samples}.")
 
 
 @dataclass
 class PPOConfig:
-    """PPO hyper-parameters. Names follow TRL and OpenRLHF where they exist."""
+    """Hyper-parameters of the policy update, for every algorithm (all use PPO's clipped surrogate). Names follow
+    TRL, OpenRLHF and veRL where they exist. The critic's fields (``clip_range_value``, ``value_loss_coef``, ``lam``)
+    only matter to ``ppo``."""
 
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
@@ -50,15 +63,29 @@ class PPOConfig:
     entropy_coef: float = 0.0
     """Entropy bonus weight in the actor loss."""
     gamma: float = 1.0
-    """GAE discount."""
+    """Discount of GAE (``ppo``) and of the returns of REINFORCE++."""
     lam: float = 0.95
     """GAE lambda."""
     whiten_advantages: bool = True
-    """Normalise advantages over the valid response tokens of the rollout batch."""
+    """``ppo``: normalise advantages over the valid response tokens of the rollout batch (REINFORCE++ always
+    does; the group algorithms never do)."""
     kl_coef: float = 0.05
-    """Initial (or fixed) coefficient of the per-token KL penalty added to the reward."""
+    """Initial (or fixed) coefficient of the KL penalty in the reward: per token for ``ppo`` and REINFORCE++, summed
+    over the response into the sequence reward for GRPO, Dr. GRPO and RLOO. 0 turns it off."""
     kl_estimator: Literal["k1", "k3"] = "k1"
-    """KL estimator in the reward: k1 = log p - log p_ref, k3 = exp(-d) + d - 1 with d = log p - log p_ref."""
+    """KL estimator in the reward, with d = log p - log p_ref: k1 = d, k3 = exp(-d) + d - 1. Use k1
+    here: a detached k3 reward pushed through the policy gradient does not follow the gradient of KL(p || p_ref);
+    k3 belongs in the loss (``kl_loss_coef``)."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of a KL(policy || reference) term in the actor's loss, differentiated (GRPO's beta). 0 turns it
+    off."""
+    kl_loss_estimator: Literal["k1", "k3"] = "k3"
+    """Estimator of the KL loss term; k3 is GRPO's low-variance estimator."""
+    loss_agg_mode: str | None = None
+    """How per-token losses become the minibatch loss: ``token_mean``, ``seq_mean_token_sum``,
+    ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm`` (Dr. GRPO's constant normaliser; veRL's hyphenated
+    spellings work too). None: the algorithm's own (GRPO: seq_mean_token_mean; Dr. GRPO: seq_mean_token_sum_norm;
+    the others: token_mean)."""
     kl_target: float | None = None
     """Adaptive KL controller target (sum over the response, in nats). None keeps kl_coef fixed."""
     kl_horizon: int = 10000
@@ -85,8 +112,20 @@ class PPOConfig:
             raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma} and {self.lam}.")
         if self.kl_coef < 0:
             raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}.")
-        if self.kl_estimator not in ("k1", "k3"):
-            raise ValueError(f"ppo.kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}.")
+        for name in ("kl_estimator", "kl_loss_estimator"):
+            if getattr(self, name) not in ("k1", "k3"):
+                raise ValueError(f"ppo.{name} must be 'k1' or 'k3', got {getattr(self, name)!r}.")
+        if self.kl_estimator == "k3" and self.kl_coef > 0:
+            warnings.warn("ppo.kl_estimator='k3' puts the k3 estimate in the reward, where its policy gradient is not "
+                          "the gradient of KL(policy || reference). Use kl_estimator='k1' in the reward, or move the "
+                          "penalty into the loss: kl_coef=0, kl_loss_coef>0, kl_loss_estimator='k3'.", stacklevel=3)
+        if self.kl_loss_coef < 0:
+            raise ValueError(f"ppo.kl_loss_coef must be >= 0, got {self.kl_loss_coef}.")
+        if self.loss_agg_mode is not None:
+            self.loss_agg_mode = self.loss_agg_mode.replace("-", "_")
+            if self.loss_agg_mode not in LOSS_AGG_MODES:
+                raise ValueError(f"ppo.loss_agg_mode must be one of {list(LOSS_AGG_MODES)} (or None for the "
+                                 f"algorithm's default), got {self.loss_agg_mode!r}.")
         if self.kl_target is not None and self.kl_target <= 0:
             raise ValueError(f"ppo.kl_target must be > 0 or None (fixed coefficient), got {self.kl_target}.")
         if self.reward_clip is not None and self.reward_clip <= 0:

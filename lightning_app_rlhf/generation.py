@@ -8,6 +8,7 @@ it is generated alone, in a batch of 32, or on any rank of a placement.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,14 +44,33 @@ class Rollout:
                        self.logprobs[rows], self.prompt_length)
 
 
-def sample_keys(seed: int, iteration: int, sample_indices: torch.Tensor) -> torch.Tensor:
-    """One 63-bit key per sample from (seed, iteration, global sample index), by a splitmix64-style mix."""
+def sample_keys(
+    seed: int, iteration: int, sample_indices: torch.Tensor, repeat_indices: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One 63-bit key per sample from (seed, iteration, prompt index, sample index), by a splitmix64-style mix.
+
+    ``sample_indices`` are the prompts' global indices; ``repeat_indices`` which of the ``generation.num_samples``
+    responses of its prompt a row is (None: all 0, the first response, whose key does not depend on the group size).
+    """
+    repeats = repeat_indices.tolist() if repeat_indices is not None else [0] * len(sample_indices)
     keys = []
-    for index in sample_indices.tolist():
-        z = (seed * 0x9E3779B97F4A7C15 + iteration * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) & _MASK64
+    for index, repeat in zip(sample_indices.tolist(), repeats):
+        z = (seed * 0x9E3779B97F4A7C15 + iteration * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB
+             + repeat * 0xD1B54A32D192ED03) & _MASK64
         z = ((z ^ (z >> 31)) * 0xD6E8FEAC8F3A5A1D) & _MASK64
         keys.append(z ^ (z >> 29))
     return torch.tensor(keys, dtype=torch.int64)
+
+
+def repeat_samples(batch: dict[str, Any], num_samples: int) -> dict[str, Any]:
+    """Each prompt row repeated ``num_samples`` times, consecutively (a prompt's group is contiguous), with
+    ``sample``: which repeat a row is. Row fields (lists) are repeated alike."""
+    repeat = lambda t: t.repeat_interleave(num_samples, dim=0)  # noqa: E731
+    out = {key: repeat(batch[key]) for key in ("input_ids", "attention_mask", "index")}
+    out["sample"] = torch.arange(num_samples, device=batch["index"].device).repeat(len(batch["index"]))
+    fields = batch.get("fields") or {}
+    out["fields"] = {name: [v for v in values for _ in range(num_samples)] for name, values in fields.items()}
+    return out
 
 
 def keyed_uniforms(keys: torch.Tensor, num: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_app_rlhf.plan import CALLS, TRAINABLE_ROLES, PlacementPlan, flattening_plan
+from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan
 from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -63,15 +63,16 @@ class Placement:
         self.reallocation_groups = reallocation_groups or {}
 
     @classmethod
-    def single_process(cls, device: torch.device | None = None) -> Placement:
-        return cls(flattening_plan(1), 0, device)
+    def single_process(cls, device: torch.device | None = None, roles: tuple[str, ...] | None = None) -> Placement:
+        """Every call of ``roles`` (default: all) on one rank."""
+        return cls(flattening_plan(1, roles=roles) if roles else flattening_plan(1), 0, device)
 
     @property
     def distributed(self) -> bool:
         return self.plan.world_size > 1
 
     def runs(self, call: str) -> bool:
-        return self.rank in self.plan.ranks(call)
+        return call in self.plan.calls and self.rank in self.plan.ranks(call)
 
     def holds(self, role: str) -> bool:
         return self.plan.holds(role, self.rank)
@@ -222,10 +223,10 @@ def create_placement(
         raise ValueError(f"The plan covers {plan.world_size} ranks but the job has {actual}. Launch "
                          f"{plan.world_size} processes (e.g. --trainer.devices {plan.world_size}) or rebuild the plan.")
     groups: dict[str, dist.ProcessGroup | None] = {}
-    for call in CALLS:  # new_group is collective: same order on every rank
+    for call in (c for c in CALLS if c in plan.calls):  # new_group is collective: same order on every rank
         groups[call] = dist.new_group(list(plan.ranks(call)), timeout=timeout)
     reallocation_groups: dict[str, dist.ProcessGroup | None] = {}
-    for role in TRAINABLE_ROLES:
+    for role in plan.trainable_roles:
         shadows = plan.shadow_ranks(role)
         if shadows:
             ranks = sorted({plan.ranks(f"{role}.train")[0], *shadows})

@@ -3,9 +3,9 @@
 The three APP placements are presets of one mechanism:
 
 - Flattening: every call on every rank.
-- Interleaving: actor and critic on every rank; reference on one block of ranks, reward on another.
+- Interleaving: the trainable roles on every rank; reference on one block of ranks, reward on another.
 - Separation: a generation group runs ``actor.generate`` and the three forwards on shadow copies; a training
-  group runs both train calls; weights flow from training to generation after every update.
+  group runs the train calls; weights flow from training to generation after every update.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward", "actor.train", "critic.train")
-"""The six model calls of one PPO iteration."""
+from lightning_app_rlhf.role_table import (
+    CALLS,
+    FROZEN_ROLES,
+    REQUIRED_ROLES,
+    ROLE_NAMES,
+    TRAINABLE_ROLES,
+    calls_of,
+    role_of,
+)
 
-TRAINABLE_ROLES = ("actor", "critic")
-FROZEN_ROLES = ("reference", "reward")
 WRAPPERS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
 """Parallel wrappers of a trainable role on its train group: DDP, FSDP2, or DeepSpeed ZeRO stage 0-3."""
 FROZEN_WRAPPERS = ("fsdp2",)
 """Wrappers of a frozen role on its forward call's group (absent: every rank of the group holds it whole)."""
-
-
-def role_of(call: str) -> str:
-    return call.split(".")[0]
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class PlacementPlan:
     """Number of ranks the plan covers."""
     calls: dict[str, tuple[int, ...]]
     """Call name -> the ranks that run it (sorted, no duplicates)."""
-    wrappers: dict[str, str] = field(default_factory=lambda: {"actor": "ddp", "critic": "ddp"})
-    """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3``. Optionally a frozen role (``reference``,
+    wrappers: dict[str, str] = field(default_factory=dict)
+    """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3`` (default ``ddp``). Optionally a frozen role (``reference``,
     ``reward``) -> ``fsdp2``: sharded over its forward call's group, whose ranks run the forward in lockstep."""
     name: str = "custom"
     """A label for summaries and logs."""
@@ -54,17 +55,33 @@ class PlacementPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
+        trainable = [r for r in TRAINABLE_ROLES if f"{r}.train" in self.calls]
+        object.__setattr__(self, "wrappers", {**{r: "ddp" for r in trainable}, **self.wrappers})
         self.validate()
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles the plan places (those its calls name), in role-table order."""
+        named = {role_of(c) for c in self.calls}
+        return tuple(r for r in ROLE_NAMES if r in named)
+
+    @property
+    def trainable_roles(self) -> tuple[str, ...]:
+        return tuple(r for r in self.roles if r in TRAINABLE_ROLES)
 
     def validate(self) -> None:
         """Raise a ``ValueError`` naming the fix for any plan that cannot run."""
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
-        missing = [c for c in CALLS if c not in self.calls]
         unknown = [c for c in self.calls if c not in CALLS]
-        if missing or unknown:
-            raise ValueError(f"A plan must give ranks to exactly the calls {list(CALLS)}; missing {missing}, "
-                             f"unknown {unknown}.")
+        if unknown:
+            raise ValueError(f"Unknown calls {unknown}: a plan gives ranks to calls among {list(CALLS)}.")
+        roles = set(self.roles) | set(REQUIRED_ROLES)
+        missing = [c for c in calls_of(roles) if c not in self.calls]
+        if missing:
+            raise ValueError(f"A plan must give ranks to every call of the roles it places ({list(calls_of(roles))}); "
+                             f"missing {missing}. Add them, or leave out every call of a role the algorithm does not "
+                             "use (a critic-free algorithm has no 'critic.*' calls).")
         for call, ranks in self.calls.items():
             if not ranks:
                 raise ValueError(f"Call {call!r} has an empty group: give it at least one rank.")
@@ -78,12 +95,12 @@ class PlacementPlan:
                              f"{self.world_size}. Give them a call, or launch {self.world_size - len(idle)} devices.")
         if self.overlap:
             generating = set(self.calls["actor.generate"])
-            training = set(self.calls["actor.train"]) | set(self.calls["critic.train"])
+            training = {r for c, ranks in self.calls.items() if c.endswith(".train") for r in ranks}
             if generating & training:
                 raise ValueError(f"overlap=True needs generation and training on disjoint ranks, but ranks "
                                  f"{sorted(generating & training)} do both. Use the separation placement, or "
                                  "overlap=False.")
-        for role in TRAINABLE_ROLES:
+        for role in self.trainable_roles:
             wrapper = self.wrappers.get(role)
             if wrapper not in WRAPPERS:
                 raise ValueError(f"Role {role!r} has wrapper {wrapper!r}; choose one of {list(WRAPPERS)}.")
@@ -99,10 +116,10 @@ class PlacementPlan:
                 raise ValueError(f"Role {role!r} asks for DeepSpeed ({wrapper}) but deepspeed is not installed. "
                                  "Install it with `pip install 'lightning-app-rlhf[deepspeed]'`, or use 'ddp' or "
                                  "'fsdp2'.")
-        unknown = sorted(set(self.wrappers) - set(TRAINABLE_ROLES) - set(FROZEN_ROLES))
+        unknown = sorted(set(self.wrappers) - set(self.roles))
         if unknown:
-            raise ValueError(f"Wrappers name unknown roles {unknown}: give wrappers to {list(TRAINABLE_ROLES)} and, "
-                             f"optionally, {list(FROZEN_ROLES)}.")
+            raise ValueError(f"Wrappers name roles {unknown} that the plan does not place: give wrappers to "
+                             f"{list(self.trainable_roles)} and, optionally, {list(FROZEN_ROLES)}.")
         for role in FROZEN_ROLES:
             if role in self.wrappers and self.wrappers[role] not in FROZEN_WRAPPERS:
                 raise ValueError(f"Frozen role {role!r} has wrapper {self.wrappers[role]!r}; a frozen role is either "
@@ -145,12 +162,25 @@ class PlacementPlan:
     def ranks(self, call: str) -> tuple[int, ...]:
         return self.calls[call]
 
+    def check_roles(self, roles: tuple[str, ...], algorithm: str) -> None:
+        """Raise a ``ValueError`` naming the fix unless the plan places exactly ``roles`` (an algorithm's)."""
+        if set(self.roles) != set(roles):
+            extra = sorted(set(self.roles) - set(roles))
+            missing = sorted(set(roles) - set(self.roles))
+            raise ValueError(
+                f"The plan {self.name!r} places roles {list(self.roles)}, but algorithm {algorithm!r} uses "
+                f"{list(roles)}: " + (f"remove the calls of {extra} from the plan" if extra else "")
+                + (" and " if extra and missing else "") + (f"give ranks to the calls of {missing}" if missing else "")
+                + ". Presets build the right calls themselves (strategy='rlhf_flattening', ...).")
+
     def holds(self, role: str, rank: int) -> bool:
         """Whether ``rank`` keeps a copy of ``role`` (trained weights or a shadow)."""
         return any(rank in ranks for call, ranks in self.calls.items() if role_of(call) == role)
 
     def shadow_ranks(self, role: str) -> tuple[int, ...]:
         """Ranks that run a call of a trainable ``role`` without holding its trained weights."""
+        if f"{role}.train" not in self.calls:
+            return ()
         train = set(self.calls[f"{role}.train"])
         users = {r for call, ranks in self.calls.items() if role_of(call) == role for r in ranks}
         return tuple(sorted(users - train))
@@ -164,17 +194,25 @@ def _count(ratio: float, world_size: int, what: str) -> int:
     return int(count)
 
 
-def flattening_plan(world_size: int, wrapper: str = "ddp") -> PlacementPlan:
-    """Every call on every rank, data parallel (DeepSpeed-Chat / TRL style)."""
+def _trainable_wrappers(roles: tuple[str, ...], wrapper: str) -> dict[str, str]:
+    return {r: wrapper for r in roles if r in TRAINABLE_ROLES}
+
+
+def flattening_plan(world_size: int, wrapper: str = "ddp", roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+    """Every call on every rank, data parallel (DeepSpeed-Chat / TRL style). ``roles``: the algorithm's roles."""
     everyone = tuple(range(world_size))
-    return PlacementPlan(world_size, {c: everyone for c in CALLS}, {"actor": wrapper, "critic": wrapper},
+    return PlacementPlan(world_size, {c: everyone for c in calls_of(roles)}, _trainable_wrappers(roles, wrapper),
                          name="flattening")
 
 
 def interleaving_plan(
-    world_size: int, reference_ratio: float = 0.5, reward_ratio: float = 0.5, wrapper: str = "ddp"
+    world_size: int,
+    reference_ratio: float = 0.5,
+    reward_ratio: float = 0.5,
+    wrapper: str = "ddp",
+    roles: tuple[str, ...] = ROLE_NAMES,
 ) -> PlacementPlan:
-    """Actor and critic on every rank; reference on the first block of ranks, reward on the next.
+    """The trainable roles on every rank; reference on the first block of ranks, reward on the next.
 
     The blocks are contiguous and disjoint (APP's Model Placement Ratio): on 8 ranks with 0.5 / 0.5,
     reference on ranks 0-3 and reward on ranks 4-7.
@@ -188,10 +226,10 @@ def interleaving_plan(
         raise ValueError(f"Reference ({reference_ratio}) and reward ({reward_ratio}) ratios sum to more than 1: "
                          "interleaving puts them on disjoint groups. Lower them so they sum to at most 1.")
     everyone = tuple(range(world_size))
-    calls = {c: everyone for c in CALLS}
+    calls = {c: everyone for c in calls_of(roles)}
     calls["reference.forward"] = tuple(range(n_ref))
     calls["reward.forward"] = tuple(range(n_ref, n_ref + n_reward))
-    return PlacementPlan(world_size, calls, {"actor": wrapper, "critic": wrapper}, name="interleaving")
+    return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="interleaving")
 
 
 def separation_plan(
@@ -201,16 +239,18 @@ def separation_plan(
     generation_ratio: float = 0.5,
     wrapper: str = "ddp",
     overlap: bool = False,
+    roles: tuple[str, ...] = ROLE_NAMES,
 ) -> PlacementPlan:
-    """Generation and the three forwards on one group, both train calls on another.
+    """Generation and the forward calls on one group, the train calls on another.
 
     Args:
         world_size: Ranks in the job.
         generation_ranks: Explicit generation group. Default: the first ``generation_ratio`` of the ranks.
         training_ranks: Explicit training group. Default: the ranks not generating.
         generation_ratio: Fraction of ranks that generate, when no explicit lists are given.
-        wrapper: Parallel wrapper of actor and critic on the training group.
+        wrapper: Parallel wrapper of the trainable roles on the training group.
         overlap: One-step off-policy: generate iteration k while the rollout of k-1 trains.
+        roles: The algorithm's roles (a critic-free algorithm has no critic calls).
     """
     if world_size < 2:
         raise ValueError("Separation needs at least 2 ranks (one generating, one training); use flattening on "
@@ -224,8 +264,5 @@ def separation_plan(
         raise ValueError(f"Ranks {sorted(shared)} are in both the generation and the training group; separation "
                          "needs disjoint groups. Use flattening or a custom PlacementPlan to share ranks.")
     gen, train = tuple(generation_ranks), tuple(training_ranks)
-    calls = {
-        "actor.generate": gen, "reference.forward": gen, "reward.forward": gen, "critic.forward": gen,
-        "actor.train": train, "critic.train": train,
-    }
-    return PlacementPlan(world_size, calls, {"actor": wrapper, "critic": wrapper}, name="separation", overlap=overlap)
+    calls = {c: train if c.endswith(".train") else gen for c in calls_of(roles)}
+    return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="separation", overlap=overlap)

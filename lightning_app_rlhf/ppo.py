@@ -1,4 +1,7 @@
-"""PPO math on padded [batch, time] tensors with a 0/1 response mask. Plain PyTorch, no Lightning.
+"""Policy-gradient math on padded [batch, time] tensors with a 0/1 response mask. Plain PyTorch, no Lightning.
+
+PPO's pieces (GAE, the clipped surrogate, the value loss, KL estimators, whitening, loss aggregation) are shared by
+every algorithm in ``lightning_app_rlhf.algorithms``.
 
 Conventions: ``mask[b, t] = 1`` for response tokens up to and including EOS, 0 after. Means over tokens are
 token-level over the whole batch (every valid token weighs the same), as in TRL and OpenRLHF.
@@ -7,6 +10,7 @@ token-level over the whole batch (every valid token weighs the same), as in TRL 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -50,15 +54,19 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened * mask.to(values.dtype)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of ``tokens`` [B, T] under ``logits`` [B, T, V]."""
-    logp = F.log_softmax(logits.float(), dim=-1)
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of ``tokens`` [B, T] under ``logits`` [B, T, V] / ``temperature``.
+
+    The division comes after the float32 cast, as in sampling: dividing bf16 logits first would round them again
+    and widen the gap between behaviour and training log-probabilities.
+    """
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy [B, T] of the categorical distributions given by ``logits`` [B, T, V]."""
-    logp = F.log_softmax(logits.float(), dim=-1)
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy [B, T] of the categorical distributions given by ``logits`` [B, T, V] / ``temperature``."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -68,7 +76,8 @@ def kl_penalty(
     """Per-token estimate of KL(policy || reference) from log-probabilities of the sampled tokens.
 
     k1 = log p - log q is unbiased but can be negative; k3 = (r - 1) - log r with r = q / p is unbiased and
-    never negative (Schulman, "Approximating KL divergence").
+    never negative (Schulman, "Approximating KL divergence"). Differentiable: as a loss term (GRPO's k3) its
+    gradient flows through ``logprobs``.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
@@ -186,6 +195,84 @@ def gae_advantages(
         advantages[:, t] = last_gae
     advantages = advantages * mask_f
     return advantages, (advantages + values) * mask_f
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = sum_{k >= t} gamma^(k - t) r_k`` over the response tokens (REINFORCE); zero where ``mask`` is 0."""
+    mask_f = mask.to(rewards.dtype)
+    rewards = rewards * mask_f
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask_f
+
+
+def group_view(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B] -> [B / G, G]: the samples of one prompt are consecutive rows of the rollout batch."""
+    if values.shape[0] % group_size:
+        raise ValueError(f"A batch of {values.shape[0]} samples does not split into groups of {group_size}.")
+    return values.reshape(-1, group_size)
+
+
+def group_mean_std(
+    scores: torch.Tensor, valid: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample mean, sample standard deviation (Bessel) and count of the valid scores of its group.
+
+    Skipped samples (``valid`` False) count in no statistic. A group with one valid sample has std 0.
+    """
+    scores_g, valid_g = group_view(scores, group_size), group_view(valid.to(scores.dtype), group_size)
+    count = valid_g.sum(1, keepdim=True)
+    mean = (scores_g * valid_g).sum(1, keepdim=True) / count.clamp(min=1.0)
+    var = ((scores_g - mean) ** 2 * valid_g).sum(1, keepdim=True) / (count - 1).clamp(min=1.0)
+    expand = lambda x: x.expand_as(scores_g).reshape(-1)  # noqa: E731
+    return expand(mean), expand(var.sqrt()), expand(count)
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``, whether the clipped term won, and
+    the per-token k3 estimate of KL(old || new). The token-mean of these is :func:`policy_loss`."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ((ratio - 1.0) - log_ratio).detach()
+
+
+@dataclass
+class LossScale:
+    """The whole minibatch's sizes, for a data-parallel shard of it: every rank divides by these, so the shards'
+    losses add up to the minibatch loss."""
+
+    tokens: torch.Tensor | float
+    """Valid response tokens in the minibatch."""
+    sequences: int
+    """Sequences in the minibatch."""
+    max_new_tokens: int
+    """The generation budget: Dr. GRPO's constant normaliser per sequence."""
+
+
+def aggregate_loss(values: torch.Tensor, mask: torch.Tensor, mode: str, scale: LossScale) -> torch.Tensor:
+    """Per-token ``values`` [B, T] -> one number, by ``mode`` (veRL's ``loss_agg_mode`` names).
+
+    ``token_mean``: sum over valid tokens / minibatch tokens. ``seq_mean_token_sum``: sum over valid tokens /
+    minibatch sequences. ``seq_mean_token_mean``: each sequence's token mean, summed / minibatch sequences.
+    ``seq_mean_token_sum_norm``: sum over valid tokens / (minibatch sequences x max_new_tokens), Dr. GRPO's constant.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token_mean":
+        return (values * mask).sum() / scale.tokens
+    if mode == "seq_mean_token_sum":
+        return (values * mask).sum() / scale.sequences
+    if mode == "seq_mean_token_mean":
+        return ((values * mask).sum(1) / mask.sum(1).clamp(min=1.0)).sum() / scale.sequences
+    if mode == "seq_mean_token_sum_norm":
+        return (values * mask).sum() / (scale.sequences * scale.max_new_tokens)
+    raise ValueError(f"Unknown loss aggregation {mode!r}.")
 
 
 def policy_loss(

@@ -1,4 +1,5 @@
-"""Tests for ``lightning_app_rlhf.data``: prompt sources, left-padded batches, indices, truncation."""
+"""Tests for ``lightning_app_rlhf.data``: prompt sources, left-padded batches, indices, truncation, row fields,
+chat prompts."""
 
 import json
 
@@ -7,9 +8,23 @@ import pytest
 import torch
 
 from lightning_app_rlhf import demo
-from lightning_app_rlhf.data import PromptDataModule, PromptDataset, collate_left_padded, read_prompts
+from lightning_app_rlhf.data import PromptDataModule, PromptDataset, collate_left_padded, read_prompts, read_rows
 
 PROMPTS = ["list some fruit:", "red", "name a few animals: cat dog", "blue sky", "tell me about weather:"]
+ANSWERS = ["apple", "1", "cat", "2", "rain"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A minimal Jinja chat template: ``<|role|>content`` lines, then the assistant header."""
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """A fresh demo tokenizer with ``CHAT_TEMPLATE`` (the session fixture must not be mutated)."""
+    tokenizer = demo.build_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def encode(tokenizer, text):
@@ -35,6 +50,28 @@ def test_collate_left_padded_hand_case():
     assert batch["input_ids"].dtype == batch["attention_mask"].dtype == batch["index"].dtype == torch.long
 
 
+def test_collate_fields_aligned_with_rows():
+    """Row fields become one list per name, in batch-row order; rows without fields give an empty dict."""
+    items = [
+        {"input_ids": [5, 6], "index": 3, "fields": {"answer": "5", "id": 30, "meta": {"k": 1}}},
+        {"input_ids": [8], "index": 9, "fields": {"answer": "7", "id": 90, "meta": None}},
+        {"input_ids": [4, 4, 4], "index": 0, "fields": {"answer": "x", "id": 0, "meta": [2]}},
+    ]
+    batch = collate_left_padded(items, pad_token_id=0)
+    assert batch["index"].tolist() == [3, 9, 0]
+    assert batch["fields"] == {"answer": ["5", "7", "x"], "id": [30, 90, 0], "meta": [{"k": 1}, None, [2]]}
+    assert batch["input_ids"].tolist() == [[0, 5, 6], [0, 0, 8], [4, 4, 4]]
+    plain = collate_left_padded([{"input_ids": [1], "index": 0}, {"input_ids": [2], "index": 1, "fields": {}}], 0)
+    assert plain["fields"] == {}
+
+
+def test_collate_mismatched_fields_raises():
+    """Rows with different field names cannot be collated; the error names the row and the fix."""
+    items = [{"input_ids": [1], "index": 0, "fields": {"answer": "5"}}, {"input_ids": [2], "index": 1, "fields": {}}]
+    with pytest.raises(ValueError, match=r"Batch row #1 has fields \[\].*missing: \['answer'\].*same fields"):
+        collate_left_padded(items, pad_token_id=0)
+
+
 def test_collate_uses_given_pad_id():
     """Padding uses the pad id passed in, not a hard-coded 0."""
     batch = collate_left_padded([{"input_ids": [4], "index": 0}, {"input_ids": [5, 6], "index": 1}], pad_token_id=7)
@@ -49,14 +86,15 @@ def test_from_python_list(tokenizer):
     assert len(dm.dataset) == 5
     for i, text in enumerate(PROMPTS):
         item = dm.dataset[i]
-        assert item == {"input_ids": encode(tokenizer, text), "index": i}
+        assert item == {"input_ids": encode(tokenizer, text), "index": i, "fields": {}}
         assert tokenizer.bos_token_id not in item["input_ids"] and tokenizer.eos_token_id not in item["input_ids"]
 
 
 def test_from_list_of_dicts_with_prompt_key(tokenizer):
-    """A list of dicts reads the prompt_key field."""
-    dm = setup_dm([{"q": p, "other": 1} for p in PROMPTS], tokenizer, prompt_key="q")
+    """A list of dicts reads the prompt_key field and keeps the other fields per row."""
+    dm = setup_dm([{"q": p, "other": i} for i, p in enumerate(PROMPTS)], tokenizer, prompt_key="q")
     assert dm.dataset.prompts == PROMPTS
+    assert [dm.dataset[i]["fields"] for i in range(5)] == [{"other": i} for i in range(5)]
 
 
 def test_from_jsonl_default_key(tokenizer, tmp_path):
@@ -88,6 +126,7 @@ def test_from_hf_dataset(tokenizer):
     ds = datasets.Dataset.from_dict({"text": PROMPTS, "label": list(range(5))})
     dm = setup_dm(ds, tokenizer, prompt_key="text")
     assert dm.dataset.prompts == PROMPTS
+    assert dm.dataset.fields == [{"label": i} for i in range(5)]
     with pytest.raises(ValueError, match="no column 'prompt'.*data.prompt_key"):
         setup_dm(ds, tokenizer)
 
@@ -180,3 +219,152 @@ def test_prompt_encoding_to_no_tokens_is_rejected(tokenizer):
     """An empty prompt string (no tokens) raises naming the prompt."""
     with pytest.raises(ValueError, match=r"Prompt #1 \(''\) encodes to no tokens"):
         PromptDataset(["red", ""], tokenizer, None)
+
+
+def test_read_rows_splits_prompts_and_fields():
+    """read_rows gives the prompts plus each row's other fields; read_prompts gives the same prompts alone."""
+    rows = [{"prompt": "red", "answer": "1"}, {"prompt": "blue sky", "answer": None}]
+    assert read_rows(rows, "prompt") == (["red", "blue sky"], [{"answer": "1"}, {"answer": None}])
+    assert read_prompts(rows, "prompt") == ["red", "blue sky"]
+    assert read_rows(["red", "blue"], "prompt") == (["red", "blue"], [{}, {}])
+
+
+def test_mismatched_fields_raise_naming_row(tokenizer):
+    """Rows whose extra fields differ from row #0's raise, naming the row, the difference and the fix."""
+    rows = [{"prompt": "red", "answer": "1"}, {"prompt": "blue", "answer": "2"}, {"prompt": "sky", "id": 3}]
+    with pytest.raises(ValueError, match=r"Prompt row #2 has fields \['id'\].*missing: \['answer'\], extra: "
+                                         r"\['id'\].*add the missing ones"):
+        setup_dm(rows, tokenizer)
+    with pytest.raises(ValueError, match="Prompt row #1 has fields"):
+        setup_dm(["red", {"prompt": "blue", "answer": "2"}], tokenizer)
+    with pytest.raises(ValueError, match="2 prompts but 1 field rows"):
+        PromptDataset(["red", "blue"], tokenizer, None, [{"answer": "1"}])
+
+
+def test_jsonl_answer_field_reaches_batches(tokenizer, tmp_path):
+    """A JSONL `answer` field rides in batch["fields"], aligned with the (shuffled) rows' indices."""
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "answer": a}) for p, a in zip(PROMPTS, ANSWERS)) + "\n")
+    dm = setup_dm(str(path), tokenizer, batch_size=2, shuffle=True, seed=3)
+    assert dm.dataset[1] == {"input_ids": encode(tokenizer, "red"), "index": 1, "fields": {"answer": "1"}}
+    seen = 0
+    for batch in dm.train_dataloader():
+        assert list(batch["fields"]) == ["answer"]
+        assert batch["fields"]["answer"] == [ANSWERS[i] for i in batch["index"].tolist()]
+        for row, index in enumerate(batch["index"].tolist()):
+            ids = encode(tokenizer, PROMPTS[index])
+            assert batch["input_ids"][row, -len(ids):].tolist() == ids
+        seen += len(batch["fields"]["answer"])
+    assert seen == 4
+
+
+def test_hf_dataset_extra_columns_reach_batches(tokenizer):
+    """Every datasets column other than the prompt's is kept and collated in row order."""
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "answer": ANSWERS, "level": [1, 2, 3, 4, 5]})
+    dm = setup_dm(ds, tokenizer, batch_size=2)
+    assert dm.dataset[4]["fields"] == {"answer": "rain", "level": 5}
+    batches = list(dm.train_dataloader())
+    assert [b["fields"] for b in batches] == [
+        {"answer": ["apple", "1"], "level": [1, 2]},
+        {"answer": ["cat", "2"], "level": [3, 4]},
+    ]
+
+
+def test_plain_prompts_give_empty_fields(tokenizer):
+    """Plain string prompts give batch["fields"] == {}."""
+    batch = next(iter(setup_dm(PROMPTS, tokenizer).train_dataloader()))
+    assert batch["fields"] == {}
+
+
+CHAT_ROWS = [
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}],
+     "answer": "5"},
+    {"prompt": [{"role": "user", "content": "name a few animals:"}], "answer": "cat"},
+]
+CHAT_TEXTS = ["<|system|>Be brief.\n<|user|>What is 2+3?\n<|assistant|>", "<|user|>name a few animals:\n<|assistant|>"]
+
+
+def test_chat_messages_render_with_template(chat_tokenizer):
+    """Message-list prompts become exactly the template's text (generation prompt appended), tokenised as is."""
+    assert chat_tokenizer.apply_chat_template(CHAT_ROWS[0]["prompt"], tokenize=False,
+                                              add_generation_prompt=True) == CHAT_TEXTS[0]
+    dm = setup_dm(CHAT_ROWS, chat_tokenizer)
+    assert dm.dataset.prompts == CHAT_TEXTS
+    for i, text in enumerate(CHAT_TEXTS):
+        assert dm.dataset[i] == {"input_ids": encode(chat_tokenizer, text), "index": i,
+                                 "fields": {"answer": CHAT_ROWS[i]["answer"]}}
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["fields"] == {"answer": ["5", "cat"]}
+
+
+def test_chat_messages_from_jsonl_and_dataset(chat_tokenizer, tmp_path):
+    """Conversational rows read the same from a JSONL file and from a datasets.Dataset."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in CHAT_ROWS))
+    ds = datasets.Dataset.from_list(CHAT_ROWS)
+    for source in (str(path), ds):
+        dm = setup_dm(source, chat_tokenizer)
+        assert dm.dataset.prompts == CHAT_TEXTS
+        assert dm.dataset.fields == [{"answer": "5"}, {"answer": "cat"}]
+
+
+def test_chat_template_none_leaves_strings_alone(chat_tokenizer):
+    """By default only message lists are templated; plain strings in the same source stay verbatim."""
+    dm = setup_dm(["red", [{"role": "user", "content": "blue sky"}]], chat_tokenizer)
+    assert dm.dataset.prompts == ["red", "<|user|>blue sky\n<|assistant|>"]
+
+
+def test_chat_template_true_wraps_strings(chat_tokenizer):
+    """chat_template=True renders each string as one user message."""
+    dm = setup_dm(["red", "blue sky"], chat_tokenizer, chat_template=True)
+    assert dm.dataset.prompts == ["<|user|>red\n<|assistant|>", "<|user|>blue sky\n<|assistant|>"]
+    assert dm.dataset[0]["input_ids"] == encode(chat_tokenizer, "<|user|>red\n<|assistant|>")
+
+
+def test_chat_template_false_leaves_strings_alone(chat_tokenizer):
+    """chat_template=False tokenises plain strings verbatim even when the tokenizer has a template."""
+    dm = setup_dm(["red", "blue sky"], chat_tokenizer, chat_template=False)
+    assert dm.dataset.prompts == ["red", "blue sky"]
+
+
+def test_missing_chat_template_names_the_fix(tokenizer):
+    """Message lists (or chat_template=True) with a template-less tokenizer raise, naming both fixes."""
+    assert tokenizer.chat_template is None
+    fix = r"no chat template.*Use a tokenizer that has a chat template.*data.chat_template: false.*plain-text"
+    with pytest.raises(ValueError, match=r"the prompts are chat message lists.*" + fix[len("no chat template"):]):
+        setup_dm(CHAT_ROWS, tokenizer)
+    with pytest.raises(ValueError, match=fix):
+        setup_dm(PROMPTS, tokenizer, chat_template=True)
+
+
+def test_chat_template_false_refuses_messages(chat_tokenizer):
+    """chat_template=False with a message-list prompt raises naming the row and the setting to change."""
+    with pytest.raises(ValueError, match=r"Prompt #0 is a list of chat messages, but data.chat_template is false"):
+        setup_dm(CHAT_ROWS, chat_tokenizer, chat_template=False)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ([{"role": "user"}], r"Prompt #1, message #0 .*string \"role\" and \"content\""),
+        ([{"role": "user", "content": 3}], r"Prompt #1, message #0"),
+        (["hello"], r"Prompt #1, message #0"),
+        ([], r"Prompt #1 is an empty message list"),
+    ],
+)
+def test_invalid_messages_name_the_row(chat_tokenizer, bad, match):
+    """Malformed message lists raise, naming the row (and message) and the expected shape."""
+    with pytest.raises(ValueError, match=match):
+        setup_dm(["red", bad], chat_tokenizer, batch_size=1)
+
+
+def test_chat_template_from_yaml():
+    """jsonargparse (as LightningCLI) reads data.chat_template from YAML as true / false / null."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(PromptDataModule, "data")
+    for text, value in (("true", True), ("false", False), ("null", None)):
+        cfg = parser.parse_string(f"data:\n  prompts: p.jsonl\n  tokenizer: tok\n  chat_template: {text}\n")
+        assert cfg.data.chat_template is value
+    assert parser.parse_string("data:\n  prompts: p.jsonl\n  tokenizer: tok\n").data.chat_template is None

@@ -27,15 +27,16 @@ from typing_extensions import override
 
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, Placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.strategies.placement_setup import start_placement, wrap_trained_roles
+from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_trained_roles
 
 
 class FabricPlacementStrategy(ParallelStrategy):
-    """Places the four RLHF roles by a :class:`PlacementPlan` under Fabric; the Fabric twin of
+    """Places the algorithm's roles by a :class:`PlacementPlan` under Fabric; the Fabric twin of
     :class:`~lightning_app_rlhf.strategies.PlacementStrategy`, sharing its core (plan, placement, wrappers).
 
     Args:
-        plan: A function from the world size to a plan (the registered presets pass one), or a plan.
+        plan: A function from the world size (and the algorithm's ``roles``) to a plan (the registered presets pass
+            one), or a plan. The plan is built in :meth:`setup_rlhf`, when the module's algorithm is known.
         timeout: Limit of every collective and transfer.
         start_method: ``popen`` re-runs the script per process; ``fork``/``spawn`` otherwise.
         process_group_backend: ``gloo``/``nccl``; default by device.
@@ -110,17 +111,16 @@ class FabricPlacementStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        self.placement = start_placement(
-            self._plan, self.cluster_environment, self.world_size, self.global_rank, self.root_device,
-            self.num_processes, self._process_group_backend, self._threads_per_process, self._timeout,
-        )
+        start_distributed(self.cluster_environment, self.root_device, self.num_processes,
+                          self._process_group_backend, self._threads_per_process, self._timeout)
 
     def setup_rlhf(self, fabric: Fabric, module: nn.Module) -> nn.Module:
         """Build the roles this rank holds, wrap each trainable role on its train group, and set up its optimizers
         with Fabric. Returns the module, ready for ``module.training_step(batch, batch_idx)``."""
         if not hasattr(module, "placement"):
             raise TypeError(f"setup_rlhf takes an RLHFModule; got {type(module).__name__}.")
-        assert self.placement is not None, "call fabric.launch() first"
+        self.placement = place(self._plan, module, self.world_size, self.global_rank, self.root_device,
+                               self._timeout)
         module.placement = self.placement
         module.configure_model()
         optimizers, schedulers = module.configure_optimizers()

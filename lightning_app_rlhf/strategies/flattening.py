@@ -7,6 +7,7 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
@@ -14,7 +15,7 @@ class FlatteningStrategy(PlacementStrategy):
     """All four roles on every rank (DeepSpeed-Chat / TRL style); each call shards the global batch over all ranks.
 
     Args:
-        wrapper: Data-parallel wrapper of actor and critic.
+        wrapper: Data-parallel wrapper of the trainable roles.
         **kwargs: See :class:`PlacementStrategy` (timeout, start_method, ...).
     """
 
@@ -25,5 +26,5 @@ class FlatteningStrategy(PlacementStrategy):
         self.wrapper = wrapper
 
     @override
-    def build_plan(self, world_size: int) -> PlacementPlan:
-        return flattening_plan(world_size, self.wrapper)
+    def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+        return flattening_plan(world_size, self.wrapper, roles=roles)

@@ -7,17 +7,18 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_app_rlhf.plan import PlacementPlan, interleaving_plan
+from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
 class InterleavingStrategy(PlacementStrategy):
-    """Actor and critic on every rank; the reference on the first ``reference_ratio`` of the ranks and the reward
+    """The trainable roles on every rank; the reference on the first ``reference_ratio`` of the ranks and the reward
     on the next ``reward_ratio`` (APP's Model Placement Ratio). The two forwards run at the same time.
 
     Args:
         reference_ratio: Fraction of ranks holding the reference (a multiple of 1 / world size).
         reward_ratio: Fraction of ranks holding the reward model.
-        wrapper: Data-parallel wrapper of actor and critic.
+        wrapper: Data-parallel wrapper of the trainable roles.
         **kwargs: See :class:`PlacementStrategy`.
     """
 
@@ -30,5 +31,5 @@ class InterleavingStrategy(PlacementStrategy):
         self.wrapper = wrapper
 
     @override
-    def build_plan(self, world_size: int) -> PlacementPlan:
-        return interleaving_plan(world_size, self.reference_ratio, self.reward_ratio, self.wrapper)
+    def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+        return interleaving_plan(world_size, self.reference_ratio, self.reward_ratio, self.wrapper, roles=roles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,32 +17,46 @@ from torch import nn
 
 from lightning_app_rlhf.placement import Placement, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.role_table import ROLES
 from lightning_app_rlhf.wrappers import shard_frozen, wrap_for_training
 
 
-def start_placement(
-    plan: PlacementPlan | Callable[[int], PlacementPlan],
+def start_distributed(
     cluster_environment: Any,
-    world_size: int,
-    global_rank: int,
     root_device: torch.device,
     local_processes: int,
     backend: str | None,
     threads_per_process: int | None,
     timeout: datetime.timedelta,
-) -> Placement:
-    """Initialise torch.distributed, size CPU threads, build and validate the plan, create every group.
-
-    Bad plans fail here, before any model is built.
-    """
+) -> None:
+    """Initialise torch.distributed and size the CPU threads of this process."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     _init_dist_connection(cluster_environment, backend, timeout=timeout)
     if root_device.type == "cpu":  # processes sharing cores must not each run a thread per core: OpenMP crawls
         torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(1, local_processes)))
-    plan = plan(world_size) if callable(plan) else plan
+
+
+def place(
+    plan: PlacementPlan | Callable[..., PlacementPlan],
+    module: nn.Module,
+    world_size: int,
+    global_rank: int,
+    root_device: torch.device,
+    timeout: datetime.timedelta,
+) -> Placement:
+    """Build the plan for the module's algorithm, validate it, and create every call's group (collective).
+
+    ``plan`` is a plan, a preset builder ``(world_size, roles=...) -> plan``, or a user's ``(world_size) -> plan``.
+    Bad plans fail here, before any model is built.
+    """
+    algorithm = module.algorithm
+    if callable(plan):
+        takes_roles = "roles" in inspect.signature(plan).parameters
+        plan = plan(world_size, roles=algorithm.roles) if takes_roles else plan(world_size)
     if plan.world_size != world_size:
         raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {world_size} (devices x nodes). "
                          "Set the number of devices so they match, or rebuild the plan.")
+    plan.check_roles(algorithm.roles, algorithm.name)
     return create_placement(plan, global_rank, root_device, timeout)
 
 
@@ -51,12 +66,12 @@ def wrap_trained_roles(module: nn.Module, placement: Placement, device: torch.de
     for role in module.trained_roles():
         call = f"{role}.train"
         module.train_modules[role] = wrap_for_training(
-            getattr(module, role), placement.plan.wrappers[role], placement.groups.get(call),
+            module.role_module(role), placement.plan.wrappers[role], placement.groups.get(call),
             placement.group_size(call), device,
         )
-    for role, attribute in (("reference", "reference"), ("reward", "reward_model")):
+    for role in (entry.name for entry in ROLES if not entry.trainable):
         call = f"{role}.forward"
-        frozen = getattr(module, attribute)
+        frozen = module.role_module(role)
         if role in placement.plan.wrappers and frozen is not None and placement.runs(call):
             shard_frozen(frozen, placement.plan.wrappers[role], placement.groups.get(call),
                          placement.group_size(call), device)

@@ -18,7 +18,8 @@ from typing_extensions import override
 
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.strategies.placement_setup import start_placement, wrap_trained_roles
+from lightning_app_rlhf.role_table import ROLE_NAMES
+from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_trained_roles
 from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
 
 RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
@@ -26,7 +27,7 @@ RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 
 
 class PlacementStrategy(ParallelStrategy):
-    """Places the four RLHF roles by a :class:`PlacementPlan`: each role lives on the ranks of its calls and is
+    """Places the algorithm's roles by a :class:`PlacementPlan`: each role lives on the ranks of its calls and is
     wrapped on its own process group, never the whole LightningModule.
 
     Every rank receives the same global batch (``data.batch_size`` prompts per iteration); each call's group
@@ -34,7 +35,8 @@ class PlacementStrategy(ParallelStrategy):
     ``plan`` for a custom placement.
 
     Args:
-        plan: A plan, or a function from the world size to a plan.
+        plan: A plan, or a function from the world size to a plan. Its calls must be those of the module's
+            algorithm (no ``critic.*`` calls for a critic-free one).
         timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
         start_method: ``popen`` re-runs the script per process (the default, as DDP); ``fork``/``spawn`` for
             notebooks and tests.
@@ -72,8 +74,8 @@ class PlacementStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.placement_plan: PlacementPlan | None = None
 
-    def build_plan(self, world_size: int) -> PlacementPlan:
-        """The plan for this world size. Presets override this."""
+    def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+        """The plan for this world size and the algorithm's ``roles``. Presets override this."""
         if self._plan is None:
             raise ValueError("PlacementStrategy needs a `plan` (a PlacementPlan, or a function of the world size). "
                              "Or use a preset: strategy='rlhf_flattening', 'rlhf_interleaving' or 'rlhf_separation'.")
@@ -117,10 +119,10 @@ class PlacementStrategy(ParallelStrategy):
         module = self.lightning_module
         if not hasattr(module, "placement"):
             raise TypeError(f"{type(self).__name__} runs an RLHFModule; got {type(module).__name__}.")
-        module.placement = start_placement(
-            self.build_plan, self.cluster_environment, self.world_size, self.global_rank, self.root_device,
-            self.num_processes, self._process_group_backend, self._threads_per_process, self._timeout,
-        )
+        start_distributed(self.cluster_environment, self.root_device, self.num_processes,
+                          self._process_group_backend, self._threads_per_process, self._timeout)
+        module.placement = place(self.build_plan, module, self.world_size, self.global_rank, self.root_device,
+                                 self._timeout)
         self.placement_plan = module.placement.plan
 
     def apply_plan(self, plan: PlacementPlan) -> None:
@@ -128,12 +130,13 @@ class PlacementStrategy(ParallelStrategy):
         ``setup()`` (:class:`~lightning_app_rlhf.callbacks.PlacementTuner` does). Collective: every rank calls it
         with the same plan."""
         module = self.lightning_module
-        if any(getattr(module, role, None) is not None for role in ("actor", "critic", "reference", "reward_model")):
+        if any(module.role_module(role) is not None for role in module.algorithm.roles):
             raise RuntimeError("apply_plan() must run before the models are built (in a callback's setup(), not "
                                "later): each rank builds only the roles its plan gives it.")
         if plan.world_size != self.world_size:
             raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {self.world_size}. Plan for "
                              f"{self.world_size} ranks, or launch {plan.world_size} processes.")
+        plan.check_roles(module.algorithm.roles, module.algorithm.name)
         module.placement = create_placement(plan, self.global_rank, self.root_device, self._timeout)
         self.placement_plan = plan
 

@@ -7,18 +7,19 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_app_rlhf.plan import PlacementPlan, separation_plan
+from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
 class SeparationStrategy(PlacementStrategy):
-    """A generation group runs ``actor.generate`` and the three forwards on shadow copies; a training group runs
-    both train calls. After every update the trained weights are reallocated to the shadows (on-policy).
+    """A generation group runs ``actor.generate`` and the forward calls on shadow copies; a training group runs
+    the train calls. After every update the trained weights are reallocated to the shadows (on-policy).
 
     Args:
         generation_ranks: Explicit generation group. Default: the first ``generation_ratio`` of the ranks.
         training_ranks: Explicit training group. Default: the other ranks.
         generation_ratio: Fraction of ranks that generate.
-        wrapper: Data-parallel wrapper of actor and critic on the training group.
+        wrapper: Data-parallel wrapper of the trainable roles on the training group.
         overlap: One-step off-policy: the training group updates on iteration k-1's rollout while the generation
             group samples iteration k (logged as ``overlap/staleness``). Off by default (on-policy).
         **kwargs: See :class:`PlacementStrategy`.
@@ -43,6 +44,6 @@ class SeparationStrategy(PlacementStrategy):
         self.overlap = overlap
 
     @override
-    def build_plan(self, world_size: int) -> PlacementPlan:
+    def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
         return separation_plan(world_size, self.generation_ranks, self.training_ranks, self.generation_ratio,
-                               self.wrapper, self.overlap)
+                               self.wrapper, self.overlap, roles=roles)

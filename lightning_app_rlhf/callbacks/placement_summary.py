@@ -1,0 +1,82 @@
+"""``PlacementSummary``: at fit start, rank 0 prints the plan and the bytes each rank holds per role, and every
+rank's totals go to the loggers. ``RLHFModule`` adds it by default, as the Trainer adds ``ModelSummary``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from rich.console import Console
+from rich.table import Table
+from typing_extensions import override
+
+from lightning_app_rlhf.memory import RoleMemory
+from lightning_app_rlhf.placement import Placement
+from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.role_table import CALLS, role_of
+
+
+class PlacementSummary(Callback):
+    """Prints the placement (every call with its ranks and wrapper) and the memory per rank and role, and logs
+    ``memory/param_bytes_rank{r}`` and ``memory/state_bytes_rank{r}`` at step 0.
+
+    Args:
+        print_tables: Print the tables on rank 0 (the metrics are logged either way).
+    """
+
+    def __init__(self, print_tables: bool = True) -> None:
+        self.print_tables = print_tables
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not hasattr(pl_module, "gather_memory"):
+            raise TypeError(f"PlacementSummary summarises an RLHFModule; got {type(pl_module).__name__}.")
+        rows = pl_module.gather_memory()  # collective: every rank takes part
+        if trainer.is_global_zero and self.print_tables:
+            print_placement_summary(pl_module._placement(), rows)
+        for logger in trainer.loggers:
+            logger.log_metrics(memory_metrics(rows), step=0)
+
+
+def memory_metrics(rows: list[list[RoleMemory]]) -> dict[str, Any]:
+    """Parameter bytes and gradient + optimizer bytes per rank."""
+    metrics: dict[str, float] = {}
+    for rank, rank_rows in enumerate(rows):
+        metrics[f"memory/param_bytes_rank{rank}"] = float(sum(r.param_bytes for r in rank_rows))
+        metrics[f"memory/state_bytes_rank{rank}"] = float(sum(r.grad_bytes + r.optimizer_bytes for r in rank_rows))
+    return metrics
+
+
+def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) -> None:
+    """Rich tables: every call with its ranks and wrapper, then bytes per rank and role."""
+    plan = placement.plan
+    calls = Table(title=f"Placement plan: {plan.name}, {plan.world_size} rank(s)")
+    for column in ("call", "ranks", "wrapper"):
+        calls.add_column(column)
+    for call in (c for c in CALLS if c in plan.calls):
+        calls.add_row(call, ",".join(map(str, plan.ranks(call))), _call_wrapper(plan, call))
+    memory = Table(title="Memory per rank (MB)")
+    for column in ("rank", "role", "calls", "params", "grads", "optimizer"):
+        memory.add_column(column, justify="right" if column in ("params", "grads", "optimizer") else "left")
+    for rank, rank_rows in enumerate(rows):
+        for row in rank_rows:
+            role = f"{row.role} (shared)" if row.shares else row.role
+            memory.add_row(str(rank), role, row.calls, *(f"{b / 2**20:.2f}" for b in (
+                row.param_bytes, row.grad_bytes, row.optimizer_bytes)))
+    console = Console()
+    console.print(calls)
+    console.print(memory)
+    shared = sorted({(row.role, row.shares) for rank_rows in rows for row in rank_rows if row.shares})
+    for role, owner in shared:
+        console.print(f"{role} (shared): runs on the {owner}'s base weights with its LoRA adapters disabled, "
+                      "so it holds no parameters of its own.")
+
+
+def _call_wrapper(plan: PlacementPlan, call: str) -> str:
+    role = role_of(call)
+    if f"{role}.train" not in plan.calls:  # a frozen role: held whole, or sharded over its forward group
+        return f"frozen, {plan.wrappers[role]}" if role in plan.wrappers else "frozen"
+    if call.endswith(".train"):
+        return plan.wrappers[role]
+    return "shadow copy" if set(plan.ranks(call)) - set(plan.ranks(f"{role}.train")) else "trained copy"

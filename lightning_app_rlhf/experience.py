@@ -1,0 +1,114 @@
+"""From a gathered rollout and its scores to the :class:`Experience` the train calls learn from. Plain PyTorch.
+
+Runs on every rank on the whole batch (cheap, and it saves a broadcast), so group statistics see every sample of
+a prompt even when its samples were generated and scored on different ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
+from lightning_app_rlhf.calls import Experience, describe_nonfinite
+from lightning_app_rlhf.config import PPOConfig
+from lightning_app_rlhf.generation import Rollout
+from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments, kl_penalty
+
+
+class RewardShaping:
+    """The stateful steps between raw scores and an algorithm's estimator: non-finite scores, the EOS penalty,
+    running normalisation and clipping, and the KL coefficient in the reward (fixed or adaptive).
+
+    Args:
+        config: The update's settings.
+        eos_token_id: The token whose absence ``missing_eos_penalty`` punishes.
+    """
+
+    def __init__(self, config: PPOConfig, eos_token_id: int) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.kl_controller = (
+            AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
+            if config.kl_target is not None
+            else FixedKLController(config.kl_coef)
+        )
+        self.reward_moments = RunningMoments()
+
+    def finite(self, scores: torch.Tensor) -> torch.Tensor:
+        """[B] which scores are finite; non-finite ones raise, or warn and are skipped (``nonfinite_rewards``)."""
+        finite = torch.isfinite(scores)
+        if bool(finite.all()):
+            return finite
+        message = describe_nonfinite(scores)
+        if self.config.nonfinite_rewards == "raise":
+            raise ValueError(f"{message}. Fix the reward, or set ppo.nonfinite_rewards='skip' to leave such samples "
+                             "out of the update with a warning.")
+        warnings.warn(f"{message}; these samples are left out of this update (ppo.nonfinite_rewards='skip').")
+        return finite
+
+    def shape(self, scores: torch.Tensor, finite: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        """EOS penalty, running normalisation and clipping; skipped samples score 0."""
+        scores = torch.where(finite, scores, torch.zeros_like(scores))
+        if self.config.missing_eos_penalty is not None:
+            last = rollout.responses.gather(1, (rollout.response_mask.sum(1, keepdim=True) - 1).clamp(min=0))
+            scores = scores - self.config.missing_eos_penalty * (last.squeeze(1) != self.eos_token_id)
+        if self.config.reward_norm:
+            self.reward_moments.update(scores[finite])
+            scores = (scores - self.reward_moments.mean) / (self.reward_moments.std + 1e-8)
+        if self.config.reward_clip is not None:
+            scores = scores.clamp(-self.config.reward_clip, self.config.reward_clip)
+        return scores * finite
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_controller": self.kl_controller.state_dict(), "reward_moments": self.reward_moments.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+
+
+def make_experience(
+    rollout: Rollout,
+    ref_logprobs: torch.Tensor,
+    scores: torch.Tensor,
+    values: torch.Tensor | None,
+    algorithm: Algorithm,
+    shaping: RewardShaping,
+    iteration: int,
+) -> tuple[Experience, dict[str, torch.Tensor]]:
+    """Shape the scores, estimate the KL, let ``algorithm`` compute advantages; return the experience and the
+    rollout's statistics (reward, KL, length)."""
+    finite = shaping.finite(scores)
+    mask = rollout.response_mask * finite.unsqueeze(1).to(rollout.response_mask.dtype)
+    raw_scores = scores[finite]
+    shaped = shaping.shape(scores, finite, rollout)
+    kl = kl_penalty(rollout.logprobs, ref_logprobs, shaping.config.kl_estimator) * mask
+    scored = ScoredRollout(
+        scores=shaped, kl=kl, kl_coef=shaping.kl_controller.value, response_mask=mask, valid=finite,
+        group_size=algorithm.generation.num_samples, values=values * mask if values is not None else None,
+    )
+    advantages, returns = algorithm.advantages(scored)
+    experience = Experience(
+        sequences=rollout.sequences,
+        attention_mask=rollout.attention_mask,
+        response_mask=mask,
+        logprobs=rollout.logprobs,
+        values=scored.values,
+        advantages=advantages,
+        returns=returns,
+        prompt_length=rollout.prompt_length,
+        iteration=iteration,
+        ref_logprobs=ref_logprobs * mask if algorithm.keeps_ref_logprobs else None,
+    )
+    kept = finite.float().sum().clamp(min=1.0)
+    stats = {
+        "reward/mean": raw_scores.mean() if raw_scores.numel() else scores.new_tensor(float("nan")),
+        "reward/std": raw_scores.std() if raw_scores.numel() > 1 else scores.new_tensor(0.0),
+        "kl/mean": kl.sum(1).sum() / kept,
+        "kl/coef": torch.tensor(shaping.kl_controller.value),
+        "response/length_mean": rollout.response_mask.sum(1).float().mean(),
+    }
+    return experience, stats
