@@ -230,9 +230,9 @@ class RLHFModule(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         batch_size = getattr(datamodule, "batch_size", None)
         if stage == "fit" and batch_size is not None:
-            self.check_batch_size(batch_size)
+            self._check_minibatches(batch_size)
 
-    def check_batch_size(self, prompts: int) -> None:
+    def _check_minibatches(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration, times ``generation.num_samples``,
         split into the minibatches and over the ranks of every call."""
         samples = prompts * self.generation.num_samples
@@ -245,14 +245,15 @@ class RLHFModule(pl.LightningModule):
         widest = max(plan.calls, key=lambda call: len(plan.ranks(call)))
         if samples < len(plan.ranks(widest)):
             raise ValueError(f"The rollout batch of {per} is split over the {len(plan.ranks(widest))} ranks of "
-                             f"{widest!r}: raise data.batch_size so that there are at least that many samples.")
+                             f"{widest!r}: raise data.batch_size to at least that.")
         minibatch = samples // self.ppo.num_minibatches
         for role in self.algorithm.trainable_roles:
             ranks = len(plan.ranks(f"{role}.train"))
             if minibatch < ranks:
+                times_g = " x num_samples" if self.generation.num_samples > 1 else ""
                 raise ValueError(f"Each minibatch of {minibatch} samples ({per}, / ppo.num_minibatches) is split over "
                                  f"the {ranks} ranks of '{role}.train': raise data.batch_size or lower "
-                                 f"ppo.num_minibatches so that each minibatch has >= {ranks} samples.")
+                                 f"ppo.num_minibatches so that batch_size{times_g} / num_minibatches >= {ranks}.")
 
     def trained_roles(self) -> list[str]:
         """The trainable roles whose train call runs on this rank, in optimizer order."""
@@ -306,7 +307,7 @@ class RLHFModule(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         iteration = self.iteration
-        self.check_batch_size(batch["input_ids"].shape[0])
+        self._check_minibatches(batch["input_ids"].shape[0])
         batch = repeat_samples(batch, self.generation.num_samples)
         overlap = self._placement().plan.overlap
         times = {"start": _now(self.device)}

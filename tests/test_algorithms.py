@@ -1,0 +1,322 @@
+"""Advantage estimators and losses of every registered algorithm, against numbers computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from lightning_app_rlhf import ppo
+from lightning_app_rlhf.algorithms import ALGORITHMS, Algorithm, ScoredRollout, build_algorithm, register_algorithm
+from lightning_app_rlhf.calls import Experience
+from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.generation import repeat_samples, sample_keys
+
+EPS = 1e-6  # GRPO's std epsilon
+
+
+def scored(scores, mask, group_size, valid=None, kl=None, kl_coef=0.0, values=None) -> ScoredRollout:
+    scores = torch.tensor(scores, dtype=torch.float32)
+    mask = torch.tensor(mask, dtype=torch.long)
+    return ScoredRollout(
+        scores=scores,
+        kl=torch.zeros(mask.shape) if kl is None else torch.tensor(kl, dtype=torch.float32) * mask,
+        kl_coef=kl_coef,
+        response_mask=mask,
+        valid=torch.ones(len(scores), dtype=torch.bool) if valid is None else torch.tensor(valid),
+        group_size=group_size,
+        values=values,
+    )
+
+
+def algorithm(name: str, num_samples: int = 3, **config) -> Algorithm:
+    return build_algorithm(name, PPOConfig(**config), GenerationConfig(num_samples=num_samples, max_new_tokens=3))
+
+
+MASK_6 = [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def per_token(sequence_advantages, mask=MASK_6):
+    return torch.tensor([[float(a * m) for m in row] for a, row in zip(sequence_advantages, mask)])
+
+
+# ---------------------------------------------------------------------------------------------------------- GRPO
+
+
+def test_grpo_normalises_by_group_mean_and_std():
+    """Group 1 scores (1, 2, 3): mean 2, sample std 1 -> (-1, 0, 1) / (1 + eps). Group 2 all 5: std 0 -> 0."""
+    advantages, returns = algorithm("grpo").advantages(scored([1, 2, 3, 5, 5, 5], MASK_6, 3))
+    assert returns is None
+    expected = per_token([-1 / (1 + EPS), 0.0, 1 / (1 + EPS), 0.0, 0.0, 0.0])
+    assert_close(advantages, expected, rtol=0, atol=1e-7)
+
+
+def test_grpo_folds_the_reward_kl_into_the_sequence_reward():
+    """With kl_coef 0.5 and a per-token KL of 1, each reward drops by 0.5 x its length: (1 - 1, 2 - 0.5, 3 - 1.5) =
+    (0, 1.5, 1.5): mean 1, sample std sqrt(0.75)."""
+    rollout = scored([1, 2, 3], [[1, 1, 0], [1, 0, 0], [1, 1, 1]], 3, kl=[[1.0] * 3] * 3, kl_coef=0.5)
+    advantages, _ = algorithm("grpo").advantages(rollout)
+    std = math.sqrt(((0 - 1) ** 2 + 0.5**2 + 0.5**2) / 2)
+    expected = torch.tensor([[-1 / (std + EPS)] * 2 + [0], [0.5 / (std + EPS), 0, 0], [0.5 / (std + EPS)] * 3])
+    assert_close(advantages, expected, rtol=0, atol=1e-6)
+
+
+def test_grpo_leaves_skipped_samples_out_of_the_group_statistics():
+    """Sample 1 was skipped (non-finite score, zeroed): the group is (1, 3): mean 2, std sqrt(2)."""
+    mask = [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
+    advantages, _ = algorithm("grpo").advantages(scored([1, 0, 3], mask, 3, valid=[True, False, True]))
+    a = 1 / (math.sqrt(2) + EPS)
+    assert_close(advantages, torch.tensor([[-a, -a, 0], [0, 0, 0], [a, a, a]]), rtol=0, atol=1e-6)
+
+
+def test_grpo_loss_is_the_mean_over_sequences_of_token_means():
+    """Ratio 1: per-token loss -A. Advantages (2, 0, 0, 0, 0, -1): sequence token means (-2, 0, 0, 0, 0, 1), whatever
+    the lengths (2 and 3 tokens); their mean over 6 sequences is -1/6."""
+    grpo = algorithm("grpo")
+    mask = torch.tensor(MASK_6)
+    batch = _experience(per_token([2, 0, 0, 0, 0, -1]), mask)
+    scale = ppo.LossScale(mask.sum().float(), 6, 3)
+    loss, stats = grpo.policy_loss(batch.logprobs.clone(), torch.zeros(mask.shape), batch, scale)
+    assert_close(loss, torch.tensor(-1 / 6), rtol=0, atol=1e-7)
+    assert stats["policy/clipfrac"] == 0
+
+
+def test_grpo_kl_loss_term_is_k3_and_differentiated():
+    """k3 = exp(-d) + d - 1 with d = log p - log p_ref; its gradient in log p is 1 - exp(-d), token-meaned per
+    sequence (GRPO's aggregation). Two sequences of 1 and 2 tokens, d = (0.5 | 0.2, -0.1)."""
+    grpo = algorithm("grpo", kl_coef=0.0, kl_loss_coef=0.1)
+    mask = torch.tensor([[1, 0], [1, 1]])
+    d = torch.tensor([[0.5, 0.0], [0.2, -0.1]])
+    batch = _experience(torch.zeros(2, 2), mask, ref_logprobs=-d)
+    logprobs = torch.zeros(2, 2, requires_grad=True)
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 2), batch, ppo.LossScale(3.0, 2, 2))
+    k3 = lambda x: math.exp(-x) + x - 1  # noqa: E731
+    expected_kl = (k3(0.5) + (k3(0.2) + k3(-0.1)) / 2) / 2
+    assert stats["policy/kl_loss"].item() == pytest.approx(expected_kl, rel=1e-6)
+    assert loss.item() == pytest.approx(0.1 * expected_kl, rel=1e-6)  # advantages 0: the surrogate is 0
+    loss.backward()
+    g = lambda x: 1 - math.exp(-x)  # noqa: E731
+    expected_grad = torch.tensor([[0.1 * g(0.5) / 2, 0.0], [0.1 * g(0.2) / 4, 0.1 * g(-0.1) / 4]])
+    assert_close(logprobs.grad, expected_grad, rtol=1e-5, atol=1e-8)
+
+
+# ------------------------------------------------------------------------------------------------------ Dr. GRPO
+
+
+def test_dr_grpo_subtracts_the_group_mean_without_std():
+    """(1, 2, 3) -> (-1, 0, 1); (0, 0, 6) -> (-2, -2, 4): no division by the std; equal groups -> 0."""
+    advantages, _ = algorithm("dr_grpo").advantages(scored([1, 2, 3, 0, 0, 6], MASK_6, 3))
+    assert_close(advantages, per_token([-1, 0, 1, -2, -2, 4]), rtol=0, atol=1e-6)
+    equal, _ = algorithm("dr_grpo").advantages(scored([7, 7, 7], MASK_6[:3], 3))
+    assert_close(equal, torch.zeros(3, 3), rtol=0, atol=0)
+
+
+def test_dr_grpo_divides_token_sums_by_a_constant():
+    """Ratio 1, advantages (1 | 3) on 2 and 1 tokens: token sums -2 and -3, divided by 2 sequences x
+    max_new_tokens 3: -5/6, whatever the responses' lengths."""
+    dr_grpo = algorithm("dr_grpo")
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    batch = _experience(per_token([1, 3], mask.tolist()), mask)
+    loss, _ = dr_grpo.policy_loss(batch.logprobs.clone(), torch.zeros(2, 3), batch, ppo.LossScale(3.0, 2, 3))
+    assert loss.item() == pytest.approx(-5 / 6)
+    assert dr_grpo.loss_agg_mode == "seq_mean_token_sum_norm"
+
+
+# ---------------------------------------------------------------------------------------------------------- RLOO
+
+
+def test_rloo_uses_the_mean_of_the_other_samples():
+    """(1, 2, 3): baselines (2.5, 2, 1.5) -> (-1.5, 0, 1.5); an equal group -> 0."""
+    advantages, returns = algorithm("rloo").advantages(scored([1, 2, 3, 4, 4, 4], MASK_6, 3))
+    assert returns is None
+    assert_close(advantages, per_token([-1.5, 0, 1.5, 0, 0, 0]), rtol=0, atol=1e-6)
+
+
+def test_rloo_baseline_skips_invalid_samples_and_lone_samples_learn_nothing():
+    """Group (1, skipped, 3): baselines 3 and 1 -> (-2, 0, 2). Group (5, skipped, skipped): no baseline -> 0."""
+    mask = [[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0], [0, 0, 0]]
+    valid = [True, False, True, True, False, False]
+    advantages, _ = algorithm("rloo").advantages(scored([1, 0, 3, 5, 0, 0], mask, 3, valid=valid))
+    assert_close(advantages, per_token([-2, 0, 2, 0, 0, 0], mask), rtol=0, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------- REINFORCE++
+
+
+def test_reinforce_pp_whitens_discounted_kl_shaped_returns_over_the_batch():
+    """Masks (1, 1 | 1, 0), scores (1 | 0), KL 0.5 per token, coefficient 0.1, gamma 1.
+    Rewards (-0.05, 0.95 | -0.05); returns (0.9, 0.95 | -0.05); mean 0.6, unbiased variance 0.635 / 2."""
+    rollout = scored([1, 0], [[1, 1], [1, 0]], 1, kl=[[0.5, 0.5], [0.5, 0.5]], kl_coef=0.1)
+    advantages, returns = algorithm("reinforce_pp", num_samples=1).advantages(rollout)
+    assert returns is None
+    std = math.sqrt(0.635 / 2 + 1e-8)
+    assert_close(advantages, torch.tensor([[0.3 / std, 0.35 / std], [-0.65 / std, 0.0]]), rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_pp_discounts_returns():
+    """gamma 0.5, no KL: the score 1 at the last of 3 tokens returns (0.25, 0.5, 1) before whitening."""
+    mask = torch.tensor([[1, 1, 1]])
+    rewards = ppo.token_rewards(torch.tensor([1.0]), torch.zeros(1, 3), 0.0, mask)
+    assert_close(ppo.discounted_returns(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1.0]]))
+
+
+def test_reinforce_pp_baseline_centres_scores_per_group_then_whitens_globally():
+    """One group (1, 0): centred (0.5, -0.5); masks (1, 1 | 1, 0), no KL: returns (0.5, 0.5 | -0.5); mean 1/6,
+    unbiased variance (2/3) / 2 = 1/3."""
+    rollout = scored([1, 0], [[1, 1], [1, 0]], 2)
+    advantages, _ = algorithm("reinforce_pp_baseline", num_samples=2).advantages(rollout)
+    std = math.sqrt(1 / 3 + 1e-8)
+    expected = torch.tensor([[(1 / 3) / std, (1 / 3) / std], [(-2 / 3) / std, 0.0]])
+    assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_pp_baseline_equal_group_without_kl_gives_zero():
+    advantages, _ = algorithm("reinforce_pp_baseline", num_samples=2).advantages(scored([3, 3], [[1, 1], [1, 0]], 2))
+    assert_close(advantages, torch.zeros(2, 2), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------- PPO
+
+
+def test_ppo_is_gae_then_whitening_bit_for_bit():
+    """The ``ppo`` algorithm computes exactly the tested PPO math: token rewards, GAE, whitening."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    values, kl = torch.randn(3, 4, generator=gen) * mask, torch.randn(3, 4, generator=gen) * mask
+    scores = torch.tensor([0.3, -1.0, 2.0])
+    rollout = ScoredRollout(scores, kl, 0.05, mask, torch.ones(3, dtype=torch.bool), 1, values)
+    advantages, returns = algorithm("ppo", num_samples=1, gamma=0.99, lam=0.9).advantages(rollout)
+    rewards = ppo.token_rewards(scores, kl, 0.05, mask)
+    expected_advantages, expected_returns = ppo.gae_advantages(rewards, values, mask, 0.99, 0.9)
+    assert torch.equal(returns, expected_returns)
+    assert torch.equal(advantages, ppo.masked_whiten(expected_advantages, mask))
+
+
+def test_ppo_policy_loss_equals_the_clipped_surrogate_bit_for_bit():
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    batch = _experience(torch.randn(2, 3, generator=gen), mask)
+    logprobs = batch.logprobs + 0.3 * torch.randn(2, 3, generator=gen)
+    loss, stats = algorithm("ppo", num_samples=1).policy_loss(logprobs, torch.zeros(2, 3), batch,
+                                                                ppo.LossScale(torch.tensor(8.0), 4, 3))
+    expected, clipfrac, approx_kl = ppo.policy_loss(logprobs, batch.logprobs, batch.advantages, mask, 0.2,
+                                                    torch.tensor(8.0))
+    assert torch.equal(loss, expected)
+    assert torch.equal(stats["policy/clipfrac"], clipfrac)
+    assert torch.equal(stats["policy/approx_kl"], approx_kl)
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+AGG_MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("token_mean", 7 / 3),             # (1 + 2 + 4) / 3 tokens
+    ("seq_mean_token_sum", 3.5),       # (3 + 4) / 2 sequences
+    ("seq_mean_token_mean", 2.75),     # (1.5 + 4) / 2
+    ("seq_mean_token_sum_norm", 7 / 6),  # 7 / (2 sequences x 3 max tokens)
+])
+def test_loss_aggregation_by_hand(mode, expected):
+    scale = ppo.LossScale(AGG_MASK.sum().float(), 2, 3)
+    assert ppo.aggregate_loss(VALUES, AGG_MASK, mode, scale).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_loss_aggregation_of_data_parallel_shards_adds_up(mode):
+    """Each shard divides by the whole minibatch's sizes, so the shards' losses sum to the minibatch loss."""
+    scale = ppo.LossScale(AGG_MASK.sum().float(), 2, 3)
+    whole = ppo.aggregate_loss(VALUES, AGG_MASK, mode, scale)
+    shards = sum(ppo.aggregate_loss(VALUES[i : i + 1], AGG_MASK[i : i + 1], mode, scale) for i in range(2))
+    assert_close(shards, whole)
+
+
+def test_veRL_spellings_of_the_aggregation_are_accepted():
+    assert PPOConfig(loss_agg_mode="seq-mean-token-sum-norm").loss_agg_mode == "seq_mean_token_sum_norm"
+    with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
+        PPOConfig(loss_agg_mode="sum")
+
+
+# -------------------------------------------------------------------------------------- registry and validation
+
+
+def test_registry_has_every_algorithm_and_only_ppo_has_a_critic():
+    assert sorted(ALGORITHMS) == ["dr_grpo", "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    with_critic = [name for name, cls in ALGORITHMS.items() if "critic" in cls.roles]
+    assert with_critic == ["ppo"]
+
+
+def test_unknown_algorithm_lists_the_registered_ones():
+    with pytest.raises(ValueError, match=r"Unknown algorithm 'gpro'.*'grpo'"):
+        build_algorithm("gpro", PPOConfig(), GenerationConfig())
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_group_algorithms_need_several_samples_per_prompt(name):
+    with pytest.raises(ValueError, match=r"generation\.num_samples is 1.*--model\.generation\.num_samples 4"):
+        build_algorithm(name, PPOConfig(), GenerationConfig(num_samples=1))
+
+
+def test_a_new_algorithm_is_one_registered_class():
+    """A user's algorithm: register it and RLHFModule finds it by name."""
+
+    @register_algorithm
+    class SignOfReward(Algorithm):
+        name = "test_sign_of_reward"
+
+        def advantages(self, rollout):
+            return torch.sign(rollout.scores).unsqueeze(1) * rollout.response_mask, None
+
+    try:
+        advantages, _ = build_algorithm("test_sign_of_reward", PPOConfig(), GenerationConfig()).advantages(
+            scored([2.0, -0.5], [[1, 1], [1, 0]], 1))
+        assert_close(advantages, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+    finally:
+        del ALGORITHMS["test_sign_of_reward"]
+
+
+def test_k3_in_the_reward_warns_and_names_the_loss_term():
+    with pytest.warns(UserWarning, match="kl_loss_coef"):
+        PPOConfig(kl_estimator="k3")
+
+
+# ------------------------------------------------------------------------------------- samples and temperature
+
+
+def test_samples_of_a_prompt_are_consecutive_and_keyed_by_their_sample_index():
+    batch = {"input_ids": torch.tensor([[5, 6], [7, 8]]), "attention_mask": torch.ones(2, 2, dtype=torch.long),
+             "index": torch.tensor([10, 11]), "fields": {"answer": ["a", "b"]}}
+    out = repeat_samples(batch, 3)
+    assert out["index"].tolist() == [10, 10, 10, 11, 11, 11]
+    assert out["sample"].tolist() == [0, 1, 2, 0, 1, 2]
+    assert out["input_ids"][:, 0].tolist() == [5, 5, 5, 7, 7, 7]
+    assert out["fields"]["answer"] == ["a", "a", "a", "b", "b", "b"]
+    keys = sample_keys(0, 4, out["index"], out["sample"])
+    assert len(set(keys.tolist())) == 6
+    # The first sample's key is the key of a run with one sample per prompt: PPO trajectories are unchanged.
+    assert torch.equal(keys[[0, 3]], sample_keys(0, 4, torch.tensor([10, 11])))
+
+
+def test_temperature_divides_after_the_float32_cast():
+    """bf16 logits / T rounds again in bf16; the float32 division is what sampling does."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 50, generator=gen) * 4).bfloat16()
+    tokens = torch.randint(0, 50, (2, 5), generator=gen)
+    ours = ppo.logprobs_from_logits(logits, tokens, 0.7)
+    exact = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    early = torch.log_softmax((logits / 0.7).float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(ours, exact)
+    assert not torch.equal(ours, early)
+
+
+def _experience(advantages: torch.Tensor, mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None) -> Experience:
+    batch, length = mask.shape
+    return Experience(
+        sequences=torch.zeros(batch, length + 1, dtype=torch.long), attention_mask=torch.ones(batch, length + 1),
+        response_mask=mask, logprobs=torch.full((batch, length), -1.0), values=None, advantages=advantages,
+        returns=None, prompt_length=1, iteration=0, ref_logprobs=ref_logprobs,
+    )
