@@ -18,17 +18,20 @@ COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipf
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
 
 
-def run_demo(tmp_path: Path, name: str, *args: str, steps: int = 3) -> list[dict[str, float]]:
-    """Run the demo config for a few iterations and return its metrics.csv rows."""
+def run_demo(
+    tmp_path: Path, name: str, *args: str, steps: int = 3, config: str = "demo_cpu.yaml"
+) -> list[dict[str, float]]:
+    """Run a demo config for a few iterations and return its metrics.csv rows (rank 0's stdout in ``name.out``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
+        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs" / config),
          "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
          "--trainer.logger.init_args.save_dir", str(tmp_path),
          "--trainer.logger.init_args.name", name, "--model.generation.max_new_tokens", "12", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    (tmp_path / f"{name}.out").write_text(result.stdout)
     (metrics,) = (tmp_path / name).rglob("metrics.csv")
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
 
@@ -55,6 +58,46 @@ def test_placements_give_the_same_trajectory(tmp_path, devices):
             for metric in COMPARED:
                 assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), ("fsdp2", metric)
         check_memory_figures({s: next(r for r in rows if "memory/param_bytes_rank0" in r) for s, rows in logged.items()})
+
+
+GRPO_COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipfrac", "policy/approx_kl",
+                 "policy/entropy", "policy/kl_loss", "response/length_mean")
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devices):
+    """GRPO (G=4, no critic): 3 prompts x 4 samples, so on 2 and 4 ranks a prompt's group spans shards. Every
+    placement logs the values of a single process step by step; under Separation only the actor's bytes move;
+    no rank holds or prints a critic."""
+    import yaml
+
+    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm
+
+    common = ("--data.batch_size", "3", "--model.generation.num_samples", "4")
+    single = run_demo(tmp_path, "single", *common, config="demo_grpo_cpu.yaml")
+    reference = [r for r in single if "reward/mean" in r]
+    assert [r["step"] for r in reference] == [0, 1, 2]
+    assert len({r["reward/mean"] for r in reference}) > 1 and all(r["policy/kl_loss"] > 0 for r in reference[1:])
+    config = yaml.safe_load((ROOT / "examples/configs/demo_grpo_cpu.yaml").read_text())
+    actor = sum(p.numel() for p in build_causal_lm(as_model_spec(config["model"]["actor"])).parameters()) * 4
+    for strategy in STRATEGIES:
+        rows = run_demo(tmp_path, f"{strategy}_{devices}", *common, "--trainer.devices", str(devices),
+                        "--trainer.strategy", strategy, config="demo_grpo_cpu.yaml")
+        for step, (got, want) in enumerate(zip([r for r in rows if "reward/mean" in r], reference, strict=True)):
+            for metric in GRPO_COMPARED:
+                assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (strategy, step, metric)
+            assert not any(key.startswith("value/") for key in got)
+            # The train leader broadcasts the actor's fp32 weights to each shadow group once per update.
+            assert got["reallocate/bytes"] == (actor if strategy == "rlhf_separation" else 0), (strategy, step)
+        memory = next(r for r in rows if "memory/param_bytes_rank0" in r)
+        holds_reference = {"rlhf_flattening": [1] * devices, "rlhf_separation": [1] * (devices // 2) + [0] * (devices // 2),
+                           "rlhf_interleaving": [1] * (devices // 2) + [0] * (devices // 2)}[strategy]
+        trains = [1] * devices if strategy != "rlhf_separation" else [0] * (devices // 2) + [1] * (devices // 2)
+        for rank in range(devices):  # actor (trained copy or shadow) + reference; AdamW state only where it trains
+            assert memory[f"memory/param_bytes_rank{rank}"] == actor * (1 + holds_reference[rank]), (strategy, rank)
+            assert memory[f"memory/state_bytes_rank{rank}"] == 3 * actor * trains[rank], (strategy, rank)
+        printed = (tmp_path / f"{strategy}_{devices}.out").read_text()
+        assert "actor.train" in printed and "critic" not in printed
 
 
 def check_memory_figures(memory_rows: dict[str, dict[str, float]]) -> None:

@@ -1,6 +1,7 @@
 """``python -m lightning_app_rlhf plan``: a dry run of the planner, no training.
 
 python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --critic llama-7b
+python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --algorithm grpo --num-samples 4
 python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch-size 32 --json
 python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
 """
@@ -12,11 +13,13 @@ import json
 import sys
 from typing import Any
 
-from lightning_app_rlhf.plan import CALLS, WRAPPERS
+from lightning_app_rlhf.algorithms import ALGORITHMS
+from lightning_app_rlhf.plan import WRAPPERS
 from lightning_app_rlhf.planner.cluster import parse_cluster
 from lightning_app_rlhf.planner.cost_model import gib
 from lightning_app_rlhf.planner.search import SEARCHES, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
+from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, calls_of
 
 SWEEP_MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
 SWEEP_CLUSTERS = ("1x8xA100-80GB", "2x8xA100-80GB", "4x8xA100-80GB", "8x8xA100-80GB")
@@ -33,10 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--actor", default="llama-7b", help="named size, local model directory or config.json"
     )
-    parser.add_argument("--critic", default=None, help="default: the actor's size")
+    parser.add_argument(
+        "--algorithm",
+        choices=sorted(ALGORITHMS),
+        default="ppo",
+        help="the RL algorithm (RLHFModule(algorithm=...)); only ppo has a critic, the others are planned "
+        "without critic calls",
+    )
+    parser.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        help="responses sampled per prompt (generation.num_samples, the group size G of grpo/rloo): each "
+        "iteration generates, scores and trains on batch-size x num-samples sequences",
+    )
+    parser.add_argument("--critic", default=None, help="default: the actor's size (--algorithm ppo only)")
     parser.add_argument("--reference", default=None, help="default: the actor's size")
     parser.add_argument(
-        "--reward", default=None, help="default: the critic's size; 'function' for a Python reward"
+        "--reward",
+        default=None,
+        help="default: the critic's size (the actor's without a critic); 'function' for a Python reward",
     )
     parser.add_argument(
         "--dtype",
@@ -44,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: bf16 on GPUs (mixed-precision AdamW), fp32 on cpu",
     )
-    parser.add_argument("--batch-size", type=int, default=512, help="prompts per iteration")
+    parser.add_argument(
+        "--batch-size", type=int, default=512, help="prompts per iteration (each sampled --num-samples times)"
+    )
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--generation-length", type=int, default=480)
     parser.add_argument("--ppo-epochs", type=int, default=1)
@@ -69,20 +90,45 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="LLaMA 7B-65B actor+critic on 1x8..8x8 A100-80GB: a markdown table (docs/planner.md)",
+        help="LLaMA 7B-65B actor+critic (or actor alone for a critic-free --algorithm) on 1x8..8x8 A100-80GB: a "
+        "markdown table (docs/planner.md)",
     )
     return parser
 
 
+def check_algorithm_args(args: argparse.Namespace) -> None:
+    """Raise a ``ValueError`` naming the fix when the flags do not fit ``--algorithm``."""
+    algorithm = ALGORITHMS[args.algorithm]
+    if args.critic is not None and CRITIC.name not in algorithm.roles:
+        raise ValueError(
+            f"--critic {args.critic} sets the critic's size, but algorithm {args.algorithm!r} has no critic. "
+            "Remove --critic (use --reward to size the reward model), or use --algorithm ppo."
+        )
+    if args.num_samples < algorithm.min_group_size:
+        raise ValueError(
+            f"Algorithm {args.algorithm!r} compares the responses of one prompt with each other and needs at least "
+            f"{algorithm.min_group_size} per prompt; --num-samples is {args.num_samples}. Pass --num-samples "
+            f"{max(algorithm.min_group_size, 4)} (or more)."
+        )
+
+
 def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
+    """The workload the flags describe: the roles of ``--algorithm`` (no critic for a critic-free one)."""
+    check_algorithm_args(args)
     dtype_bytes = {"bf16": 2, "fp32": 4}[args.dtype or ("bf16" if gpu else "fp32")]
-    critic = args.critic or args.actor
+    has_critic = CRITIC.name in ALGORITHMS[args.algorithm].roles
+    critic = (args.critic or args.actor) if has_critic else None
     reward = (
-        None if args.reward == "function" else role_shape(args.reward or critic, "classifier", dtype_bytes)
+        None
+        if args.reward == "function"
+        else role_shape(args.reward or critic or args.actor, "classifier", dtype_bytes)
     )
+    name = f"{args.actor}+{critic}" if has_critic else f"{args.actor} {args.algorithm}"
+    if args.num_samples > 1:
+        name += f" G={args.num_samples}"
     return Workload(
         actor=role_shape(args.actor, "causal_lm", dtype_bytes),
-        critic=role_shape(critic, "value", dtype_bytes),
+        critic=role_shape(critic, "value", dtype_bytes) if critic is not None else None,
         reference=role_shape(args.reference or args.actor, "causal_lm", dtype_bytes),
         reward=reward,
         batch_size=args.batch_size,
@@ -90,13 +136,15 @@ def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
         generation_length=args.generation_length,
         ppo_epochs=args.ppo_epochs,
         num_minibatches=args.num_minibatches,
+        num_samples=args.num_samples,
+        algorithm=args.algorithm,
         wrappers=tuple(w.strip() for w in args.wrappers.split(",") if w.strip()),
         # bf16 weights train with fp32 master weights and two fp32 moments; fp32 keeps two fp32 moments.
         optimizer_bytes_per_param=12.0 if dtype_bytes == 2 else 8.0,
         gradient_checkpointing=gpu,
         flash_attention=gpu,
         lora_rank=args.lora_rank or None,
-        name=f"{args.actor}+{critic}" + (f" LoRA {args.lora_rank}" if args.lora_rank else ""),
+        name=name + (f" LoRA {args.lora_rank}" if args.lora_rank else ""),
     )
 
 
@@ -118,10 +166,11 @@ def print_result(result: PlannerResult) -> None:
     from rich.table import Table
 
     w = result.workload
+    batch = f"batch {w.batch_size}" if w.num_samples == 1 else f"batch {w.batch_size} prompts x {w.num_samples} samples"
     table = Table(
-        title=f"{w.name} on {result.cluster.name}: batch {w.batch_size}, prompt {w.prompt_length} + "
-        f"generation {w.generation_length} tokens, {w.ppo_epochs} epoch(s) x {w.num_minibatches} "
-        f"minibatches ({result.search_s:.1f} s search)"
+        title=f"{w.name} ({w.algorithm}: {', '.join(w.roles)}) on {result.cluster.name}: {batch}, prompt "
+        f"{w.prompt_length} + generation {w.generation_length} tokens, {w.ppo_epochs} epoch(s) x "
+        f"{w.num_minibatches} minibatches ({result.search_s:.1f} s search)"
     )
     for column in (
         "",
@@ -166,25 +215,28 @@ def print_result(result: PlannerResult) -> None:
         console.print(f"rule: {rule}")
 
 
+SHORT_CALLS = {
+    ACTOR.call("generate"): "gen",
+    REFERENCE.call("forward"): "ref",
+    REWARD.call("forward"): "rew",
+    CRITIC.call("forward"): "val",
+    ACTOR.call("train"): "trainA",
+    CRITIC.call("train"): "trainC",
+}
+"""Column labels of the calls in the printed tables."""
+
+
 def _groups(candidate: Any) -> str:
     plan = candidate.plan
-    short = {
-        "actor.generate": "gen",
-        "reference.forward": "ref",
-        "reward.forward": "rew",
-        "critic.forward": "val",
-        "actor.train": "trainA",
-        "critic.train": "trainC",
-    }
     parts = []
-    for call in CALLS:
+    for call in calls_of(plan.roles):
         ranks = plan.ranks(call)
         text = (
             f"{ranks[0]}-{ranks[-1]}"
             if ranks == tuple(range(ranks[0], ranks[-1] + 1))
             else ",".join(map(str, ranks))
         )
-        parts.append(f"{short[call]}:{text}")
+        parts.append(f"{SHORT_CALLS.get(call, call)}:{text}")
     return f"{plan.name} " + " ".join(parts)
 
 
@@ -192,11 +244,12 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every LLaMA size on every cluster of the docs table; one row each (errors included)."""
     rows = []
     lora_rank = 128 if args.lora_rank is None else args.lora_rank
+    check_algorithm_args(args)
+    has_critic = CRITIC.name in ALGORITHMS[args.algorithm].roles
     for model in SWEEP_MODELS:
         for cluster in SWEEP_CLUSTERS:
-            case = argparse.Namespace(
-                **{**vars(args), "cluster": cluster, "actor": model, "critic": model, "lora_rank": lora_rank}
-            )
+            sizes = {"actor": model, "critic": model if has_critic else None}
+            case = argparse.Namespace(**{**vars(args), "cluster": cluster, **sizes, "lora_rank": lora_rank})
             try:
                 result = run(case)
             except PlannerError as err:
@@ -246,11 +299,11 @@ def print_sweep(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.sweep:
-        rows = sweep(args)
-        print(json.dumps(rows, indent=1)) if args.json else print_sweep(rows)
-        return 0
     try:
+        if args.sweep:
+            rows = sweep(args)
+            print(json.dumps(rows, indent=1)) if args.json else print_sweep(rows)
+            return 0
         result = run(args)
     except (PlannerError, ValueError) as err:
         if args.json:

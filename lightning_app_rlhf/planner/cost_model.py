@@ -1,4 +1,4 @@
-"""Time and memory of one PPO iteration under a placement. Plain Python.
+"""Time and memory of one RLHF iteration under a placement. Plain Python.
 
 Read top to bottom:
 
@@ -9,6 +9,9 @@ Read top to bottom:
 4. The task graph of the engine (``RLHFModule.training_step``) and a discrete-event schedule of it
    (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
    processes that outnumber the cores share them.
+
+Everything iterates over the workload's roles and calls (the role table's, less the critic's for a critic-free
+algorithm), and every batch is the rollout's ``samples`` (prompts x ``num_samples``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_app_rlhf.plan import CALLS, FROZEN_ROLES, TRAINABLE_ROLES, PlacementPlan, role_of
+from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
@@ -45,7 +49,8 @@ class PlanChoice:
 
     plan: PlacementPlan
     generation_batch: int | None = None
-    """Prompts one rank generates together; None: its whole shard at once (what the engine does today)."""
+    """Sequences (samples) one rank generates together; None: its whole shard at once (what the engine does
+    today)."""
     micro_batch: int | None = None
     """Sequences per forward (and forward/backward) on one rank; None: the whole shard of a minibatch at once."""
 
@@ -58,9 +63,9 @@ class PlanChoice:
     def label(self) -> str:
         plan = self.plan
         groups = " ".join(
-            f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in CALLS
+            f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in calls_of(plan.roles)
         )
-        wrappers = "/".join(plan.wrappers[r] for r in TRAINABLE_ROLES)
+        wrappers = "/".join(plan.wrappers[r] for r in plan.trainable_roles)
         wrappers += "".join(f" {r[:3]}:{plan.wrappers[r]}" for r in FROZEN_ROLES if r in plan.wrappers)
         batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
         return f"{plan.name} [{wrappers}] {groups} {batches}"
@@ -129,8 +134,9 @@ class Estimate:
 
     choice: PlanChoice
     iteration_s: float
-    """Steady-state seconds per PPO iteration (predicted even when rejected, for the search's penalty)."""
+    """Steady-state seconds per iteration (predicted even when rejected, for the search's penalty)."""
     samples_per_s: float
+    """Sequences (prompts x ``num_samples``) per second, as the engine's ``perf/samples_per_sec`` counts them."""
     call_s: dict[str, float]
     """Seconds of each call on its slowest rank, alone (no contention), plus ``reallocate`` and ``gather``."""
     memory: list[RankMemory]
@@ -158,7 +164,7 @@ class CostModel:
 
     Args:
         cluster: Where it runs.
-        workload: What one iteration computes.
+        workload: What one iteration computes; the plans it is asked about must place exactly its roles.
         profile: Measured per-op times and ceilings; ops it lacks fall back to the analytic model.
     """
 
@@ -177,10 +183,11 @@ class CostModel:
         """Bytes every rank holds under ``choice``: static (weights, grads, optimizer) plus its largest transient."""
         plan = choice.plan
         rows = self.static_memory(plan)
-        transients = {call: self.transient(choice, call) for call in CALLS}
+        calls = calls_of(plan.roles)  # table order: the first of equal transients wins, whatever the plan's order
+        transients = {call: self.transient(choice, call) for call in calls}
         buffer_ranks = self._bucket_ranks(plan)
         for rank, row in enumerate(rows):
-            activations, kv = max((transients[c] for c in CALLS if rank in plan.ranks(c)), key=sum)
+            activations, kv = max((transients[c] for c in calls if rank in plan.ranks(c)), key=sum)
             row.activations, row.kv_cache = activations, kv
             if rank in buffer_ranks:
                 row.activations += REALLOCATION_BUCKET_BYTES
@@ -189,12 +196,13 @@ class CostModel:
     def static_memory(self, plan: PlacementPlan) -> list[RankMemory]:
         """Weights, gradients and optimizer state of every rank, counted as ``memory.py`` does."""
         w = self.workload
+        self.check_plan(plan)
         rows = [RankMemory(rank) for rank in range(plan.world_size)]
-        for role in ("actor", "critic", "reference", "reward"):
+        for role in w.roles:
             shape = w.shape(role)
             if shape is None:
                 continue
-            trainable = role in w.trainable and role in TRAINABLE_ROLES
+            trainable = role in w.trainable
             weights = w.held_params(role) * shape.dtype_bytes
             if trainable:
                 train = plan.ranks(f"{role}.train")
@@ -203,8 +211,8 @@ class CostModel:
                 train = plan.ranks(f"{role}.forward") if role in plan.wrappers else ()
                 wrapper = plan.wrappers.get(role, "none")
             n = len(train)
-            holders = {r for c in CALLS if role_of(c) == role for r in plan.ranks(c)}
-            reference_on_actor = role == "reference" and self._reference_on_actor(plan)
+            holders = {r for c in plan.calls if role_of(c) == role for r in plan.ranks(c)}
+            reference_on_actor = role == REFERENCE.name and self._reference_on_actor(plan)
             trained_bytes = w.trainable_params(role) * shape.dtype_bytes
             for rank in sorted(holders):
                 row = rows[rank]
@@ -225,11 +233,15 @@ class CostModel:
                     row.roles[role] = "shadow" if trainable else "frozen"
         return rows
 
+    def check_plan(self, plan: PlacementPlan) -> None:
+        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles."""
+        plan.check_roles(self.workload.roles, self.workload.algorithm)
+
     @staticmethod
     def _bucket_ranks(plan: PlacementPlan) -> set[int]:
         """Ranks that hold a reallocation bucket: shadows and the train leader that sends to them."""
         ranks: set[int] = set()
-        for role in TRAINABLE_ROLES:
+        for role in plan.trainable_roles:
             shadows = plan.shadow_ranks(role)
             if shadows:
                 ranks |= {*shadows, plan.ranks(f"{role}.train")[0]}
@@ -244,8 +256,8 @@ class CostModel:
         n = len(plan.ranks(call))
         s, db = w.sequence_length, shape.dtype_bytes
         gathered = 2 * shape.param_bytes // shape.layers if self._sharded_call(plan, call) else 0
-        if call == "actor.generate":
-            g = min(choice.generation_batch or ceil_div(w.batch_size, n), ceil_div(w.batch_size, n))
+        if call == ACTOR.call("generate"):
+            g = min(choice.generation_batch or ceil_div(w.samples, n), ceil_div(w.samples, n))
             logits = (
                 2 * g * shape.vocab * 4 + g * w.prompt_length * shape.vocab * db
             )  # prefill logits, fp32 softmax
@@ -254,11 +266,11 @@ class CostModel:
                 shape.kv_bytes_per_token * g * s,
             )
         if call.endswith(".forward"):
-            b = self._micro(choice, ceil_div(w.batch_size, n))
+            b = self._micro(choice, ceil_div(w.samples, n))
             head = 2 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
             attention = 0 if w.flash_attention else shape.heads * s * s * b * db
             return 4 * b * s * shape.hidden * db + attention + head + gathered, 0
-        b = self._micro(choice, ceil_div(w.batch_size // w.num_minibatches, n))
+        b = self._micro(choice, ceil_div(w.samples // w.num_minibatches, n))
         scores = 0 if w.flash_attention else 2.5 * shape.heads * s * s * b
         per_layer = (17 * s * b * shape.hidden + scores) * db  # Korthikanti et al. 2022, without recompute
         head = 3 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
@@ -278,8 +290,9 @@ class CostModel:
         role = role_of(call)
         ranks = set(plan.ranks(call))
         if role in FROZEN_ROLES:
-            if role == "reference" and self._reference_on_actor(plan):
-                return self._sharded_call(plan, "actor.train") and ranks == set(plan.ranks("actor.train"))
+            if role == REFERENCE.name and self._reference_on_actor(plan):
+                actor_train = ACTOR.call("train")
+                return self._sharded_call(plan, actor_train) and ranks == set(plan.ranks(actor_train))
             return plan.wrappers.get(role) in SHARD_PARAMS and len(ranks) > 1
         if plan.wrappers.get(role) not in SHARD_PARAMS:
             return False
@@ -291,11 +304,11 @@ class CostModel:
         needs the actor on those ranks: whole (trained with DDP, or a shadow), or sharded over exactly them."""
         if not self.workload.reference_is_actor_base:
             return False
-        ranks = set(plan.ranks("reference.forward"))
-        if not ranks <= {r for c in CALLS if role_of(c) == "actor" for r in plan.ranks(c)}:
+        ranks = set(plan.ranks(REFERENCE.call("forward")))
+        if not ranks <= {r for c in plan.calls if role_of(c) == ACTOR.name for r in plan.ranks(c)}:
             return False
-        train = set(plan.ranks("actor.train"))
-        sharded = plan.wrappers["actor"] in SHARD_PARAMS and len(train) > 1
+        train = set(plan.ranks(ACTOR.call("train")))
+        sharded = plan.wrappers[ACTOR.name] in SHARD_PARAMS and len(train) > 1
         return not sharded or not ranks & train or ranks == train
 
     def check_memory(self, rows: list[RankMemory]) -> str | None:
@@ -395,9 +408,9 @@ class CostModel:
         n = len(ranks)
         role = role_of(call)
         shape = w.shape(role)
-        local = ceil_div(w.batch_size, n)
+        local = ceil_div(w.samples, n)
         sharded = shape is not None and self._sharded_call(plan, call)
-        if call == "actor.generate":
+        if call == ACTOR.call("generate"):
             g = min(choice.generation_batch or local, local)
             compute, forwards = 0.0, 0
             for start in range(0, local, g):
@@ -408,7 +421,7 @@ class CostModel:
                 forwards += w.generation_length
             # A sharded generator gathers its weights for every forward (FSDP2's lockstep decode in generation.py).
             return compute, forwards * self.sharded_gather_s(ranks, shape) if sharded else 0.0
-        if call == "reward.forward" and shape is None:
+        if call == REWARD.call("forward") and shape is None:
             measured = self.profile.ops.get("reward_fn") if self.profile is not None else None
             per_sample = measured["sample"][0][2] if measured else w.reward_fn_s_per_sample
             return local * per_sample, 0.0
@@ -426,7 +439,7 @@ class CostModel:
     ) -> tuple[float, float]:
         w, n = self.workload, len(ranks)
         wrapper = choice.plan.wrappers[role_of(call)]
-        local = ceil_div(w.batch_size // w.num_minibatches, n)
+        local = ceil_div(w.samples // w.num_minibatches, n)
         b = self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
         micro_steps = ceil_div(local, b)
@@ -474,7 +487,7 @@ class CostModel:
         """``Placement.gather_to_world``: every rank all-gathers the shapes, then each of the call's ``tensors``
         result tensors, padded to the largest shard (one collective each)."""
         world = tuple(range(plan.world_size))
-        rows = ceil_div(self.workload.batch_size, len(plan.ranks(call)))
+        rows = ceil_div(self.workload.samples, len(plan.ranks(call)))
         payload = self.all_gather_s(world, plan.world_size * rows * bytes_per_row)
         return payload + tensors * self.all_gather_s(world, 0)
 
@@ -484,19 +497,20 @@ class CostModel:
         """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order.
 
         It follows ``RLHFModule.training_step``: generate; gather the rollout to every rank (a world collective);
-        each rank runs its forwards (reference, reward, critic); three world gathers; actor.train, then a world
-        broadcast of its statistics; critic.train and its broadcast; then the shadow copies are refreshed.
+        each rank runs its forwards (reference, reward, and the critic where the algorithm has one); one world
+        gather per forward; each train call in role-table order (``actor.train``, then ``critic.train`` where there
+        is a critic), each followed by a world broadcast of its statistics; then the shadow copies are refreshed.
         With ``overlap`` the train calls of the previous rollout run before the rollout gather.
         """
         plan, w = choice.plan, self.workload
+        self.check_plan(plan)
         world = tuple(range(plan.world_size))
         t_gen = w.generation_length
-        gathers = {
-            "actor.generate": t_gen * (8 + 8 + 4),  # responses, response mask (int64), logprobs
-            "reference.forward": t_gen * 4,
-            "reward.forward": 4,
-            "critic.forward": t_gen * 4,
-        }
+        generate = ACTOR.call("generate")
+        forwards = [c for c in w.calls if c.endswith(".forward")]
+        # Bytes per sample of each call's gathered result: the rollout's responses, response mask (int64) and
+        # logprobs; a per-token float for the reference's logprobs and the critic's values; one score.
+        gathers = {generate: t_gen * (8 + 8 + 4), REWARD.call("forward"): 4}
         tasks: list[Task] = []
 
         def add(name: str, ranks: tuple[int, ...], seconds: float, compute: bool = True) -> None:
@@ -509,33 +523,25 @@ class CostModel:
                 add(f"{name}:comm#{iteration}", plan.ranks(name), comm, compute=False)
 
         def train(iteration: int) -> None:
-            for role in TRAINABLE_ROLES:
+            for role in w.trainable:
                 call(iteration, f"{role}.train")
                 add(f"{role}.stats#{iteration}", world, self.broadcast_s(world, 64), compute=False)
 
         for i in range(UNROLLED_ITERATIONS):
-            call(i, "actor.generate")
+            call(i, generate)
             if plan.overlap and i > 0:
                 train(i)  # on the rollout of iteration i - 1
-            add(
-                f"gather.rollout#{i}",
-                world,
-                self.world_gather_s(plan, "actor.generate", gathers["actor.generate"], tensors=3),
-                compute=False,
-            )
-            for name in ("reference.forward", "reward.forward", "critic.forward"):
+            add(f"gather.rollout#{i}", world, self.world_gather_s(plan, generate, gathers[generate], tensors=3),
+                compute=False)
+            for name in forwards:
                 call(i, name)
-            for name in ("reference.forward", "reward.forward", "critic.forward"):
-                add(
-                    f"gather.{role_of(name)}#{i}",
-                    world,
-                    self.world_gather_s(plan, name, gathers[name]),
-                    compute=False,
-                )
+            for name in forwards:
+                add(f"gather.{role_of(name)}#{i}", world,
+                    self.world_gather_s(plan, name, gathers.get(name, t_gen * 4)), compute=False)
             if not plan.overlap:
                 train(i)
             if not plan.overlap or i > 0:
-                for role in TRAINABLE_ROLES:
+                for role in w.trainable:
                     ranks, seconds = self.reallocate_time(plan, role)
                     if ranks:
                         add(f"{role}.reallocate#{i}", ranks, seconds, compute=False)
@@ -545,10 +551,10 @@ class CostModel:
         """Predict time and memory of ``choice``; a plan that does not fit is rejected with its breakdown."""
         rows = self.memory(choice)
         call_s = {}
-        for name in CALLS:
+        for name in self.workload.calls:
             compute, comm = self.call_time(choice, name)
             call_s[name] = compute + comm
-        call_s["reallocate"] = sum(self.reallocate_time(choice.plan, r)[1] for r in TRAINABLE_ROLES)
+        call_s["reallocate"] = sum(self.reallocate_time(choice.plan, r)[1] for r in self.workload.trainable)
         rejected = self.check_memory(rows)
         tasks = self.tasks(choice)
         spans = simulate(tasks, self.cluster)
@@ -562,7 +568,7 @@ class CostModel:
             if k == last
         ]
         return Estimate(
-            choice, steady, self.workload.batch_size / steady, call_s, rows, self.capacity, rejected, timeline
+            choice, steady, self.workload.samples / steady, call_s, rows, self.capacity, rejected, timeline
         )
 
 

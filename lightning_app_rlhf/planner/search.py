@@ -3,6 +3,8 @@
 :func:`plan_placement` evaluates the three presets, runs the searches, and returns a :class:`PlannerResult` whose
 ``best`` is a :class:`~lightning_app_rlhf.planner.cost_model.PlanChoice` (a ``PlacementPlan`` plus batch sizes).
 Both searches are deterministic under a seed (MCMC as long as its step limit, not its time budget, ends it).
+They place the workload's roles only: a critic-free workload (``Workload(critic=None)``) gets plans without
+``critic.*`` calls.
 """
 
 from __future__ import annotations
@@ -15,9 +17,6 @@ from fractions import Fraction
 from typing import Any
 
 from lightning_app_rlhf.plan import (
-    CALLS,
-    FROZEN_ROLES,
-    TRAINABLE_ROLES,
     PlacementPlan,
     flattening_plan,
     interleaving_plan,
@@ -32,6 +31,7 @@ from lightning_app_rlhf.planner.cost_model import (
 )
 from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
+from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, calls_of, role_of
 
 SEARCHES = ("app", "mcmc", "both", "presets")
 SHARDED = ("fsdp2", "zero3")
@@ -82,7 +82,7 @@ class Candidate:
             "name": plan.name,
             "source": self.source,
             "label": self.choice.label,
-            "calls": {c: list(plan.ranks(c)) for c in CALLS},
+            "calls": {c: list(plan.ranks(c)) for c in calls_of(plan.roles)},
             "wrappers": dict(plan.wrappers),
             "overlap": plan.overlap,
             "generation_batch": self.choice.generation_batch,
@@ -142,6 +142,10 @@ class PlannerResult:
         return {
             "cluster": self.cluster.name,
             "workload": self.workload.name,
+            "algorithm": self.workload.algorithm,
+            "roles": list(self.workload.roles),
+            "batch_size": self.workload.batch_size,
+            "num_samples": self.workload.num_samples,
             "world_size": self.cluster.world_size,
             "best": self.best.to_dict(),
             "speedup_over_flattening": self.speedup_over("flattening"),
@@ -247,7 +251,7 @@ def _check_replica_fits(model: CostModel) -> None:
     n = cluster.world_size
     total, lines = 0, []
     can_shard = any(wr in SHARDED for wr in w.wrappers)
-    for role in ("actor", "critic", "reference", "reward"):
+    for role in w.roles:
         shape = w.shape(role)
         if shape is None:
             continue
@@ -259,8 +263,8 @@ def _check_replica_fits(model: CostModel) -> None:
                 f"is allowed: the wrappers are {list(w.wrappers)}. Allow fsdp2, or use larger devices or a "
                 "smaller model."
             )
-        if role == "reference" and w.reference_is_actor_base:
-            lines.append("reference 0 (the actor's base, adapters off)")
+        if role == REFERENCE.name and w.reference_is_actor_base:
+            lines.append(f"{role} 0 (the actor's base, adapters off)")
             continue
         trained = w.trainable_params(role)
         full = held + int(trained * (shape.dtype_bytes + w.optimizer_bytes_per_param))
@@ -280,9 +284,10 @@ def _check_replica_fits(model: CostModel) -> None:
 def choose_batches(model: CostModel, plan: PlacementPlan) -> PlanChoice:
     """The largest generation batch and micro-batch that fit (whole shards when they do, as the engine runs)."""
     w = model.workload
-    gen_shard = ceil_div(w.batch_size, len(plan.ranks("actor.generate")))
+    generate = ACTOR.call("generate")
+    gen_shard = ceil_div(w.samples, len(plan.ranks(generate)))
     generation = _fitting(model, plan, "generation_batch", gen_shard)
-    micro_shard = ceil_div(w.batch_size, min(len(plan.ranks(c)) for c in CALLS if not c.endswith("generate")))
+    micro_shard = ceil_div(w.samples, min(len(plan.ranks(c)) for c in plan.calls if c != generate))
     micro = _fitting(model, plan, "micro_batch", micro_shard)
     return PlanChoice(plan, generation, micro)
 
@@ -291,7 +296,8 @@ def _fitting(model: CostModel, plan: PlacementPlan, what: str, shard: int) -> in
     """Largest value of ``what`` (None = the whole shard, then powers of two) whose calls fit next to the static
     bytes of their ranks."""
     static = [m.total for m in model.static_memory(plan)]
-    calls = ["actor.generate"] if what == "generation_batch" else [c for c in CALLS if c != "actor.generate"]
+    generate = ACTOR.call("generate")
+    calls = [generate] if what == "generation_batch" else [c for c in plan.calls if c != generate]
     headroom = {c: model.capacity - max(static[r] for r in plan.ranks(c)) for c in calls}
     options = [None] + [2**k for k in range(int(math.log2(max(shard, 1))), -1, -1) if 2**k < shard]
     for value in options:
@@ -318,13 +324,18 @@ def _wrappers(model: CostModel) -> list[str]:
 
 
 def _frozen_options(model: CostModel) -> list[dict[str, str]]:
-    """Frozen-role wrappers to try: whole copies, then (where FSDP2 is allowed) both frozen models sharded."""
+    """Frozen-role wrappers to try: whole copies, then (where FSDP2 is allowed) every frozen model sharded."""
     if "fsdp2" not in model.workload.wrappers:
         return [{}]
-    roles = [r for r in FROZEN_ROLES if model.workload.shape(r) is not None]
+    roles = [r for r in _frozen_roles(model.workload) if model.workload.shape(r) is not None]
     if model.workload.reference_is_actor_base:
-        roles = [r for r in roles if r != "reference"]
+        roles = [r for r in roles if r != REFERENCE.name]
     return [{}, dict.fromkeys(roles, "fsdp2")] if roles else [{}]
+
+
+def _frozen_roles(workload: Workload) -> tuple[str, ...]:
+    """The workload's frozen roles, in role-table order."""
+    return tuple(r for r in FROZEN_ROLES if r in workload.roles)
 
 
 def with_frozen(plan: PlacementPlan, frozen: dict[str, str]) -> PlacementPlan:
@@ -335,16 +346,16 @@ def with_frozen(plan: PlacementPlan, frozen: dict[str, str]) -> PlacementPlan:
 
 
 def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
-    n = model.cluster.world_size
-    plans = {"flattening": [flattening_plan(n, w) for w in _wrappers(model)]}
+    n, roles = model.cluster.world_size, model.workload.roles
+    plans = {"flattening": [flattening_plan(n, w, roles=roles) for w in _wrappers(model)]}
     if n >= 2:
         plans["interleaving"] = (
-            [interleaving_plan(n, 0.5, 0.5, w) for w in _wrappers(model)]
+            [interleaving_plan(n, 0.5, 0.5, w, roles=roles) for w in _wrappers(model)]
             if n % 2 == 0
-            else [interleaving_plan(n, (n // 2) / n, (n - n // 2) / n, w) for w in _wrappers(model)]
+            else [interleaving_plan(n, (n // 2) / n, (n - n // 2) / n, w, roles=roles) for w in _wrappers(model)]
         )
         plans["separation"] = [
-            separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w) for w in _wrappers(model)
+            separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w, roles=roles) for w in _wrappers(model)
         ]
     frozen = _frozen_options(model)
     return {name: [with_frozen(p, f) for p in group for f in frozen] for name, group in plans.items()}
@@ -364,17 +375,18 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
     with the generation batch and micro-batch set to the largest that fit."""
     w, n = model.workload, model.cluster.world_size
     capacity = model.capacity
-    plans: list[PlacementPlan] = [flattening_plan(n, wr) for wr in _wrappers(model)]
+    plans: list[PlacementPlan] = [flattening_plan(n, wr, roles=w.roles) for wr in _wrappers(model)]
     if n == 1:
         rules.append("one device: only flattening")
         return [Candidate(evaluate(model, p), "app") for p in plans]
-    frozen = sum(s.param_bytes for s in (w.reference, w.reward) if s is not None)
+    frozen_shapes = [w.shape(r) for r in _frozen_roles(w)]
+    frozen = sum(s.param_bytes for s in frozen_shapes if s is not None)
     if frozen >= 0.05 * capacity:
         for n_ref in _ratio_steps(n):
             for n_rew in _ratio_steps(n):
                 if n_ref + n_rew <= n:
                     plans += [
-                        interleaving_plan(n, Fraction(n_ref, n), Fraction(n_rew, n), wr)
+                        interleaving_plan(n, Fraction(n_ref, n), Fraction(n_rew, n), wr, roles=w.roles)
                         for wr in _wrappers(model)
                     ]
     else:
@@ -382,11 +394,10 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
             f"interleaving grid skipped: reference + reward weights ({gib(frozen)}) are under 5% of a "
             "device, so splitting them saves little memory"
         )
-    # Generation copies of actor and critic are whole; frozen models may be sharded where FSDP2 is allowed.
-    shadows = (
-        w.held_params("actor") * w.actor.dtype_bytes
-        + w.held_params("critic") * w.critic.dtype_bytes
-        + (0 if "fsdp2" in w.wrappers else frozen)
+    # Generation copies of the trainable models (actor, critic if any) are whole; frozen models may be sharded
+    # where FSDP2 is allowed.
+    shadows = sum(w.held_params(r) * w.shape(r).dtype_bytes for r in w.trainable) + (
+        0 if "fsdp2" in w.wrappers else frozen
     )
     if shadows > capacity:
         rules.append(
@@ -400,7 +411,8 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
     else:
         for n_gen in _ratio_steps(n):
             plans += [
-                separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr) for wr in _wrappers(model)
+                separation_plan(n, generation_ratio=Fraction(n_gen, n), wrapper=wr, roles=w.roles)
+                for wr in _wrappers(model)
             ]
     return [
         Candidate(evaluate(model, with_frozen(p, f)), "app") for p in plans for f in _frozen_options(model)
@@ -409,30 +421,27 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
 
 def role_block_plans(model: CostModel) -> list[Candidate]:
     """Each model on its own contiguous block of ranks: the actor's calls (generate, reference on its base or a copy,
-    train) on the first half, the critic's (forward, train) and the reward model on the second half, or on a quarter
-    each. Sharded roles then gather within their block (a node, on multi-node clusters) instead of across the
-    cluster, which a chain moving one call at a time rarely reaches (source ``blocks``)."""
-    n = model.cluster.world_size
+    train) on the first half; the other models (the critic's forward and train where there is one, then the reward
+    model) on the second half together, or, with two of them, on a quarter each. Sharded roles then gather within
+    their block (a node, on multi-node clusters) instead of across the cluster, which a chain moving one call at a
+    time rarely reaches (source ``blocks``)."""
+    w, n = model.workload, model.cluster.world_size
     if n < 2 or n % 2:
         return []
-    half, quarter = n // 2, n // 4
+    half = n // 2
     first, second = tuple(range(half)), tuple(range(half, n))
-    layouts = [(second, second)]
-    if n % 4 == 0:
-        layouts.append((tuple(range(half, half + quarter)), tuple(range(half + quarter, n))))
+    # Trainable models first: the critic takes the first quarter, the reward model the second.
+    others = sorted((r for r in w.roles if r not in (ACTOR.name, REFERENCE.name)), key=lambda r: r not in w.trainable)
+    layouts = [dict.fromkeys(others, second)]
+    if len(others) > 1 and half % len(others) == 0:
+        size = half // len(others)
+        layouts.append({r: tuple(range(half + i * size, half + (i + 1) * size)) for i, r in enumerate(others)})
     plans = []
-    for critic, reward in layouts:
-        calls = {
-            "actor.generate": first,
-            "reference.forward": first,
-            "actor.train": first,
-            "critic.forward": critic,
-            "critic.train": critic,
-            "reward.forward": reward,
-        }
+    for layout in layouts:
+        calls = {c: layout.get(role_of(c), first) for c in w.calls}
         for wrapper in _wrappers(model):
             for frozen in _frozen_options(model):
-                wrappers = {"actor": wrapper, "critic": wrapper, **frozen}
+                wrappers = {**dict.fromkeys(w.trainable, wrapper), **frozen}
                 plans.append(PlacementPlan(n, calls, wrappers, name="blocks"))
     return [Candidate(evaluate(model, p), "blocks") for p in plans]
 
@@ -462,23 +471,24 @@ def mcmc_search(
     top_k: int = 5,
     seeds: list[PlacementPlan] | None = None,
 ) -> list[Candidate]:
-    """ReaLHF's search: a state gives every call a device group, every trainable role a wrapper and every frozen
-    role a wrapper or none. It starts from each call's individually fastest group, proposes changing one call's
-    group, one wrapper, or (a third of the time) moving a trainable role's train group together with every call
-    of that role that runs on it (a sharded role must run a call on all of its train ranks or none, so single-call
-    moves cannot relocate it), and accepts a plan ``d`` slower (relative) with probability ``exp(-beta * d)``. When
-    one of ``seeds`` (e.g. the APP grid's best) is faster than the start and expressible in the chain's groups, the
-    chain starts there instead. Returns the ``top_k`` best plans that fit, fastest first, then the start (source
-    ``mcmc start``)."""
+    """ReaLHF's search: a state gives every call of the workload a device group, every trainable role a wrapper and
+    every frozen role a wrapper or none (:class:`_StateLayout`). It starts from each call's individually fastest
+    group, proposes changing one call's group, one wrapper, or (a third of the time) moving a trainable role's train
+    group together with every call of that role that runs on it (a sharded role must run a call on all of its train
+    ranks or none, so single-call moves cannot relocate it), and accepts a plan ``d`` slower (relative) with
+    probability ``exp(-beta * d)``. When one of ``seeds`` (e.g. the APP grid's best) is faster than the start and
+    expressible in the chain's groups, the chain starts there instead. Returns the ``top_k`` best plans that fit,
+    fastest first, then the start (source ``mcmc start``)."""
     rng = random.Random(seed)
     groups = device_groups(model.cluster)
     wrappers = _wrappers(model)
+    layout = _StateLayout.of(model.workload)
     n = model.cluster.world_size
     cache: dict[tuple, Estimate | None] = {}
 
     def estimate(state: tuple) -> Estimate | None:
         if state not in cache:
-            cache[state] = _evaluate_state(model, state, groups, wrappers, n)
+            cache[state] = _evaluate_state(model, layout, state, groups, wrappers, n)
         return cache[state]
 
     def cost(state: tuple) -> float:
@@ -489,30 +499,31 @@ def mcmc_search(
             return e.iteration_s * (1 + OVERFLOW_PENALTY * (e.peak_bytes / e.capacity_bytes - 1))
         return e.iteration_s
 
-    current = _fastest_start(model, groups, wrappers, estimate)
+    current = _fastest_start(model, layout, groups, wrappers, estimate)
     current_cost = cost(current)
     start_state = current
     for plan in seeds or []:
-        state = _state_of(plan, groups, wrappers)
+        state = _state_of(plan, layout, groups, wrappers)
         if state is not None and cost(state) < current_cost:
             current, current_cost = state, cost(state)
+    calls, trainable = layout.calls, layout.trainable
     deadline = time.perf_counter() + time_budget_s
     for _ in range(steps):
         if time.perf_counter() > deadline:
             break
         proposal = list(current)
-        slot = rng.randrange(len(CALLS) + len(TRAINABLE_ROLES) + len(FROZEN_ROLES))
+        slot = rng.randrange(layout.size)
         if rng.random() < 1 / 3:  # move a trainable role's train group and the calls that share it
-            role = rng.choice(TRAINABLE_ROLES)
-            train = CALLS.index(f"{role}.train")
+            role = rng.choice(trainable)
+            train = calls.index(f"{role}.train")
             target = rng.randrange(len(groups))
-            for i, call in enumerate(CALLS):
-                if i != train and call.startswith(f"{role}.") and current[i] == current[train]:
+            for i, call in enumerate(calls):
+                if i != train and role_of(call) == role and current[i] == current[train]:
                     proposal[i] = target
             proposal[train] = target
-        elif slot < len(CALLS):
+        elif slot < len(calls):
             proposal[slot] = rng.randrange(len(groups))
-        elif slot < len(CALLS) + len(TRAINABLE_ROLES):
+        elif slot < len(calls) + len(trainable):
             proposal[slot] = rng.randrange(len(wrappers))
         else:
             proposal[slot] = rng.randrange(len(FROZEN_CHOICES))
@@ -528,17 +539,40 @@ def mcmc_search(
     return [*best, Candidate(cache[start_state], "mcmc start")] if cache[start_state] is not None else best
 
 
+@dataclass(frozen=True)
+class _StateLayout:
+    """What the entries of an MCMC state index: a device group per call, then a wrapper per trainable role, then a
+    frozen choice (:data:`FROZEN_CHOICES`) per frozen role, each in the workload's role-table order."""
+
+    calls: tuple[str, ...]
+    """The workload's calls (no ``critic.*`` for a critic-free algorithm)."""
+    trainable: tuple[str, ...]
+    """The workload's trainable roles."""
+    frozen: tuple[str, ...]
+    """The workload's frozen roles."""
+
+    @classmethod
+    def of(cls, workload: Workload) -> _StateLayout:
+        return cls(workload.calls, workload.trainable, _frozen_roles(workload))
+
+    @property
+    def size(self) -> int:
+        return len(self.calls) + len(self.trainable) + len(self.frozen)
+
+
 def _evaluate_state(
-    model: CostModel, state: tuple, groups: list, wrappers: list[str], n: int
+    model: CostModel, layout: _StateLayout, state: tuple, groups: list, wrappers: list[str], n: int
 ) -> Estimate | None:
-    calls = {c: groups[state[i]] for i, c in enumerate(CALLS)}
-    roles = {r: wrappers[state[len(CALLS) + i]] for i, r in enumerate(TRAINABLE_ROLES)}
-    for i, role in enumerate(FROZEN_ROLES):
-        frozen = FROZEN_CHOICES[state[len(CALLS) + len(TRAINABLE_ROLES) + i]]
+    calls = {c: groups[state[i]] for i, c in enumerate(layout.calls)}
+    offset = len(layout.calls)
+    roles = {r: wrappers[state[offset + i]] for i, r in enumerate(layout.trainable)}
+    offset += len(layout.trainable)
+    for i, role in enumerate(layout.frozen):
+        frozen = FROZEN_CHOICES[state[offset + i]]
         if frozen is not None:
             if "fsdp2" not in model.workload.wrappers or model.workload.shape(role) is None:
                 return None
-            if role == "reference" and model.workload.reference_is_actor_base:
+            if role == REFERENCE.name and model.workload.reference_is_actor_base:
                 return None
             roles[role] = frozen
     try:
@@ -548,27 +582,30 @@ def _evaluate_state(
     return evaluate(model, plan)
 
 
-def _state_of(plan: PlacementPlan, groups: list, wrappers: list[str]) -> tuple | None:
+def _state_of(plan: PlacementPlan, layout: _StateLayout, groups: list, wrappers: list[str]) -> tuple | None:
     """The MCMC state of ``plan``, or None when a call's ranks are not one of ``groups`` (or a wrapper is off)."""
     index = {group: i for i, group in enumerate(groups)}
     try:
-        calls = [index[plan.ranks(c)] for c in CALLS]
-        trained = [wrappers.index(plan.wrappers[r]) for r in TRAINABLE_ROLES]
-        frozen = [FROZEN_CHOICES.index(plan.wrappers.get(r)) for r in FROZEN_ROLES]
+        calls = [index[plan.ranks(c)] for c in layout.calls]
+        trained = [wrappers.index(plan.wrappers[r]) for r in layout.trainable]
+        frozen = [FROZEN_CHOICES.index(plan.wrappers.get(r)) for r in layout.frozen]
     except (KeyError, ValueError):
         return None
     return (*calls, *trained, *frozen)
 
 
-def _fastest_start(model: CostModel, groups: list, wrappers: list[str], estimate: Any) -> tuple:
-    """Each call on the group where it alone runs fastest, with the least-sharding wrapper that fits there."""
+def _fastest_start(
+    model: CostModel, layout: _StateLayout, groups: list, wrappers: list[str], estimate: Any
+) -> tuple:
+    """Each call on the group where it alone runs fastest, with the least-sharding wrapper that fits there (the
+    reference held whole before the reward model is sharded)."""
     n = model.cluster.world_size
-    everyone = flattening_plan(n, wrappers[0])
+    everyone = flattening_plan(n, wrappers[0], roles=model.workload.roles)
     state = []
-    for call in CALLS:
+    for call in layout.calls:
         times = []
         for i, group in enumerate(groups):
-            calls = {c: everyone.ranks(c) for c in CALLS}
+            calls = {c: everyone.ranks(c) for c in layout.calls}
             calls[call] = group
             plan = PlacementPlan(n, calls, everyone.wrappers, name="probe")
             compute, comm = model.call_time(choose_batches(model, plan), call)
@@ -577,8 +614,9 @@ def _fastest_start(model: CostModel, groups: list, wrappers: list[str], estimate
     for frozen in (0, 1):
         for wrapper_index in range(len(wrappers)):
             for ref in (0, frozen):
-                candidate = (*state, wrapper_index, wrapper_index, ref, frozen)
+                choices = tuple(ref if r == REFERENCE.name else frozen for r in layout.frozen)
+                candidate = (*state, *[wrapper_index] * len(layout.trainable), *choices)
                 e = estimate(candidate)
                 if e is not None and e.fits:
                     return candidate
-    return (*state, len(wrappers) - 1, len(wrappers) - 1, 0, 0)
+    return (*state, *[len(wrappers) - 1] * len(layout.trainable), *[0] * len(layout.frozen))

@@ -1,7 +1,8 @@
-"""What one PPO iteration computes: the shape of each role's model and the batch it runs. Plain Python.
+"""What one RLHF iteration computes: the shape of each role's model and the batch it runs. Plain Python.
 
 A role's shape comes from a named size (``llama-7b``, ``gpt2-tiny``...) or a Hugging Face config (a dict with
-``model_type`` or a ``PretrainedConfig``); :func:`workload_from_module` reads an ``RLHFModule``'s specs.
+``model_type`` or a ``PretrainedConfig``); :func:`workload_from_module` reads an ``RLHFModule``'s specs. A workload
+places the roles of its algorithm: PPO's four, or a critic-free algorithm's three (``critic=None``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_app_rlhf.plan import TRAINABLE_ROLES, WRAPPERS
+from lightning_app_rlhf.plan import WRAPPERS
+from lightning_app_rlhf.role_table import CRITIC, REQUIRED_ROLES, ROLE_NAMES, TRAINABLE_ROLES, calls_of
 
 ROLE_KINDS = ("causal_lm", "value", "classifier")
 
@@ -253,23 +255,37 @@ def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
 
 @dataclass(frozen=True)
 class Workload:
-    """One PPO iteration: the four roles' shapes and the batch they run."""
+    """One RLHF iteration: the shapes of the algorithm's roles and the batch they run.
+
+    The roles are those of :data:`~lightning_app_rlhf.role_table.REQUIRED_ROLES` (actor, reference, reward) plus
+    the critic when ``critic`` is given (PPO); ``critic=None`` is a critic-free algorithm (GRPO, RLOO, ...), whose
+    plans have no ``critic.*`` calls.
+    """
 
     actor: RoleShape
-    critic: RoleShape
+    """The policy: generates, and trains."""
+    critic: RoleShape | None
+    """The value model (PPO); None: a critic-free algorithm (no critic calls, weights or optimizer state)."""
     reference: RoleShape
+    """The frozen reference policy."""
     reward: RoleShape | None
     """None: the reward is a Python function (no model, no memory)."""
     batch_size: int
-    """Prompts per iteration (the global rollout batch)."""
+    """Prompts per iteration (``data.batch_size``); each is sampled ``num_samples`` times (see :attr:`samples`)."""
     prompt_length: int
     """Padded prompt tokens."""
     generation_length: int
     """Generated tokens per response (the cost model assumes every response runs to this length)."""
     ppo_epochs: int = 1
+    """Passes of the train calls over the rollout."""
     num_minibatches: int = 1
-    trainable: tuple[str, ...] = TRAINABLE_ROLES
-    """Roles with a train call. The engine trains both actor and critic."""
+    """Optimizer steps per epoch: the rollout's ``samples`` are split into this many minibatches."""
+    num_samples: int = 1
+    """Responses sampled per prompt (``generation.num_samples``, the group size G of GRPO and RLOO). Generation,
+    the forwards and the train calls all run on the ``batch_size x num_samples`` sequences of the rollout."""
+    algorithm: str = "ppo"
+    """The algorithm's registered name (``RLHFModule(algorithm=...)``), for labels and the profiler's loss. Its roles
+    are :attr:`roles`: give ``critic`` exactly when it has a critic."""
     wrappers: tuple[str, ...] = ("ddp", "fsdp2")
     """Wrappers the search may give the trainable roles. DeepSpeed's ``zero1``-``zero3`` only where deepspeed is
     installed: ``PlacementPlan`` refuses them otherwise (see :func:`installed_wrappers`)."""
@@ -283,23 +299,23 @@ class Workload:
     reward_fn_s_per_sample: float = 50e-6
     """Time of a Python reward function per sample (decoding and scoring)."""
     lora_rank: int | None = None
-    """LoRA: actor and critic train rank-``r`` adapters on every attention and MLP projection (plus the critic's
+    """LoRA: the trainable roles train rank-``r`` adapters on every attention and MLP projection (plus the critic's
     value head) and keep their base weights frozen; the reference is the actor's base with the adapters disabled, so
     it costs no weights where the actor is held. None: full fine-tuning."""
     name: str = "workload"
+    """A label for tables and errors."""
 
     def __post_init__(self) -> None:
-        for what in ("batch_size", "prompt_length", "generation_length", "ppo_epochs", "num_minibatches"):
+        for what in ("batch_size", "prompt_length", "generation_length", "ppo_epochs", "num_minibatches",
+                     "num_samples"):
             if getattr(self, what) < 1:
                 raise ValueError(f"Workload {what} must be >= 1, got {getattr(self, what)}.")
-        if self.batch_size % self.num_minibatches:
+        if self.samples % self.num_minibatches:
             raise ValueError(
-                f"batch_size {self.batch_size} is not divisible by num_minibatches "
-                f"{self.num_minibatches}: pick a multiple."
+                f"The rollout of {self.batch_size} prompts x {self.num_samples} samples = {self.samples} sequences "
+                f"is not divisible by num_minibatches {self.num_minibatches}: pick a batch_size (or num_samples) "
+                f"that makes it a multiple, or a num_minibatches that divides {self.samples}."
             )
-        bad = [r for r in self.trainable if r not in TRAINABLE_ROLES]
-        if bad:
-            raise ValueError(f"Trainable roles {bad} are not among {TRAINABLE_ROLES}.")
         bad = [w for w in self.wrappers if w not in WRAPPERS]
         if bad or not self.wrappers:
             raise ValueError(
@@ -308,6 +324,30 @@ class Workload:
 
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1 (or None for full fine-tuning), got {self.lora_rank}.")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles the algorithm places, in role-table order: the required ones, plus the critic when given."""
+        return tuple(r for r in ROLE_NAMES if r in REQUIRED_ROLES or getattr(self, r) is not None)
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        """The roles with a train call (actor, and the critic where there is one)."""
+        return tuple(r for r in self.roles if r in TRAINABLE_ROLES)
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The model calls of one iteration, phase by phase (:func:`~lightning_app_rlhf.role_table.calls_of`)."""
+        return calls_of(self.roles)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
+
+    @property
+    def samples(self) -> int:
+        """Sequences per iteration: ``batch_size`` prompts x ``num_samples`` responses each."""
+        return self.batch_size * self.num_samples
 
     @property
     def sequence_length(self) -> int:
@@ -338,6 +378,9 @@ class Workload:
         return self.lora_rank is not None and self.reference == self.actor
 
     def shape(self, role: str) -> RoleShape | None:
+        """The shape of ``role`` (a role-table name); None for a reward function or a role the algorithm lacks."""
+        if role not in ROLE_NAMES:
+            raise KeyError(f"Unknown role {role!r}; the roles are {list(ROLE_NAMES)}.")
         return getattr(self, role)
 
 
@@ -349,16 +392,31 @@ def llama_workload(
     generation_length: int = 480,
     ppo_epochs: int = 1,
     num_minibatches: int = 8,
+    *,
+    has_critic: bool = True,
     **kwargs: Any,
 ) -> Workload:
     """APP's / ReaLHF's setting: bf16 models, reference = actor size, reward = critic size, mixed-precision AdamW,
-    gradient checkpointing and fused attention."""
-    critic = critic or actor
+    gradient checkpointing and fused attention.
+
+    Args:
+        actor: Named size of the actor (and the reference).
+        critic: Named size of the critic and the reward model (default: the actor's).
+        batch_size: Prompts per iteration.
+        prompt_length: Padded prompt tokens.
+        generation_length: Generated tokens per response.
+        ppo_epochs: Passes over the rollout.
+        num_minibatches: Optimizer steps per epoch.
+        has_critic: False for a critic-free algorithm (pass ``algorithm=`` and ``num_samples=`` too): no critic,
+            and the reward model takes ``critic``'s size.
+        **kwargs: Other :class:`Workload` fields.
+    """
+    size = critic or actor
     return Workload(
         actor=role_shape(actor, "causal_lm", 2),
-        critic=role_shape(critic, "value", 2),
+        critic=role_shape(size, "value", 2) if has_critic else None,
         reference=role_shape(actor, "causal_lm", 2),
-        reward=role_shape(critic, "classifier", 2),
+        reward=role_shape(size, "classifier", 2),
         batch_size=batch_size,
         prompt_length=prompt_length,
         generation_length=generation_length,
@@ -367,7 +425,7 @@ def llama_workload(
         optimizer_bytes_per_param=12.0,
         gradient_checkpointing=True,
         flash_attention=True,
-        name=f"{actor}+{critic}",
+        name=f"{actor}+{size}" if has_critic else f"{actor} {kwargs.get('algorithm', 'critic-free')}",
         **{"wrappers": installed_wrappers(), **kwargs},
     )
 
@@ -375,7 +433,8 @@ def llama_workload(
 def workload_from_module(
     module: Any, batch_size: int, prompt_length: int, optimizer_slots: int = 2
 ) -> Workload:
-    """The workload of an ``RLHFModule`` (its model specs, generation and PPO configs) at ``batch_size`` prompts.
+    """The workload of an ``RLHFModule`` (its algorithm's roles, model specs, generation and PPO configs) at
+    ``batch_size`` prompts, each sampled ``generation.num_samples`` times.
 
     Args:
         module: An ``RLHFModule`` (models need not be built).
@@ -388,12 +447,14 @@ def workload_from_module(
         dtype_bytes = 2 if spec.dtype == "bfloat16" else 4
         return role_shape(spec.load_config().to_dict(), kind, dtype_bytes)
 
+    roles = module.algorithm.roles
     actor = shape(module.actor_spec, "causal_lm")
     reference = shape(module.reference_spec, "causal_lm") if module.reference_spec is not None else actor
     reward = shape(module.reward_spec, "classifier") if module.reward_spec is not None else None
+    critic = shape(module.critic_spec, "value") if CRITIC.name in roles else None
     return Workload(
         actor=actor,
-        critic=shape(module.critic_spec, "value"),
+        critic=critic,
         reference=reference,
         reward=reward,
         batch_size=batch_size,
@@ -401,8 +462,10 @@ def workload_from_module(
         generation_length=module.generation.max_new_tokens,
         ppo_epochs=module.ppo.ppo_epochs,
         num_minibatches=module.ppo.num_minibatches,
+        num_samples=module.generation.num_samples,
+        algorithm=module.algorithm.name,
         optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
-        name="module",
+        name=f"module ({module.algorithm.name})",
         wrappers=installed_wrappers(),
         # LoRA: adapters of this rank train (peft's default r is 8); the reference then shares the actor's base.
         lora_rank=int(module.actor_spec.lora.get("r", 8)) if module.actor_spec.lora is not None else None,
