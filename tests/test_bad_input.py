@@ -255,6 +255,18 @@ def test_nonfinite_rewards_skip_whole_batch(tokenizer, tiny_gpt2_config):
     assert all(torch.isfinite(p).all() for p in module.critic.parameters())
 
 
+def test_minibatch_of_skipped_samples_takes_no_optimizer_step(tokenizer, tiny_gpt2_config):
+    """Scores (nan, nan, 1, 2) and 4 minibatches of one sample: the two minibatches of a skipped sample take no
+    step (AdamW's momentum and weight decay would still move the weights); the other two do."""
+    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [math.nan, math.nan, 1.0, 2.0],
+                         nonfinite_rewards="skip", num_minibatches=4)
+    dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=4)
+    with pytest.warns(UserWarning, match="2 of 4 scores are NaN or inf"):
+        fit(module, dm)
+    for optimizer in module.optimizers():
+        assert {int(state["step"]) for state in optimizer.optimizer.state.values()} == {2}
+
+
 def test_reward_fn_wrong_number_of_scores(tokenizer, tiny_gpt2_config):
     """A reward function returning the wrong number of scores is refused with the counts."""
     module = make_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [1.0])

@@ -200,7 +200,7 @@ def print_result(result: PlannerResult) -> None:
             "*" if c is result.best else "",
             c.source,
             _groups(c),
-            "/".join(c.plan.wrappers.values()),
+            _wrappers_text(c.plan.wrappers),
             str(c.choice.generation_batch or "all"),
             str(c.choice.micro_batch or "all"),
             f"{e.iteration_s:.2f}" if e.fits else "-",
@@ -224,6 +224,11 @@ SHORT_CALLS = {
     CRITIC.call("train"): "trainC",
 }
 """Column labels of the calls in the printed tables."""
+
+
+def _wrappers_text(wrappers: dict[str, str]) -> str:
+    """``act:ddp cri:fsdp2 rew:fsdp2``: each wrapped role's wrapper, by the role's first three letters."""
+    return " ".join(f"{role[:3]}:{wrapper}" for role, wrapper in wrappers.items())
 
 
 def _groups(candidate: Any) -> str:
