@@ -16,9 +16,12 @@ from fractions import Fraction
 from typing import Any
 
 from lightning_app_rlhf.role_table import (
+    ACTOR,
     CALLS,
     FROZEN_ROLES,
+    REFERENCE,
     REQUIRED_ROLES,
+    REWARD,
     ROLE_NAMES,
     TRAINABLE_ROLES,
     calls_of,
@@ -94,7 +97,7 @@ class PlacementPlan:
             raise ValueError(f"Ranks {idle} run no call: the plan's ranks must cover the world of "
                              f"{self.world_size}. Give them a call, or launch {self.world_size - len(idle)} devices.")
         if self.overlap:
-            generating = set(self.calls["actor.generate"])
+            generating = set(self.calls[ACTOR.call("generate")])
             training = {r for c, ranks in self.calls.items() if c.endswith(".train") for r in ranks}
             if generating & training:
                 raise ValueError(f"overlap=True needs generation and training on disjoint ranks, but ranks "
@@ -133,19 +136,19 @@ class PlacementPlan:
         must hold the actor (trained weights or a shadow). A sharded actor (FSDP2 / ZeRO-3 over several ranks)
         runs a forward as a collective over its train group: the reference call must then cover that whole group.
         """
-        actor_ranks = {r for call, ranks in self.calls.items() if role_of(call) == "actor" for r in ranks}
-        reference = set(self.calls["reference.forward"])
+        actor_ranks = {r for call, ranks in self.calls.items() if role_of(call) == ACTOR.name for r in ranks}
+        reference = set(self.calls[REFERENCE.call("forward")])
         missing = sorted(reference - actor_ranks)
         if missing:
             raise ValueError(
                 f"The reference shares the LoRA actor's base weights (adapters disabled), but ranks {missing} run "
                 f"'reference.forward' without holding the actor. Put 'reference.forward' on ranks that run an actor "
                 f"call ({sorted(actor_ranks)}), or give a separate `reference` model so those ranks load a copy.")
-        train = set(self.calls["actor.train"])
-        if self.wrappers.get("actor") in ("fsdp2", "zero3") and len(train) > 1 and reference & train != train \
+        train = set(self.calls[ACTOR.call("train")])
+        if self.wrappers.get(ACTOR.name) in ("fsdp2", "zero3") and len(train) > 1 and reference & train != train \
                 and reference & train:
             raise ValueError(
-                f"'reference.forward' runs on ranks {sorted(reference)}, part of the {self.wrappers['actor']} group "
+                f"'reference.forward' runs on ranks {sorted(reference)}, part of the {self.wrappers[ACTOR.name]} group "
                 f"{sorted(train)} of 'actor.train', and the reference shares the sharded actor's base: run it on all "
                 "of the actor's train ranks or on none of them, or use wrapper 'ddp'.")
 
@@ -220,15 +223,15 @@ def interleaving_plan(
     if world_size < 2:
         raise ValueError("Interleaving needs at least 2 ranks (reference and reward on disjoint groups); "
                          "use flattening on a single device.")
-    n_ref = _count(reference_ratio, world_size, "reference")
-    n_reward = _count(reward_ratio, world_size, "reward")
+    n_ref = _count(reference_ratio, world_size, REFERENCE.name)
+    n_reward = _count(reward_ratio, world_size, REWARD.name)
     if n_ref + n_reward > world_size:
         raise ValueError(f"Reference ({reference_ratio}) and reward ({reward_ratio}) ratios sum to more than 1: "
                          "interleaving puts them on disjoint groups. Lower them so they sum to at most 1.")
     everyone = tuple(range(world_size))
     calls = {c: everyone for c in calls_of(roles)}
-    calls["reference.forward"] = tuple(range(n_ref))
-    calls["reward.forward"] = tuple(range(n_ref, n_ref + n_reward))
+    calls[REFERENCE.call("forward")] = tuple(range(n_ref))
+    calls[REWARD.call("forward")] = tuple(range(n_ref, n_ref + n_reward))
     return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="interleaving")
 
 

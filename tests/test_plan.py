@@ -97,3 +97,37 @@ def test_each_rank_builds_only_the_roles_its_calls_need(plan, holdings, tokenize
         held = [name for name, attr in (("actor", "actor"), ("critic", "critic"), ("reference", "reference"),
                                         ("reward", "reward_model")) if getattr(module, attr) is not None]
         assert " ".join(held) == expected, rank
+
+
+CRITIC_FREE = ("actor", "reference", "reward")
+
+
+@pytest.mark.parametrize("preset", [flattening_plan, interleaving_plan, separation_plan])
+def test_critic_free_presets_place_no_critic(preset):
+    """A critic-free algorithm's plan gives ranks only to its own calls, and wraps only the actor."""
+    plan = preset(4, roles=CRITIC_FREE)
+    assert plan.roles == CRITIC_FREE and plan.trainable_roles == ("actor",)
+    assert sorted(plan.calls) == ["actor.generate", "actor.train", "reference.forward", "reward.forward"]
+    assert plan.wrappers == {"actor": "ddp"} and plan.shadow_ranks("critic") == ()
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_plan_roles_must_match_the_algorithm():
+    """A PPO plan under GRPO (or the reverse) is refused with the calls to remove or add."""
+    with pytest.raises(ValueError, match=r"algorithm 'grpo' uses \['actor', 'reference', 'reward'\]: remove the calls "
+                                         r"of \['critic'\]"):
+        flattening_plan(2).check_roles(CRITIC_FREE, "grpo")
+    with pytest.raises(ValueError, match=r"give ranks to the calls of \['critic'\]"):
+        flattening_plan(2, roles=CRITIC_FREE).check_roles(("actor", "reference", "reward", "critic"), "ppo")
+
+
+def test_a_plan_needs_every_call_of_its_roles():
+    """Half a critic (a forward without a train call) or no reward call is refused, naming the missing calls."""
+    calls = {c: (0,) for c in flattening_plan(1).calls if c != "critic.train"}
+    with pytest.raises(ValueError, match=r"missing \['critic.train'\]"):
+        PlacementPlan(1, calls)
+    calls = {c: (0,) for c in flattening_plan(1, roles=CRITIC_FREE).calls if c != "reward.forward"}
+    with pytest.raises(ValueError, match=r"missing \['reward.forward'\]"):
+        PlacementPlan(1, calls)
+    with pytest.raises(ValueError, match=r"Wrappers name roles \['critic'\] that the plan does not place"):
+        PlacementPlan(1, flattening_plan(1, roles=CRITIC_FREE).calls, {"actor": "ddp", "critic": "ddp"})

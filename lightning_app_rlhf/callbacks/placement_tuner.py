@@ -26,7 +26,9 @@ class PlacementTuner(Callback):
     checkpoints, so a resumed run reuses it instead of searching again.
 
     Works with any placement strategy (``rlhf_flattening``, ``rlhf_interleaving``, ``rlhf_separation``,
-    ``PlacementStrategy``): the tuned plan replaces the strategy's own. The planner keeps training on-policy
+    ``PlacementStrategy``): the tuned plan replaces the strategy's own. It plans the module's algorithm: its roles
+    only (no critic calls for a critic-free algorithm such as ``grpo``) and its rollout of ``data.batch_size x
+    generation.num_samples`` sequences. The planner keeps training on-policy
     (it never turns on Separation's ``overlap``), and searches only DDP while checkpointing is on, since
     checkpoints of FSDP2-sharded roles are not supported yet.
 
@@ -68,6 +70,8 @@ class PlacementTuner(Callback):
         self.ckpt_path = ckpt_path
         self.optimal_plan: PlacementPlan | None = None
         """The plan the run uses, once ``setup`` has run."""
+        self.algorithm: str | None = None
+        """The module's algorithm the plan was made for (its roles are the plan's), once ``setup`` has run."""
         self.prediction: dict[str, Any] = {}
         """What the planner predicted for :attr:`optimal_plan` (seconds and samples per iteration, peak bytes,
         source), or where the plan came from on a resume."""
@@ -82,9 +86,11 @@ class PlacementTuner(Callback):
                 f"PlacementTuner chooses among placements, so it needs a placement strategy; got "
                 f"{type(strategy).__name__}. Use strategy='rlhf_flattening' (any preset: the tuned plan replaces it)."
             )
+        self.algorithm = pl_module.algorithm.name
         saved = self._saved_state(trainer)
         if saved:  # a checkpoint written without a tuner (or before it chose) has no plan to reuse
             plan, self.prediction = PlacementPlan.from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
+            _check_saved_plan(plan, saved, pl_module)
         else:
             from lightning_app_rlhf.planner.profiler import measure_collectives, measure_device
 
@@ -176,7 +182,7 @@ class PlacementTuner(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.optimal_plan is None:
             return {}
-        return {"plan": self.optimal_plan.to_dict(), "prediction": self.prediction}
+        return {"plan": self.optimal_plan.to_dict(), "prediction": self.prediction, "algorithm": self.algorithm}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -187,6 +193,21 @@ class PlacementTuner(Callback):
                 "built: set `trainer.ckpt_path = PATH` before `fit` (RLHFCLI does it for --ckpt_path) or pass "
                 "PlacementTuner(ckpt_path=PATH)."
             )
+
+
+def _check_saved_plan(plan: PlacementPlan, saved: dict[str, Any], module: pl.LightningModule) -> None:
+    """Raise a ``ValueError`` naming the fix when the checkpoint's plan was tuned for another algorithm than the
+    module's (a plan places exactly its algorithm's roles: PPO's has critic calls, a critic-free one's has none)."""
+    algorithm, tuned_for = module.algorithm, saved.get("algorithm")  # None: saved before the tuner recorded it
+    if set(plan.roles) == set(algorithm.roles) and tuned_for in (None, algorithm.name):
+        return
+    made_for = f"algorithm {tuned_for!r}" if tuned_for else "another algorithm"
+    resume = f"--model.algorithm {tuned_for}" if tuned_for else "the checkpoint's algorithm"
+    raise ValueError(
+        f"The checkpoint's tuned plan was made for {made_for} (roles {list(plan.roles)}), but this run uses algorithm "
+        f"{algorithm.name!r} (roles {list(algorithm.roles)}). Resume with {resume}, or start a new run without "
+        "--ckpt_path."
+    )
 
 
 def describe(plan: PlacementPlan) -> str:

@@ -1,9 +1,10 @@
 """Measure what each call costs on this hardware, per role shape; cache it on disk; interpolate between points.
 
 The profiler runs the engine's own functions (``generation.generate``, ``calls.reference_forward`` /
-``critic_forward`` / ``reward_forward``, ``actor_loss`` / ``critic_loss`` with backward, an AdamW step) on random-init
-models of the workload's shapes, over a small grid of batch x length, plus the device's matmul and copy ceilings and
-the collective bandwidth of the running process group. A :class:`Profile` answers the cost model's op times;
+``critic_forward`` / ``reward_forward``, the algorithm's train loss (``Algorithm.loss``) with backward, an AdamW
+step) on random-init models of the shapes of the workload's roles (no critic for a critic-free workload), over a
+small grid of batch x length, plus the device's matmul and copy ceilings and the collective bandwidth of the running
+process group. A :class:`Profile` answers the cost model's op times;
 shapes or ops it lacks fall back to the analytic model.
 """
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
+from lightning_app_rlhf.role_table import ACTOR, CRITIC
 
 if TYPE_CHECKING:
     import torch
@@ -311,7 +313,7 @@ def _ddp_step_worker(rank: int, group: int, port: int, workload: Workload, repea
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     try:
-        batch = ceil_div(workload.batch_size // workload.num_minibatches, group)
+        batch = ceil_div(workload.samples // workload.num_minibatches, group)
         added: dict[str, float] = {}
         for role in workload.trainable:
             shape = workload.shape(role)
@@ -376,7 +378,8 @@ def profile_workload(
     statistic: str = "min",
     device: DeviceType | None = None,
 ) -> Profile:
-    """Measure every role shape of ``workload`` (cached per hardware and shape) and this device's ceilings.
+    """Measure the shape of every role of ``workload`` (cached per hardware and shape; a critic-free workload has no
+    critic to measure) and this device's ceilings.
 
     Args:
         workload: Its shapes must carry their Hugging Face ``config`` (from :func:`role_shape`).
@@ -396,7 +399,7 @@ def profile_workload(
         raise ValueError(f"statistic={statistic!r}: choose one of {sorted(STATISTIC)}.")
     profile = Profile(hardware_key(), device or measure_device(threads))
     seen = set()
-    for role in ("actor", "critic", "reference", "reward"):
+    for role in workload.roles:
         shape = workload.shape(role)
         if shape is None or shape.key in seen:
             continue
@@ -427,15 +430,11 @@ def measure_shape(
     """Op times of one role shape over ``batches`` x (sequence length, half of it)."""
     import torch
 
-    from lightning_app_rlhf.calls import (
-        Experience,
-        actor_loss,
-        critic_forward,
-        critic_loss,
-        reference_forward,
-    )
+    from lightning_app_rlhf.algorithms import build_algorithm
+    from lightning_app_rlhf.calls import Experience, critic_forward, reference_forward
     from lightning_app_rlhf.config import GenerationConfig, PPOConfig
     from lightning_app_rlhf.generation import Rollout, generate, position_ids_from_mask
+    from lightning_app_rlhf.ppo import LossScale
     from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     if shape.config is None:
@@ -452,7 +451,9 @@ def measure_shape(
     p, g = workload.prompt_length, workload.generation_length
     lengths = sorted({max(2, (p + g) // 2), p + g})
     ops: dict[str, list[list[float]]] = {"forward": [], "train": [], "decode": [], "prefill": []}
-    ppo = PPOConfig()
+    # PPO's losses: every algorithm's actor loss is the same clipped surrogate on the same forward and backward (its
+    # aggregation costs nothing beside them), and profiles are cached per shape, shared by every algorithm.
+    algorithm = build_algorithm("ppo", PPOConfig(), GenerationConfig(max_new_tokens=g))
 
     def batch_of(b: int, n: int) -> tuple[Rollout, Experience]:
         prompt = max(1, round(n * p / (p + g)))
@@ -467,11 +468,9 @@ def measure_shape(
         )
 
     def train_step(experience: Experience) -> None:
-        loss = (
-            actor_loss(model, experience, ppo, 1.0)[0]
-            if shape.kind == "causal_lm"
-            else critic_loss(model, experience, ppo)[0]
-        )
+        role = ACTOR.name if shape.kind == "causal_lm" else CRITIC.name
+        scale = LossScale(experience.response_mask.sum().float(), len(experience.sequences), g)
+        loss, _ = algorithm.loss(role, model, experience, scale)
         loss.backward()
 
     for b in batches:
@@ -533,8 +532,9 @@ def measure_shape(
 def model_work(workload: Workload, batch: int = 2) -> Callable[[], None]:
     """One unit of work like one engine iteration, for :func:`~lightning_app_rlhf.planner.cluster.measure_compute_shares`.
 
-    The workload's actor, critic and reference models, each built once: a 4-token generate of the actor, forwards of
-    the reference and the critic, then a forward, backward and AdamW step of the actor and of the critic, over
+    The workload's actor, critic (where it has one) and reference models, each built once: a 4-token generate of the
+    actor, forwards of the reference and the critic, then a forward, backward and AdamW step of the actor and of the
+    critic, over
     ``batch`` left-padded sequences of the workload's length. Cycling through the engine's models gives the unit the
     engine's working set, so its efficiency counts the cache that concurrent processes take from each other (one
     model repeated stays in a core's own cache: 2 busy processes read 0.99 of a core while the engine's calls on 2
