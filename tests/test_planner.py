@@ -246,9 +246,9 @@ def test_impossible_requests_show_the_memory_breakdown():
     ):
         plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-65b", wrappers=("ddp",)))
     # Full fine-tuning of 65B: bf16 weights + grads + 12 bytes of AdamW state per parameter, over 8 x 72 GiB.
-    with pytest.raises(PlannerError, match=r"cannot fit on 1x8xA100-80GB: .* = actor 972.8 GiB \+ critic"):
+    with pytest.raises(PlannerError, match=r"cannot fit on 1x8xA100-80GB: .* = actor 972.8 GiB \+ .* \+ critic 968.9"):
         plan_placement(parse_cluster("1x8xA100-80GB"), llama_workload("llama-65b"))
-    with pytest.raises(PlannerError, match=r"cannot fit on 1x1xA100-80GB: .* = actor .* GiB \+ critic"):
+    with pytest.raises(PlannerError, match=r"cannot fit on 1x1xA100-80GB: .* = actor .* GiB \+ .* \+ critic"):
         plan_placement(parse_cluster("1x1xA100-80GB"), llama_workload("llama-7b"))
     with pytest.raises(
         PlannerError, match=r"out of memory: rank \d+: .* GiB = weights .* GiB \+ grads .*optimizer"
@@ -470,9 +470,148 @@ def test_llama_33b_and_65b_with_lora_are_plannable_on_one_node():
     for size in ("llama-33b", "llama-65b"):
         result = plan_placement(
             parse_cluster("1x8xA100-80GB"),
-            llama_workload(size, prompt_length=256, lora_rank=128),
+            llama_workload(size, prompt_length=256, lora_rank=128, wrappers=("ddp", "fsdp2")),
             search="presets",
         )
         best = result.best
         assert best.estimate.fits and best.estimate.peak_bytes <= 0.9 * 80 * 2**30
         assert best.plan.wrappers["actor"] == "fsdp2" and best.plan.wrappers.get("reward") == "fsdp2"
+
+
+# ---------------------------------------------------------------- critic-free workloads (GRPO and friends)
+
+
+def grpo_workload(**overrides) -> Workload:
+    """The demo workload without a critic: GRPO with 2 responses per prompt."""
+    return demo_workload(**{"critic": None, "algorithm": "grpo", "num_samples": 2, **overrides})
+
+
+def test_a_critic_free_workload_places_no_critic():
+    workload = grpo_workload()
+    assert workload.roles == ("actor", "reference", "reward") and workload.trainable == ("actor",)
+    assert workload.calls == ("actor.generate", "reference.forward", "reward.forward", "actor.train")
+    assert workload.samples == 32 * 2 and not workload.has_critic
+    assert demo_workload().roles == ("actor", "reference", "reward", "critic")
+    with pytest.raises(ValueError, match=r"3 prompts x 2 samples = 6 sequences is not divisible by num_minibatches 4"):
+        grpo_workload(batch_size=3, num_minibatches=4)
+    # A plan must place exactly the workload's roles: PPO's plan has the critic a GRPO workload lacks.
+    with pytest.raises(ValueError, match=r"algorithm 'grpo' uses .*remove the calls of \['critic'\]"):
+        CostModel(parse_cluster("1x4xcpu"), workload).evaluate(PlanChoice(flattening_plan(4)))
+
+
+def test_samples_not_prompts_set_the_cost_of_a_rollout():
+    """G responses per prompt cost what G times the prompts cost: 16 prompts x 2 samples = 32 prompts x 1."""
+    cluster = parse_cluster("1x4xcpu")
+    grouped, flat = CostModel(cluster, demo_workload(batch_size=16, num_samples=2)), CostModel(cluster, demo_workload())
+    for plan in (flattening_plan(4), interleaving_plan(4), separation_plan(4)):
+        a, b = grouped.evaluate(PlanChoice(plan)), flat.evaluate(PlanChoice(plan))
+        assert a.iteration_s == pytest.approx(b.iteration_s) and a.samples_per_s == pytest.approx(b.samples_per_s)
+        assert [m.total for m in a.memory] == [m.total for m in b.memory]
+
+
+def test_critic_free_memory_per_rank_has_no_critic_share():
+    """The presets of a GRPO workload hold PPO's rows less the critic's weights, gradients and AdamW slots."""
+    cluster = parse_cluster("1x4xcpu")
+    with_critic, without = CostModel(cluster, demo_workload(num_samples=2)), CostModel(cluster, grpo_workload())
+    actor, critic, reference = 4 * ACTOR_PARAMS, 4 * CRITIC_PARAMS, 4 * ACTOR_PARAMS
+    adam = 3  # gradient + two moments per trainable byte (fp32)
+    expected = {
+        "flattening": [(actor + reference, adam * actor)] * 4,
+        "interleaving": [(actor + reference, adam * actor)] * 2 + [(actor, adam * actor)] * 2,
+        "separation": [(actor + reference, 0)] * 2 + [(actor, adam * actor)] * 2,
+    }
+    for preset in (flattening_plan, interleaving_plan, separation_plan):
+        plan = preset(4, roles=without.workload.roles)
+        assert not any(call.startswith("critic.") for call in plan.calls) and "critic" not in plan.wrappers
+        rows = without.memory(PlanChoice(plan))
+        assert [(m.param_bytes, m.state_bytes) for m in rows] == expected[plan.name], plan.name
+        assert all("critic" not in m.roles for m in rows)
+        ppo_rows = with_critic.memory(PlanChoice(preset(4)))
+        for grpo_row, ppo_row in zip(rows, ppo_rows, strict=True):
+            assert grpo_row.total < ppo_row.total
+            # The critic's whole weights on every rank that holds it; its grads and AdamW slots on its train ranks.
+            assert ppo_row.param_bytes - grpo_row.param_bytes == critic
+            assert ppo_row.state_bytes - grpo_row.state_bytes == (adam * critic if ppo_row.state_bytes else 0)
+
+
+def test_searches_plan_a_critic_free_workload_without_critic_calls():
+    """Presets, the APP grid, the role blocks and the MCMC chain: no plan has a critic call, wrapper or memory."""
+    result = plan_placement(cluster_from_environment(4, cores=2), grpo_workload(), time_budget_s=60, mcmc_steps=100)
+    model = CostModel(result.cluster, result.workload)
+    *found, start = mcmc_search(model, seed=0, steps=100, time_budget_s=60)
+    assert found and start.source == "mcmc start"
+    for candidate in [*result.candidates, *found, start]:
+        plan = candidate.plan
+        assert plan.roles == ("actor", "reference", "reward"), candidate.choice.label
+        assert set(plan.wrappers) <= {"actor", "reference", "reward"}
+        assert all("critic" not in m.roles for m in candidate.estimate.memory)
+        assert not [c for c in [*candidate.to_dict()["calls"], *candidate.estimate.call_s] if c.startswith("critic")]
+        assert not any(name.startswith(("critic", "gather.critic")) for name, *_ in candidate.estimate.timeline)
+    assert result.best.estimate.fits and result.to_dict()["roles"] == ["actor", "reference", "reward"]
+
+
+def test_a_critic_free_llama_workload_needs_less_memory_than_ppo():
+    """LLaMA-7B on 1x8 A100, bf16 with fp32 AdamW state: under the same plan and batches each device holds the
+    critic's 2 + 2 + 12 bytes per parameter less (weights, gradients, optimizer state), and the searched plans have
+    no critic call."""
+    cluster = parse_cluster("1x8xA100-80GB")
+    ppo_workload = llama_workload("llama-7b", num_samples=4)
+    grpo_workload = llama_workload("llama-7b", has_critic=False, algorithm="grpo", num_samples=4)
+    assert grpo_workload.critic is None and grpo_workload.reward == ppo_workload.reward
+    ppo, grpo = CostModel(cluster, ppo_workload), CostModel(cluster, grpo_workload)
+    critic_bytes = (2 + 2 + 12) * ppo_workload.critic.params
+    for wrapper in ("ddp", "fsdp2"):
+        ppo_rows = ppo.memory(PlanChoice(flattening_plan(8, wrapper), 64, 8))
+        grpo_rows = grpo.memory(PlanChoice(flattening_plan(8, wrapper, roles=grpo_workload.roles), 64, 8))
+        share = critic_bytes if wrapper == "ddp" else critic_bytes / 8  # FSDP2 shards all three over 8 ranks
+        for ppo_row, grpo_row in zip(ppo_rows, grpo_rows, strict=True):
+            assert ppo_row.total - grpo_row.total == pytest.approx(share, rel=1e-6), wrapper
+    result = plan_placement(cluster, grpo_workload, search="presets")
+    for candidate in result.candidates:
+        assert not any(c.startswith("critic.") for c in candidate.plan.calls)
+    assert result.best.iteration_s < plan_placement(cluster, ppo_workload, search="presets").best.iteration_s
+    with pytest.raises(PlannerError, match=r"= actor .* GiB \+ reference .* GiB \+ reward .* GiB, more than") as err:
+        plan_placement(parse_cluster("1x1xA100-80GB"), grpo_workload)
+    assert "critic" not in str(err.value)
+
+
+def test_plan_command_plans_critic_free_algorithms(capsys):
+    args = ["--cluster", "1x4xcpu", "--actor", "gpt2-tiny", "--reward", "function", "--batch-size", "16",
+            "--prompt-length", "8", "--generation-length", "24", "--num-minibatches", "2", "--time-budget", "1"]
+    assert plan_main([*args, "--algorithm", "grpo", "--num-samples", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["algorithm"] == "grpo" and result["num_samples"] == 4 and "critic" not in result["roles"]
+    for candidate in [result["best"], *result["presets"].values(), *result["candidates"]]:
+        assert not [call for call in candidate["calls"] if call.startswith("critic.")]
+        assert "critic" not in candidate["wrappers"]
+    best = result["best"]
+    assert best["samples_per_s"] == pytest.approx(16 * 4 / best["iteration_s"])  # sequences, not prompts
+    assert plan_main([*args, "--algorithm", "grpo", "--num-samples", "4"]) == 0
+    table = capsys.readouterr().out
+    assert "trainA" in table and "val:" not in table and "trainC" not in table
+    assert plan_main([*args, "--algorithm", "grpo", "--num-samples", "4", "--critic", "gpt2-tiny"]) == 2
+    assert "algorithm 'grpo' has no critic. Remove --critic" in capsys.readouterr().err
+    assert plan_main([*args, "--algorithm", "grpo"]) == 2
+    assert "Pass --num-samples 4" in capsys.readouterr().err
+
+
+def test_workload_from_a_critic_free_module_and_its_profile(tmp_path):
+    from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+    from lightning_app_rlhf.module import RLHFModule
+
+    module = RLHFModule(
+        actor={"config": DEMO},
+        tokenizer="lightning_app_rlhf.demo:build_tokenizer",
+        reward_fn="lightning_app_rlhf.demo.topic_reward",
+        algorithm="grpo",
+        generation=GenerationConfig(max_new_tokens=4, num_samples=2),
+        ppo=PPOConfig(kl_coef=0.0, kl_loss_coef=0.04),
+    )
+    workload = workload_from_module(module, batch_size=8, prompt_length=4)
+    assert workload.critic is None and workload.algorithm == "grpo" and workload.num_samples == 2
+    assert workload.roles == module.algorithm.roles and workload.samples == 16
+    profile = profile_workload(workload, batches=(1, 2), repeats=1, cache_dir=tmp_path)
+    assert set(profile.ops) == {workload.actor.key}  # the reference has the actor's shape; no critic to measure
+    assert set(profile.ops[workload.actor.key]) == {"forward", "train", "prefill", "decode", "optimizer"}
+    result = plan_placement(cluster_from_environment(2, cores=2), workload, profile=profile, mcmc_steps=50)
+    assert result.best.plan.roles == ("actor", "reference", "reward")

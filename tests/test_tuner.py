@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -10,11 +12,11 @@ from test_placements import COMPARED, run_demo
 
 from lightning_app_rlhf import RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
-from lightning_app_rlhf.callbacks.placement_tuner import _padded_prompt_length
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.callbacks.placement_tuner import _check_saved_plan, _padded_prompt_length
+from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import prompts, topic_reward
-from lightning_app_rlhf.plan import PlacementPlan, interleaving_plan, separation_plan
+from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 
 TUNER = ["--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--trainer.callbacks.time_budget_s=2",
          "--trainer.callbacks.mcmc_steps=300"]
@@ -95,3 +97,64 @@ def test_lightning_tuner_scales_the_rollout_batch(tmp_path, tiny_gpt2_config, to
     found = Tuner(trainer).scale_batch_size(module, datamodule=data, mode="power", steps_per_trial=1, init_val=2,
                                             max_trials=2)
     assert found == data.batch_size == 4  # two trials: 2, then 4 (no out-of-memory here)
+
+
+def grpo_module(config: dict) -> RLHFModule:
+    """A small critic-free module: GRPO, 2 responses per prompt, the KL in the loss."""
+    return RLHFModule(actor={"config": config}, tokenizer="lightning_app_rlhf.demo:build_tokenizer",
+                      reward_fn=topic_reward, algorithm="grpo",
+                      generation=GenerationConfig(num_samples=2, max_new_tokens=4),
+                      ppo=PPOConfig(kl_coef=0.0, kl_loss_coef=0.04))
+
+
+def test_tuner_plans_a_critic_free_module_without_critic_calls(tmp_path, tiny_gpt2_config, tokenizer):
+    """GRPO: the tuner profiles and plans the actor, reference and reward only; the strategy runs that plan, fit
+    trains, and the checkpointed tuner state names the algorithm."""
+    module = grpo_module(tiny_gpt2_config)
+    tuner = PlacementTuner(time_budget_s=1, mcmc_steps=50)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="rlhf_flattening", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                         callbacks=[tuner])
+    environment = dict(os.environ)
+    try:
+        trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=4))
+    finally:
+        # The strategy leaves its gloo group (listening on MASTER_PORT) and that port in os.environ: a later test's
+        # subprocess would inherit the port and fail to listen on it.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+    plan = tuner.optimal_plan
+    assert plan is not None and plan.roles == ("actor", "reference", "reward")
+    assert not [call for call in plan.calls if call.startswith("critic.")] and "critic" not in plan.wrappers
+    assert trainer.strategy.placement_plan == plan and module.critic is None and trainer.global_step == 2
+    assert tuner.prediction["iteration_s"] > 0
+    assert tuner.state_dict()["algorithm"] == "grpo"
+
+
+def test_a_saved_plan_of_another_algorithm_is_refused_with_the_fix(tiny_gpt2_config):
+    module = grpo_module(tiny_gpt2_config)
+    grpo_plan = flattening_plan(2, roles=module.algorithm.roles)
+    _check_saved_plan(grpo_plan, {"algorithm": "grpo"}, module)
+    _check_saved_plan(grpo_plan, {}, module)  # saved before the tuner recorded the algorithm: the roles agree
+    with pytest.raises(ValueError, match=r"made for algorithm 'ppo' .*Resume with --model.algorithm ppo"):
+        _check_saved_plan(flattening_plan(2), {"algorithm": "ppo"}, module)
+    with pytest.raises(ValueError, match=r"made for another algorithm .*'critic'.*start a new run"):
+        _check_saved_plan(flattening_plan(2), {}, module)
+
+
+def test_tuner_on_two_processes_runs_a_critic_free_plan_and_checkpoints_it(tmp_path):
+    """The GRPO demo on 2 processes: the tuned plan (no critic calls) is the one the strategy runs and saves."""
+    checkpoints = ["--trainer.enable_checkpointing", "true",
+                   "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                   f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2"]
+    rows = run_demo(tmp_path, "grpo", "--trainer.devices", "2", "--trainer.strategy", "rlhf_flattening", *TUNER,
+                    *checkpoints, steps=2, config="demo_grpo_cpu.yaml")
+    assert [r["step"] for r in rows if "reward/mean" in r] == [0, 1]
+    (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
+    checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
+    state = checkpoint["callbacks"]["PlacementTuner"]
+    chosen = PlacementPlan.from_dict(state["plan"])
+    assert state["algorithm"] == "grpo" and chosen.roles == ("actor", "reference", "reward")
+    assert checkpoint["rlhf_plan"]["calls"] == chosen.calls

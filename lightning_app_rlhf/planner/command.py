@@ -104,7 +104,7 @@ def check_algorithm_args(args: argparse.Namespace) -> None:
             f"--critic {args.critic} sets the critic's size, but algorithm {args.algorithm!r} has no critic. "
             "Remove --critic (use --reward to size the reward model), or use --algorithm ppo."
         )
-    if args.num_samples < algorithm.min_group_size:
+    if algorithm.min_group_size > 1 and args.num_samples < algorithm.min_group_size:
         raise ValueError(
             f"Algorithm {args.algorithm!r} compares the responses of one prompt with each other and needs at least "
             f"{algorithm.min_group_size} per prompt; --num-samples is {args.num_samples}. Pass --num-samples "
