@@ -235,25 +235,28 @@ class RLHFModule(pl.LightningModule):
     def _check_minibatches(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration, times ``generation.num_samples``,
         split into the minibatches and over the ranks of every call."""
-        samples = prompts * self.generation.num_samples
-        per = f"{prompts} prompts x generation.num_samples={self.generation.num_samples} = {samples} samples"
+        group = self.generation.num_samples
+        samples = prompts * group
+        size = f"{samples}" if group == 1 else f"{samples} ({prompts} prompts x generation.num_samples={group})"
+        fix = "data.batch_size" if group == 1 else "data.batch_size (or generation.num_samples)"
         if samples % self.ppo.num_minibatches:
-            raise ValueError(f"The rollout batch of {per} is not divisible by ppo.num_minibatches="
-                             f"{self.ppo.num_minibatches}. Pick a data.batch_size (or num_samples) that makes the "
-                             f"samples a multiple of it, or a num_minibatches that divides {samples}.")
+            raise ValueError(f"The rollout batch size {size} is not divisible by ppo.num_minibatches="
+                             f"{self.ppo.num_minibatches}. Pick a {fix} that makes it a multiple of it, or a "
+                             f"num_minibatches that divides {samples}.")
         plan = self._placement().plan
         widest = max(plan.calls, key=lambda call: len(plan.ranks(call)))
         if samples < len(plan.ranks(widest)):
-            raise ValueError(f"The rollout batch of {per} is split over the {len(plan.ranks(widest))} ranks of "
-                             f"{widest!r}: raise data.batch_size to at least that.")
+            what = f"{prompts} prompts" if group == 1 else f"{size} samples"
+            raise ValueError(f"The rollout batch of {what} is split over the {len(plan.ranks(widest))} ranks of "
+                             f"{widest!r}: raise {fix} to at least that.")
         minibatch = samples // self.ppo.num_minibatches
         for role in self.algorithm.trainable_roles:
             ranks = len(plan.ranks(f"{role}.train"))
             if minibatch < ranks:
-                times_g = " x num_samples" if self.generation.num_samples > 1 else ""
-                raise ValueError(f"Each minibatch of {minibatch} samples ({per}, / ppo.num_minibatches) is split over "
-                                 f"the {ranks} ranks of '{role}.train': raise data.batch_size or lower "
-                                 f"ppo.num_minibatches so that batch_size{times_g} / num_minibatches >= {ranks}.")
+                times_g = " x num_samples" if group > 1 else ""
+                raise ValueError(f"Each PPO minibatch of {minibatch} samples is split over the {ranks} ranks of "
+                                 f"'{role}.train': raise data.batch_size or lower ppo.num_minibatches so that "
+                                 f"batch_size{times_g} / num_minibatches >= {ranks}.")
 
     def trained_roles(self) -> list[str]:
         """The trainable roles whose train call runs on this rank, in optimizer order."""
