@@ -16,7 +16,6 @@ from typing_extensions import override
 
 from lightning_app_rlhf.roles import load_tokenizer, resolve_import
 
-
 Messages = list[dict[str, str]]
 """A chat prompt in TRL's conversational format: ``[{"role": "user", "content": "..."}, ...]``."""
 

@@ -37,13 +37,7 @@ TEMPLATES = (
 )
 """Prompt templates; ``{example}`` is one word of the topic."""
 
-FILLER = (
-    "the a an and or but of to in on at for with is are was were be it this that these those i you we they "
-    "he she my your our their some many few more most very so too not no yes can will would should could "
-    "like as from by about into over under after before then than when where what which who how why all "
-    "any each every both other such only own same just also here there now today good bad big small new old "
-    "long short high low first last great little right left best next few early young important public"
-).split()
+FILLER = ["the", "a", "an", "and", "or", "but", "of", "to", "in", "on", "at", "for", "with", "is", "are", "was", "were", "be", "it", "this", "that", "these", "those", "i", "you", "we", "they", "he", "she", "my", "your", "our", "their", "some", "many", "few", "more", "most", "very", "so", "too", "not", "no", "yes", "can", "will", "would", "should", "could", "like", "as", "from", "by", "about", "into", "over", "under", "after", "before", "then", "than", "when", "where", "what", "which", "who", "how", "why", "all", "any", "each", "every", "both", "other", "such", "only", "own", "same", "just", "also", "here", "there", "now", "today", "good", "bad", "big", "small", "new", "old", "long", "short", "high", "low", "first", "last", "great", "little", "right", "left", "best", "next", "few", "early", "young", "important", "public"]
 """Common words in the tokenizer's corpus, so responses can also be off-task."""
 
 OFF_TOPIC_COST = 0.1

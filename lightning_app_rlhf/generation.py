@@ -65,7 +65,7 @@ def sample_keys(
 def repeat_samples(batch: dict[str, Any], num_samples: int) -> dict[str, Any]:
     """Each prompt row repeated ``num_samples`` times, consecutively (a prompt's group is contiguous), with
     ``sample``: which repeat a row is. Row fields (lists) are repeated alike."""
-    repeat = lambda t: t.repeat_interleave(num_samples, dim=0)  # noqa: E731
+    repeat = lambda t: t.repeat_interleave(num_samples, dim=0)
     out = {key: repeat(batch[key]) for key in ("input_ids", "attention_mask", "index")}
     out["sample"] = torch.arange(num_samples, device=batch["index"].device).repeat(len(batch["index"]))
     fields = batch.get("fields") or {}

@@ -8,7 +8,6 @@ import dataclasses
 import os
 import time
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,20 +20,14 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_app_rlhf.algorithms import build_algorithm
-from lightning_app_rlhf.calls import (
-    Experience,
-    critic_forward,
-    minibatch_permutation,
-    reference_forward,
-    reward_forward,
-    split_minibatches,
-)
+from lightning_app_rlhf.calls import Experience
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.experience import RewardShaping, make_experience
-from lightning_app_rlhf.generation import Rollout, generate, repeat_samples, sample_keys
-from lightning_app_rlhf.memory import RoleMemory, role_memory
-from lightning_app_rlhf.placement import Placement, TensorSpec
-from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, LossScale, RunningMoments
+from lightning_app_rlhf.engine import RLHFEngine
+from lightning_app_rlhf.experience import RewardShaping
+from lightning_app_rlhf.generation import repeat_samples
+from lightning_app_rlhf.memory import RoleMemory
+from lightning_app_rlhf.placement import Placement
+from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, ROLES
 from lightning_app_rlhf.roles import (
     AdapterDisabledReference,
@@ -54,10 +47,6 @@ from lightning_app_rlhf.roles import (
 )
 
 ModelSource = ModelSpec | dict[str, Any] | str
-
-
-FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
-"""Forward role -> the tensor its call produces and that tensor's number of dimensions."""
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -285,52 +274,41 @@ class RLHFModule(pl.LightningModule):
         return optimizers[self.trained_roles().index(role)].optimizer
 
     def gather_memory(self) -> list[list[RoleMemory]]:
-        """Every rank's :class:`RoleMemory` rows, on every rank (one object all-gather)."""
-        placement = self._placement()
-        mine = []
-        for role in self.algorithm.roles:
-            module = self.role_module(role)
-            if module is None:
-                continue
-            calls = [call.split(".")[1] for call in placement.plan.calls if call.startswith(f"{role}.")
-                     and placement.runs(call)]
-            if isinstance(module, AdapterDisabledReference):  # runs on the actor's weights, counted there
-                mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
-                continue
-            optimizer = self._optimizer(role) if role in self.trained_roles() else None
-            mine.append(role_memory(role, module, calls, optimizer))
-        if not placement.distributed:
-            return [mine]
-        everyone: list[Any] = [None] * placement.plan.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        return everyone
+        """Every rank's :class:`RoleMemory` rows, on every rank (a collective: call it on every rank)."""
+        return self.engine.gather_memory({role: self._optimizer(role) for role in self.trained_roles()})
+
+    @property
+    def engine(self) -> RLHFEngine:
+        """The model calls of one iteration over the roles this rank holds now."""
+        return RLHFEngine(self._placement(), self.algorithm, self.generation, self.ppo, self.tokenizer, self.shaping,
+                          self.role_module, self.reward_fn, self.seed)
 
     # ---- one iteration ----
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        iteration = self.iteration
+        iteration, engine = self.iteration, self.engine
         self._check_minibatches(batch["input_ids"].shape[0])
         batch = repeat_samples(batch, self.generation.num_samples)
         overlap = self._placement().plan.overlap
         times = {"start": _now(self.device)}
-        local = self.generate_local(batch, iteration)
+        local = engine.generate_shard(batch, iteration)
         times["generated"] = _now(self.device)
         if overlap:
             # One-step off-policy: the training group updates on the previous rollout while the generation group
             # sampled this one; both meet in the gathers below.
-            train_stats, trained_on = self._train(self.pending_experience)
+            train_stats, trained_on = self._train(engine, self.pending_experience)
             times["trained"] = _now(self.device)
-        rollout = self.gather_rollout(batch, local)
-        experience, stats = self.score_rollout(rollout, iteration, batch.get("fields"))
+        rollout = engine.gather_rollout(batch, local)
+        experience, stats = engine.score_rollout(rollout, iteration, batch.get("fields"))
         times["scored"] = _now(self.device)
         if overlap:
             self.pending_experience = experience
         else:
-            train_stats, trained_on = self._train(experience)
+            train_stats, trained_on = self._train(engine, experience)
             times["trained"] = _now(self.device)
         stats.update(train_stats)
-        stats["reallocate/bytes"] = float(sum(self.reallocate_shadows())) if trained_on is not None else 0.0
+        stats["reallocate/bytes"] = float(sum(engine.reallocate_shadows())) if trained_on is not None else 0.0
         times["reallocated"] = _now(self.device)
         if overlap:
             stats["overlap/staleness"] = float(iteration - trained_on.iteration) if trained_on is not None else 0.0
@@ -341,134 +319,21 @@ class RLHFModule(pl.LightningModule):
         stats.update(_timings(times, overlap, samples, rollout.response_mask.sum().item()))
         self._log_stats(stats, samples)
 
-    def _train(self, experience: Experience | None) -> tuple[dict[str, torch.Tensor], Experience | None]:
+    def _train(
+        self, engine: RLHFEngine, experience: Experience | None
+    ) -> tuple[dict[str, torch.Tensor], Experience | None]:
         """Every train call on ``experience``; nothing when there is none yet or every score was skipped."""
         if experience is None or not bool(experience.response_mask.any()):
             return {}, None
         stats: dict[str, torch.Tensor] = {}
+        trained_here = self.trained_roles()
         for role in self.algorithm.trainable_roles:
-            stats.update(self.train_role(role, experience))
+            here = role in trained_here
+            model = self.train_modules.get(role, self.role_module(role)) if here else None
+            optimizer = self._optimizer(role) if here else None
+            stats.update(engine.train_role(role, experience, model, optimizer, self.manual_backward,
+                                           self._optimizer_step))
         return stats, experience
-
-    def generate_local(self, batch: dict[str, Any], iteration: int) -> dict[str, torch.Tensor] | None:
-        """``actor.generate`` on this rank's shard of the global batch (no collective); None off its group."""
-        placement = self._placement()
-        call = ACTOR.call("generate")
-        if not placement.runs(call):
-            return None
-        rows = placement.shard(call, batch["input_ids"].shape[0])
-        part = generate(
-            self.actor,
-            batch["input_ids"][rows],
-            batch["attention_mask"][rows],
-            self.generation,
-            sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            lockstep_group=placement.groups.get(call) if placement.sharded_here(ACTOR.name) else None,
-        )
-        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
-
-    def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
-        """Every rank receives the whole rollout from the shards of ``actor.generate``'s ranks."""
-        specs = {
-            "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
-            "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
-            "logprobs": TensorSpec(torch.float32, 2),
-        }
-        out = self._placement().gather_to_world(ACTOR.call("generate"), local, specs)
-        return Rollout(
-            sequences=torch.cat([batch["input_ids"], out["responses"]], dim=1),
-            attention_mask=torch.cat([batch["attention_mask"], out["response_mask"]], dim=1),
-            response_mask=out["response_mask"],
-            logprobs=out["logprobs"],
-            prompt_length=batch["input_ids"].shape[1],
-        )
-
-    def score_rollout(
-        self, rollout: Rollout, iteration: int, row_fields: dict[str, list[Any]] | None = None
-    ) -> tuple[Experience, dict[str, torch.Tensor]]:
-        """The forward calls (reference, reward, critic), each on its group's ranks, gathered to every rank; then
-        the algorithm's advantages on every rank (cheap, and it saves a broadcast)."""
-        placement = self._placement()
-        roles = [role for role in FORWARD_OUTPUTS if role in self.algorithm.roles]
-        # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
-        parts = {role: self.forward_local(role, rollout, row_fields) for role in roles}
-        length = rollout.response_mask.shape[1]
-        gathered = {}
-        for role in roles:
-            name, ndim = FORWARD_OUTPUTS[role]
-            out = placement.gather_to_world(f"{role}.forward", parts[role], {name: TensorSpec(torch.float32, ndim)})
-            gathered[role] = out[name][:, :length] if ndim == 2 else out[name]
-        return make_experience(rollout, gathered[REFERENCE.name], gathered[REWARD.name], gathered.get(CRITIC.name),
-                               self.algorithm, self.shaping, iteration)
-
-    def forward_local(
-        self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None
-    ) -> dict[str, torch.Tensor] | None:
-        """``role.forward`` on this rank's shard of the rollout (no collective); None off its group."""
-        placement = self._placement()
-        call = f"{role}.forward"
-        if not placement.runs(call):
-            return None
-        rows = placement.shard(call, len(rollout.sequences))
-        shard = rollout.select(rows)
-        if role == REFERENCE.name:
-            out = reference_forward(self.reference, shard, self.generation.temperature)
-        elif role == REWARD.name:
-            fields = {name: values[rows] for name, values in (row_fields or {}).items()}
-            out = reward_forward(self.reward_model or self.reward_fn, shard, self.tokenizer, fields)
-        else:
-            out = critic_forward(self.critic, shard)
-        return {FORWARD_OUTPUTS[role][0]: out}
-
-    def train_role(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
-        """``role``'s train call on its group; the statistics reach every rank."""
-        call = f"{role}.train"
-        stats = self._update(role, experience) if self._placement().runs(call) else None
-        return self._placement().broadcast_stats(call, stats, self.algorithm.stat_names(role))
-
-    def _update(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
-        """Epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every minibatch and
-        divides by the whole minibatch's sizes; the wrapper averages gradients over D ranks, so the loss is scaled
-        by D. The update is the same whatever D is. A minibatch with no valid token takes no step."""
-        placement = self._placement()
-        call = f"{role}.train"
-        ranks, my_rank = placement.group_size(call), placement.group_rank(call)
-        model = self.train_modules.get(role, self.role_module(role))
-        optimizer = self._optimizer(role)
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
-        steps = 0
-        for epoch in range(self.ppo.ppo_epochs):
-            order = minibatch_permutation(len(experience.sequences), self.seed, experience.iteration, epoch)
-            for indices in split_minibatches(order, self.ppo.num_minibatches):
-                tokens = experience.response_mask[indices].sum()
-                if tokens == 0:  # every sample skipped: AdamW would still move the weights (momentum, decay)
-                    continue
-                scale = LossScale(tokens.float(), len(indices), self.generation.max_new_tokens)
-                shard = experience.minibatch(indices.tensor_split(ranks)[my_rank])
-                loss, stats = self.algorithm.loss(role, model, shard, scale)
-                self.manual_backward(loss * ranks)
-                if self.ppo.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
-                self._optimizer_step(optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                for name, value in stats.items():
-                    totals[name] = totals[name] + value.detach()
-                steps += 1
-        names = self.algorithm.stat_names(role)
-        summed = placement.all_reduce_sum(call, torch.stack([totals[n] for n in names]))
-        return {name: value / max(steps, 1) for name, value in zip(names, summed)}
-
-    def reallocate_shadows(self) -> list[int]:
-        """Refresh every shadow copy of a trained role after its update; bytes moved per role on this rank."""
-        placement = self._placement()
-        moved = []
-        for role in self.algorithm.trainable_roles:
-            shadows = placement.plan.shadow_ranks(role)
-            if shadows and (placement.runs(f"{role}.train") or placement.rank in shadows):
-                moved.append(placement.reallocate_weights(role, self.role_module(role)))
-        return moved
 
     # ---- export ----
 

@@ -227,7 +227,7 @@ def group_mean_std(
     count = valid_g.sum(1, keepdim=True)
     mean = (scores_g * valid_g).sum(1, keepdim=True) / count.clamp(min=1.0)
     var = ((scores_g - mean) ** 2 * valid_g).sum(1, keepdim=True) / (count - 1).clamp(min=1.0)
-    expand = lambda x: x.expand_as(scores_g).reshape(-1)  # noqa: E731
+    expand = lambda x: x.expand_as(scores_g).reshape(-1)
     return expand(mean), expand(var.sqrt()), expand(count)
 
 

@@ -16,11 +16,11 @@ from lightning_app_rlhf.algorithms.rloo import RLOO
 
 __all__ = [
     "ALGORITHMS",
-    "Algorithm",
-    "DrGRPO",
     "GRPO",
     "PPO",
     "RLOO",
+    "Algorithm",
+    "DrGRPO",
     "ReinforcePlusPlus",
     "ReinforcePlusPlusBaseline",
     "ScoredRollout",

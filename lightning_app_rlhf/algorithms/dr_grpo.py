@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 from lightning_app_rlhf import ppo
-from lightning_app_rlhf.algorithms.base import Algorithm, ScoredRollout, per_token, register_algorithm, sequence_rewards
+from lightning_app_rlhf.algorithms.base import (
+    Algorithm,
+    ScoredRollout,
+    per_token,
+    register_algorithm,
+    sequence_rewards,
+)
 
 
 @register_algorithm

@@ -16,10 +16,11 @@ from lightning_app_rlhf.bench.presets import RunSettings
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import build_tokenizer, prompts
+from lightning_app_rlhf.engine import RLHFEngine
 from lightning_app_rlhf.module import RLHFModule
 
-PHASES = {"generate": "generate_local", "score": "score_rollout", "train": "_train"}
-"""Phase -> the RLHFModule method that runs it."""
+ENGINE_PHASES = {"generate": "generate_shard", "score": "score_rollout"}
+"""Phase -> the RLHFEngine method that runs it; the train phase is RLHFModule._train (every train call)."""
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
 
 
@@ -35,12 +36,18 @@ def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
         ppo=PPOConfig(ppo_epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches),
     )
     recorder = _PhaseProfiler(at_iteration=settings.warmup)
-    for phase, method in PHASES.items():
-        setattr(module, method, recorder.wrap(phase, getattr(module, method)))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=settings.warmup + 1, precision=settings.precision,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=settings.batch_size))
+    module._train = recorder.wrap("train", module._train)
+    originals = {method: getattr(RLHFEngine, method) for method in ENGINE_PHASES.values()}
+    for phase, method in ENGINE_PHASES.items():
+        setattr(RLHFEngine, method, recorder.wrap(phase, originals[method]))
+    try:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=settings.warmup + 1,
+                             precision=settings.precision, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=settings.batch_size))
+    finally:
+        for method, original in originals.items():
+            setattr(RLHFEngine, method, original)
     return {phase: _summarize(events, wall, top) for phase, (events, wall) in recorder.phases.items()}
 
 

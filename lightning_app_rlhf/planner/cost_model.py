@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
+from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 
 if TYPE_CHECKING:
     from lightning_app_rlhf.planner.profiler import Profile

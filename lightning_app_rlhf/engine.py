@@ -1,0 +1,232 @@
+"""``RLHFEngine``: the model calls of one RLHF iteration on this rank. Plain PyTorch, no Lightning.
+
+Each call runs on its group's ranks (the :class:`~lightning_app_rlhf.placement.Placement` decides which) and its
+outputs are gathered to every rank, so every rank goes through the same steps in the same order: generate, score,
+advantages (the algorithm's), train, reallocate. The caller owns the loop, the optimizers and the backward pass:
+:class:`~lightning_app_rlhf.RLHFModule` binds it to Lightning's Trainer and Fabric.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_app_rlhf.algorithms import Algorithm
+from lightning_app_rlhf.calls import (
+    Experience,
+    critic_forward,
+    minibatch_permutation,
+    reference_forward,
+    reward_forward,
+    split_minibatches,
+)
+from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.experience import RewardShaping, make_experience
+from lightning_app_rlhf.generation import Rollout, generate, sample_keys
+from lightning_app_rlhf.memory import RoleMemory, role_memory
+from lightning_app_rlhf.placement import Placement, TensorSpec
+from lightning_app_rlhf.ppo import LossScale
+from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
+from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction
+
+FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
+"""Forward role -> the tensor its call produces and that tensor's number of dimensions."""
+
+Backward = Callable[[torch.Tensor], None]
+OptimizerStep = Callable[[torch.optim.Optimizer], None]
+
+
+@dataclass
+class RLHFEngine:
+    """The calls of one iteration over the roles this rank holds.
+
+    Args:
+        placement: Which ranks run each call, and the collectives between them.
+        algorithm: Roles, advantages and losses.
+        generation: Sampling settings.
+        config: Epochs, minibatches and gradient clipping of the train calls.
+        tokenizer: Decodes responses for a reward function; gives the EOS and pad ids.
+        shaping: Score shaping and the KL coefficient, stateful across iterations.
+        modules: Role -> its module on this rank (None where this rank does not hold it).
+        reward_fn: The reward function, when the reward is not a model.
+        seed: Keys the sampling noise and the minibatch order.
+    """
+
+    placement: Placement
+    algorithm: Algorithm
+    generation: GenerationConfig
+    config: PPOConfig
+    tokenizer: PreTrainedTokenizerBase
+    shaping: RewardShaping
+    modules: Callable[[str], nn.Module | None]
+    reward_fn: RewardFunction | None
+    seed: int
+
+    # ---- actor.generate ----
+
+    def generate_shard(self, batch: dict[str, Any], iteration: int) -> dict[str, torch.Tensor] | None:
+        """``actor.generate`` on this rank's shard of the global batch (no collective); None off its group."""
+        call = ACTOR.call("generate")
+        if not self.placement.runs(call):
+            return None
+        rows = self.placement.shard(call, batch["input_ids"].shape[0])
+        part = generate(
+            self.modules(ACTOR.name),
+            batch["input_ids"][rows],
+            batch["attention_mask"][rows],
+            self.generation,
+            sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            lockstep_group=self.placement.groups.get(call) if self.placement.sharded_here(ACTOR.name) else None,
+        )
+        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
+
+    def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
+        """Every rank receives the whole rollout from the shards of ``actor.generate``'s ranks."""
+        specs = {
+            "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
+            "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
+            "logprobs": TensorSpec(torch.float32, 2),
+        }
+        out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs)
+        return Rollout(
+            sequences=torch.cat([batch["input_ids"], out["responses"]], dim=1),
+            attention_mask=torch.cat([batch["attention_mask"], out["response_mask"]], dim=1),
+            response_mask=out["response_mask"],
+            logprobs=out["logprobs"],
+            prompt_length=batch["input_ids"].shape[1],
+        )
+
+    # ---- forward calls, then the algorithm's advantages ----
+
+    def score_rollout(
+        self, rollout: Rollout, iteration: int, row_fields: dict[str, list[Any]] | None = None
+    ) -> tuple[Experience, dict[str, torch.Tensor]]:
+        """The forward calls of the algorithm's roles, each on its group's ranks, gathered to every rank; then the
+        algorithm's advantages on every rank (cheap, and it saves a broadcast)."""
+        roles = [role for role in FORWARD_OUTPUTS if role in self.algorithm.roles]
+        # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
+        parts = {role: self.forward_shard(role, rollout, row_fields) for role in roles}
+        length = rollout.response_mask.shape[1]
+        gathered = {}
+        for role in roles:
+            name, ndim = FORWARD_OUTPUTS[role]
+            out = self.placement.gather_to_world(role + ".forward", parts[role], {name: TensorSpec(torch.float32, ndim)})
+            gathered[role] = out[name][:, :length] if ndim == 2 else out[name]
+        return make_experience(rollout, gathered[REFERENCE.name], gathered[REWARD.name], gathered.get(CRITIC.name),
+                               self.algorithm, self.shaping, iteration)
+
+    def forward_shard(
+        self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """``role.forward`` on this rank's shard of the rollout (no collective); None off its group."""
+        call = role + ".forward"
+        if not self.placement.runs(call):
+            return None
+        rows = self.placement.shard(call, len(rollout.sequences))
+        shard = rollout.select(rows)
+        if role == REFERENCE.name:
+            out = reference_forward(self.modules(role), shard, self.generation.temperature)
+        elif role == REWARD.name:
+            fields = {name: values[rows] for name, values in (row_fields or {}).items()}
+            out = reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields)
+        else:
+            out = critic_forward(self.modules(role), shard)
+        return {FORWARD_OUTPUTS[role][0]: out}
+
+    # ---- train calls ----
+
+    def train_role(
+        self,
+        role: str,
+        experience: Experience,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        backward: Backward,
+        step: OptimizerStep,
+    ) -> dict[str, torch.Tensor]:
+        """``role``'s train call on its group (``model`` and ``optimizer`` are None off it); the statistics reach
+        every rank."""
+        call = role + ".train"
+        stats = self._update(role, experience, model, optimizer, backward, step) if self.placement.runs(call) else None
+        return self.placement.broadcast_stats(call, stats, self.algorithm.stat_names(role))
+
+    def _update(
+        self,
+        role: str,
+        experience: Experience,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        backward: Backward,
+        step: OptimizerStep,
+    ) -> dict[str, torch.Tensor]:
+        """Epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every minibatch and
+        divides by the whole minibatch's sizes; the wrapper averages gradients over D ranks, so the loss is scaled
+        by D. The update is the same whatever D is. A minibatch with no valid token takes no step."""
+        call = role + ".train"
+        ranks, my_rank = self.placement.group_size(call), self.placement.group_rank(call)
+        config = self.config
+        device = experience.advantages.device
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+        steps = 0
+        for epoch in range(config.ppo_epochs):
+            order = minibatch_permutation(len(experience.sequences), self.seed, experience.iteration, epoch)
+            for indices in split_minibatches(order, config.num_minibatches):
+                tokens = experience.response_mask[indices].sum()
+                if tokens == 0:  # every sample skipped: AdamW would still move the weights (momentum, decay)
+                    continue
+                scale = LossScale(tokens.float(), len(indices), self.generation.max_new_tokens)
+                shard = experience.minibatch(indices.tensor_split(ranks)[my_rank])
+                loss, stats = self.algorithm.loss(role, model, shard, scale)
+                backward(loss * ranks)
+                if config.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                for name, value in stats.items():
+                    totals[name] = totals[name] + value.detach()
+                steps += 1
+        names = self.algorithm.stat_names(role)
+        summed = self.placement.all_reduce_sum(call, torch.stack([totals[n] for n in names]))
+        return {name: value / max(steps, 1) for name, value in zip(names, summed)}
+
+    # ---- reallocation and memory ----
+
+    def reallocate_shadows(self) -> list[int]:
+        """Refresh every shadow copy of a trained role after its update; bytes moved per role on this rank."""
+        moved = []
+        for role in self.algorithm.trainable_roles:
+            shadows = self.placement.plan.shadow_ranks(role)
+            if shadows and (self.placement.runs(role + ".train") or self.placement.rank in shadows):
+                moved.append(self.placement.reallocate_weights(role, self.modules(role)))
+        return moved
+
+    def gather_memory(self, optimizers: dict[str, torch.optim.Optimizer]) -> list[list[RoleMemory]]:
+        """Every rank's :class:`RoleMemory` rows, on every rank (one object all-gather).
+
+        Args:
+            optimizers: Role -> its optimizer, for the roles this rank trains.
+        """
+        mine = []
+        for role in self.algorithm.roles:
+            module = self.modules(role)
+            if module is None:
+                continue
+            calls = [call.split(".")[1] for call in self.placement.plan.calls
+                     if call.startswith(role + ".") and self.placement.runs(call)]
+            if isinstance(module, AdapterDisabledReference):  # runs on the actor's weights, counted there
+                mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
+                continue
+            mine.append(role_memory(role, module, calls, optimizers.get(role)))
+        if not self.placement.distributed:
+            return [mine]
+        everyone: list[Any] = [None] * self.placement.plan.world_size
+        torch.distributed.all_gather_object(everyone, mine)
+        return everyone
