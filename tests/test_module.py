@@ -98,3 +98,25 @@ def test_reference_stays_frozen_while_actor_moves(demo_tokenizer):
     reference = module.reference.state_dict()
     assert all(torch.equal(reference[k], v) for k, v in initial.items())
     assert any(not torch.equal(module.actor.state_dict()[k], v) for k, v in initial.items())
+
+
+def test_grpo_reward_rises_on_demo_task(demo_tokenizer):
+    """GRPO (4 responses per prompt, no critic, k3 KL in the loss) with fixed seeds: the demo config's settings
+    raise the reward far above its start, and no critic is ever built."""
+    pl.seed_everything(0)
+    module = RLHFModule(
+        actor=DEMO_ACTOR,
+        tokenizer=demo_tokenizer,
+        reward_fn=demo.topic_reward,
+        algorithm="grpo",
+        generation=GenerationConfig(max_new_tokens=24, num_samples=4),
+        ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, kl_coef=0.0, kl_loss_coef=0.001),
+        actor_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+    )
+    data = PromptDataModule(demo.prompts(), demo_tokenizer, batch_size=8)
+    summary = RLHFRunSummary(window=20)
+    _trainer(GRPO_STEPS, callbacks=[summary]).fit(module, data)
+    start, end = summary.start_end("reward/mean")
+    assert module.critic is None and len(module.optimizers().optimizer.param_groups) == 1
+    assert start < 0.08, start
+    assert end > start + GRPO_RISE, (start, end)
