@@ -121,8 +121,9 @@ class PlacementPlan:
                                  "'fsdp2'.")
         unknown = sorted(set(self.wrappers) - set(self.roles))
         if unknown:
-            raise ValueError(f"Wrappers name roles {unknown} that the plan does not place: give wrappers to "
-                             f"{list(self.trainable_roles)} and, optionally, {list(FROZEN_ROLES)}.")
+            raise ValueError(f"Wrappers name unknown roles {unknown}, which the plan does not place: give wrappers "
+                             f"to {list(self.trainable_roles)} and, optionally, "
+                             f"{[r for r in FROZEN_ROLES if r in self.roles]}.")
         for role in FROZEN_ROLES:
             if role in self.wrappers and self.wrappers[role] not in FROZEN_WRAPPERS:
                 raise ValueError(f"Frozen role {role!r} has wrapper {self.wrappers[role]!r}; a frozen role is either "

@@ -129,5 +129,5 @@ def test_a_plan_needs_every_call_of_its_roles():
     calls = {c: (0,) for c in flattening_plan(1, roles=CRITIC_FREE).calls if c != "reward.forward"}
     with pytest.raises(ValueError, match=r"missing \['reward.forward'\]"):
         PlacementPlan(1, calls)
-    with pytest.raises(ValueError, match=r"Wrappers name roles \['critic'\] that the plan does not place"):
+    with pytest.raises(ValueError, match=r"Wrappers name unknown roles \['critic'\], which the plan does not place"):
         PlacementPlan(1, flattening_plan(1, roles=CRITIC_FREE).calls, {"actor": "ddp", "critic": "ddp"})

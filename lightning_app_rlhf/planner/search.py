@@ -31,7 +31,7 @@ from lightning_app_rlhf.planner.cost_model import (
 )
 from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
-from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, calls_of, role_of
+from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, TRAINABLE_ROLES, calls_of, role_of
 
 SEARCHES = ("app", "mcmc", "both", "presets")
 SHARDED = ("fsdp2", "zero3")
@@ -251,7 +251,7 @@ def _check_replica_fits(model: CostModel) -> None:
     n = cluster.world_size
     total, lines = 0, []
     can_shard = any(wr in SHARDED for wr in w.wrappers)
-    for role in w.roles:
+    for role in sorted(w.roles, key=lambda r: r not in TRAINABLE_ROLES):  # trained roles first: they weigh most
         shape = w.shape(role)
         if shape is None:
             continue
