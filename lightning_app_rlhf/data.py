@@ -277,7 +277,7 @@ class PromptDataModule(pl.LightningDataModule):
             ``datasets.Dataset``; or an import path ``"package.module:name"`` to such a list or to a function
             returning one. Every row must have the same extra fields.
         tokenizer: A tokenizer, a local tokenizer directory, or ``"package.module:function"`` building one.
-        batch_size: Prompts per PPO iteration (the rollout batch).
+        batch_size: Prompts per iteration (the rollout batch holds ``batch_size x generation.num_samples`` samples).
         prompt_key: Field or column that holds the prompt text.
         max_prompt_length: Truncate longer prompts to this many tokens (None keeps them whole).
         shuffle: Reshuffle prompts every epoch.
@@ -341,7 +341,7 @@ class PromptDataModule(pl.LightningDataModule):
             self.dataset,
             batch_size=self.batch_size,
             sampler=sampler,
-            drop_last=True,  # every PPO iteration sees a full batch
+            drop_last=True,  # every iteration sees a full batch
             num_workers=self.num_workers,
             collate_fn=functools.partial(collate_left_padded, pad_token_id=self.tokenizer.pad_token_id),
         )

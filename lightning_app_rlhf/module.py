@@ -377,7 +377,7 @@ class RLHFModule(pl.LightningModule):
 
     @property
     def iteration(self) -> int:
-        """PPO iterations done: ``global_step`` under the Trainer, a counter of our own under Fabric."""
+        """Iterations done: ``global_step`` under the Trainer, a counter of our own under Fabric."""
         return self._fabric_iteration if self._fabric is not None else self.global_step
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -396,7 +396,7 @@ class RLHFModule(pl.LightningModule):
             scheduler.step()
 
     def _count_one_optimizer_step(self) -> None:
-        """Advance ``global_step`` by exactly one per PPO iteration, however many optimizer steps it took.
+        """Advance ``global_step`` by exactly one per iteration, however many optimizer steps it took.
 
         Lightning counts every ``LightningOptimizer.step`` as a global step; with two optimizers and many
         minibatches, ``max_steps`` and checkpoint names would drift from the iteration count.

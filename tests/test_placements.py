@@ -36,7 +36,7 @@ def run_demo(
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_placements_give_the_same_trajectory(tmp_path, devices):
     """Same seed and global batch: Flattening, Interleaving and Separation log the same values step by step."""
     logged = {s: run_demo(tmp_path, f"{s}_{devices}", "--trainer.devices", str(devices), "--trainer.strategy", s)
@@ -64,8 +64,17 @@ GRPO_COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/
                  "policy/entropy", "policy/kl_loss", "response/length_mean")
 
 
+GRPO_BATCH = ("--data.batch_size", "3", "--model.generation.num_samples", "4")
+
+
+@pytest.fixture(scope="module")
+def grpo_one_process(tmp_path_factory):
+    """The GRPO demo on one process: the trajectory every placement must log."""
+    return run_demo(tmp_path_factory.mktemp("grpo"), "single", *GRPO_BATCH, config="demo_grpo_cpu.yaml")
+
+
 @pytest.mark.parametrize("devices", [2, 4])
-def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devices):
+def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devices, grpo_one_process):
     """GRPO (G=4, no critic): 3 prompts x 4 samples, so on 2 and 4 ranks a prompt's group spans shards. Every
     placement logs the values of a single process step by step; under Separation only the actor's bytes move;
     no rank holds or prints a critic."""
@@ -73,9 +82,8 @@ def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devic
 
     from lightning_app_rlhf.roles import as_model_spec, build_causal_lm
 
-    common = ("--data.batch_size", "3", "--model.generation.num_samples", "4")
-    single = run_demo(tmp_path, "single", *common, config="demo_grpo_cpu.yaml")
-    reference = [r for r in single if "reward/mean" in r]
+    common = GRPO_BATCH
+    reference = [r for r in grpo_one_process if "reward/mean" in r]
     assert [r["step"] for r in reference] == [0, 1, 2]
     assert len({r["reward/mean"] for r in reference}) > 1 and all(r["policy/kl_loss"] > 0 for r in reference[1:])
     config = yaml.safe_load((ROOT / "examples/configs/demo_grpo_cpu.yaml").read_text())
@@ -217,7 +225,12 @@ def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path, wrapper)
 OVERLAP = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.overlap", "true")
 
 
-@pytest.mark.parametrize("strategy,devices", [(("auto",), 1), *(((s,), 2) for s in STRATEGIES), (OVERLAP, 2)])
+@pytest.mark.parametrize("strategy,devices", [
+    (("auto",), 1),
+    *(pytest.param((s,), 2, marks=pytest.mark.slow) for s in STRATEGIES[:2]),  # Separation restores the most
+    (("rlhf_separation",), 2),
+    (OVERLAP, 2),
+])
 def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, devices):
     """Kill-and-resume: a run resumed from its step-2 checkpoint logs the same values at steps 2 and 3 as the
     uninterrupted run (weights, optimizers, adaptive KL, reward statistics, data position and, with overlap, the

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 
 class RLHFRunSummary(Callback):
-    """Records reward and KL at every PPO iteration and prints start vs end when fit finishes.
+    """Records reward and KL at every iteration and prints start vs end when fit finishes.
 
     Args:
         window: Iterations averaged at each end (start = the first ``window``, end = the last ``window``).
@@ -49,7 +49,9 @@ class RLHFRunSummary(Callback):
         if not recorded:
             return
         iterations = len(self.history[recorded[0]])
-        table = Table(title=f"RLHF run summary: {iterations} PPO iterations (means of first/last {self.window})")
+        algorithm = getattr(getattr(pl_module, "algorithm", None), "name", "rlhf").upper()
+        title = f"RLHF run summary: {iterations} {algorithm} iterations (means of first/last {self.window})"
+        table = Table(title=title)
         for column in ("metric", "start", "end", "change"):
             table.add_column(column, justify="left" if column == "metric" else "right")
         for name in recorded:
