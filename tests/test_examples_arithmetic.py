@@ -66,20 +66,21 @@ def test_split_is_seeded_disjoint_and_complete():
         ("12", 12),
         ("  12<|im_end|>", 12),
         ("The answer is 12.", 12),
+        ("The answer is 14.5", 14.5),
         ("7 + 5 = 12", 7),
         ("-3", -3),
         ("To solve this problem, we need to", None),
         ("", None),
     ],
 )
-def test_first_integer(response, expected):
-    assert questions.first_integer(response) == expected
+def test_first_number(response, expected):
+    assert questions.first_number(response) == expected
 
 
 def test_exact_match_scores_the_first_number_against_the_answer():
-    responses = ["12", "The answer is 12.", "7 + 5 = 12", "11", "twelve", "12 or 13", "0"]
-    answers = ["12", "12", "12", "12", "12", "12", "0"]
-    assert questions.exact_match([""] * 7, responses, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    responses = ["12", "The answer is 12.", "7 + 5 = 12", "11", "twelve", "12 or 13", "0", "12.5", "0.0"]
+    answers = ["12", "12", "12", "12", "12", "12", "0", "12", "0"]
+    assert questions.exact_match([""] * 9, responses, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
 
 
 def test_rows_reach_the_reward_with_their_answer(chat_tokenizer):

@@ -9,9 +9,10 @@ A row is ``{"prompt": [system message, user message], "answer": "12"}``: the pro
 (``PromptDataModule`` renders it with the tokenizer's chat template) and ``answer`` reaches the reward
 function as a keyword argument, one entry per response.
 
-The reward is exact match on the first integer of the response: 1.0 when it equals the answer, else 0.0.
-"12", "12." and "The answer is 12." score 1; "7 + 5 = 12" scores 0 (its first number is 7), as does a
-response with no number. It rewards what the prompt asks for, the answer first; no other shaping.
+The reward is exact match on the first number of the response: 1.0 when it equals the answer, else 0.0.
+"12", "12." and "The answer is 12." score 1; "12.5" scores 0 (a decimal is a different number), and so do
+"7 + 5 = 12" (its first number is 7) and a response with no number. It rewards what the prompt asks for, the
+answer first; no other shaping.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ SYSTEM = "You are a helpful assistant."
 most of every sequence's compute. Greedy accuracy is about the same with either (17% vs 18% of the 155
 questions)."""
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}
-INTEGER = re.compile(r"-?\d+")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+"""An integer with an optional decimal part: "12.5" is one number, not 12; the full stop of "12." is not."""
 
 
 def all_questions(largest_operand: int = 9) -> list[tuple[int, str, int, int]]:
@@ -59,12 +61,13 @@ def train_test_split(
     return rows[test_size:], rows[:test_size]
 
 
-def first_integer(text: str) -> int | None:
-    """The first integer in ``text`` (a leading minus sign included), or None when it has none."""
-    match = INTEGER.search(text.strip())
-    return int(match.group()) if match else None
+def first_number(text: str) -> float | None:
+    """The first number in ``text`` (a leading minus sign and a decimal part included), or None when it has
+    none."""
+    match = NUMBER.search(text.strip())
+    return float(match.group()) if match else None
 
 
 def exact_match(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
-    """1.0 where the response's first integer equals the row's ``answer``, else 0.0; one per response."""
-    return [1.0 if first_integer(r) == int(expected) else 0.0 for r, expected in zip(responses, answer)]
+    """1.0 where the response's first number equals the row's ``answer``, else 0.0; one per response."""
+    return [1.0 if first_number(r) == int(expected) else 0.0 for r, expected in zip(responses, answer)]
