@@ -14,9 +14,12 @@ import bisect
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
+import secrets
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,6 +35,23 @@ if TYPE_CHECKING:
 DEFAULT_CACHE = Path(
     os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf")
 )
+
+
+class ProfileFileError(ValueError):
+    """A profile file that cannot be read: truncated, not JSON, or not a profile's structure.
+
+    Args:
+        path: The file.
+        reason: What is wrong with it.
+    """
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(
+            f"{path} is not a valid profile file: {reason}. Delete it and measure the profile again "
+            f"(profile_workload)."
+        )
+        self.path = Path(path)
+        self.reason = reason
 
 
 @dataclass
@@ -64,19 +84,114 @@ class Profile:
         return Profile(self.hardware, other.device or self.device, ops)
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        """Write the profile as JSON, atomically (:func:`write_json_atomically`).
+
+        Args:
+            path: The file to write; its directory is created if missing.
+        """
         data = {
             "hardware": self.hardware,
             "device": asdict(self.device) if self.device else None,
             "ops": self.ops,
         }
-        Path(path).write_text(json.dumps(data, indent=1))
+        write_json_atomically(path, data)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        data = json.loads(Path(path).read_text())
-        device = DeviceType(**data["device"]) if data.get("device") else None
+        """Read a profile written by :meth:`save`.
+
+        Args:
+            path: The JSON file.
+
+        Raises:
+            ProfileFileError: The file is not valid JSON (e.g. truncated) or not a profile's structure; the message
+                names the file.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except ValueError as err:  # JSONDecodeError, and UnicodeDecodeError for binary garbage
+            raise ProfileFileError(path, f"not valid JSON, perhaps truncated ({err})") from err
+        problem = _profile_problem(data)
+        if problem is not None:
+            raise ProfileFileError(path, problem)
+        device = DeviceType(**data["device"]) if data["device"] else None
         return cls(data["hardware"], device, data["ops"])
+
+
+def _profile_problem(data: Any) -> str | None:
+    """What makes ``data`` not a saved profile (None: it is one), checked up front so that a damaged file fails
+    at load, naming the file, instead of later inside the cost model.
+
+    Args:
+        data: Parsed JSON.
+    """
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    missing = {"hardware", "device", "ops"} - data.keys()
+    if missing:
+        return f"missing key(s) {sorted(missing)}"
+    if not isinstance(data["hardware"], str):
+        return "'hardware' is not a string"
+    device = data["device"]
+    if device is not None:
+        if not isinstance(device, dict):
+            return "'device' is neither null nor an object"
+        try:
+            DeviceType(**device)
+        except TypeError as err:  # missing or unknown fields
+            return f"'device' does not describe a DeviceType ({err})"
+    if not isinstance(data["ops"], dict):
+        return "'ops' is not an object"
+    for key, ops in data["ops"].items():
+        if not isinstance(ops, dict):
+            return f"ops[{key!r}] is not an object"
+        for op, points in ops.items():
+            if not isinstance(points, list) or not points:
+                return f"ops[{key!r}][{op!r}] is not a non-empty list of points"
+            for point in points:
+                if not (
+                    isinstance(point, list)
+                    and len(point) == 3
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in point)
+                    and all(math.isfinite(x) for x in point)
+                ):
+                    return f"ops[{key!r}][{op!r}] has a point {point!r} that is not [batch, length, seconds]"
+    return None
+
+
+def write_json_atomically(path: str | Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` so that readers see the previous file or the complete new one, never a
+    partial one (a killed process or a full disk used to leave truncated profile caches behind).
+
+    The JSON goes to a temporary file in the same directory (``os.replace`` is only atomic within one file
+    system), is flushed and fsynced, then replaces ``path``. On any error the temporary file is removed and
+    ``path`` keeps its previous content.
+
+    Args:
+        path: The target file; its directory is created if missing.
+        data: JSON-serializable data.
+
+    Raises:
+        TypeError: ``data`` holds something JSON cannot encode (``path`` is left untouched).
+        ValueError: ``data`` holds a circular reference (``path`` is left untouched).
+        OSError: The directory or file cannot be written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A hidden, unique name that no cache lookup matches; os.open applies the umask like write_text did (mkstemp
+    # would make the file 0600, unreadable to the other users of a shared LIGHTNING_APP_RLHF_CACHE).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            json.dump(data, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def interpolate(points: list[list[float]], batch: float, length: float) -> float:
@@ -406,8 +521,10 @@ def profile_workload(
         seen.add(shape.key)
         path = cache_path(shape, workload, cache_dir) if cache_dir is not None else None
         if path is not None and path.exists():
-            profile = profile.merge(Profile.load(path))
-            continue
+            cached = _load_cached(path)
+            if cached is not None:
+                profile = profile.merge(cached)
+                continue
         with _threads(threads):
             measured = Profile(
                 profile.hardware,
@@ -422,6 +539,26 @@ def profile_workload(
             per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts, statistic)
         profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
     return profile
+
+
+def _load_cached(path: Path) -> Profile | None:
+    """The cached profile at ``path``, or None with a warning if the file is damaged (truncated, not JSON, not a
+    profile's structure): the cache is only an optimisation, so the caller measures the shape again and rewrites
+    the file instead of failing every later tuned run.
+
+    Args:
+        path: A file under the profile cache (:func:`cache_path`).
+    """
+    try:
+        return Profile.load(path)
+    except ProfileFileError as err:
+        warnings.warn(
+            f"Ignoring the damaged profile cache file {path} ({err.reason}); it will be re-measured and "
+            f"rewritten. To clear the whole cache, delete {path.parent}.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def measure_shape(
