@@ -1,13 +1,15 @@
 """``python -m lightning_app_rlhf.bench``: ours vs TRL 1.12, and the placements against each other.
 
 ``python -m lightning_app_rlhf.bench run`` does both and rewrites ``docs/benchmarks.md``; ``trl`` and
-``placements`` do one half; ``report`` redraws the doc from a results JSON. ``--help`` on each lists the settings.
+``placements`` do one half; ``report`` redraws the doc from a results JSON. ``checkpoint`` measures resident memory
+during checkpoint saves (not part of ``run``). ``--help`` on each lists the settings.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,11 +20,11 @@ from typing import Any
 from jsonargparse import auto_cli
 from rich.console import Console
 
-from lightning_app_rlhf.bench.ours import run_ours
+from lightning_app_rlhf.bench.ours import run_ours, run_ours_checkpointing
 from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
-from lightning_app_rlhf.bench.report import write_report
-from lightning_app_rlhf.bench.results import count_parameters, machine, summarize
+from lightning_app_rlhf.bench.report import checkpoint_table, write_report
+from lightning_app_rlhf.bench.results import count_parameters, machine, summarize, summarize_checkpoint
 
 console = Console(stderr=True)
 PLACEMENT_SETTINGS = {
@@ -149,6 +151,64 @@ def profile(
     return records
 
 
+def checkpoint_memory(
+    presets: list[str] = ["small"],  # noqa: B006
+    devices: list[int] = [2, 4],  # noqa: B006
+    strategies: list[str] = ["rlhf_flattening", "rlhf_interleaving", "rlhf_separation"],  # noqa: B006
+    steps: int = 4,
+    every: int = 2,
+    batch_size: int = 32,
+    new_tokens: int = 32,
+    keep_checkpoints: bool = False,
+    out: str = "bench_results/checkpoint",
+) -> list[dict[str, Any]]:
+    """Resident memory per rank during checkpoint saves, against the steady RSS just before each save.
+
+    Each (preset, devices, strategy) is one ``python -m lightning_app_rlhf fit`` run with
+    ``--trainer.enable_checkpointing true`` and, through ``--trainer.callbacks+=``, a ``ModelCheckpoint`` every
+    ``every`` steps and a :class:`~lightning_app_rlhf.bench.checkpoint_memory.CheckpointMemory`. Writes
+    ``{out}/checkpoint.json`` and ``{out}/checkpoint.md``; each run's files are in ``{out}/ckpt_*``.
+
+    Args:
+        presets: Model presets of all four roles.
+        devices: Process counts (one thread each).
+        strategies: Registered strategy names (``rlhf_flattening``, ``rlhf_interleaving``, ``rlhf_separation``)
+            or placement names (``flattening``, ...).
+        steps: PPO iterations per run.
+        every: Iterations between checkpoints (``steps // every`` saves).
+        batch_size: Prompts per PPO iteration (global).
+        new_tokens: Response length.
+        keep_checkpoints: Keep the ``.ckpt`` files (by default deleted once measured: they are large).
+        out: Folder for the results, the markdown table and the runs.
+    """
+    if not 1 <= every <= steps:
+        raise ValueError(f"Need 1 <= every <= steps to save at least once; got every={every}, steps={steps}.")
+    placements = [_placement_of(name) for name in strategies]
+    rows = []
+    for preset in presets:
+        for count in devices:
+            for name, placement in zip(strategies, placements):
+                settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, processes=count,
+                                       placement=placement, warmup=0, iterations=steps)
+                work = Path(out) / f"ckpt_{preset}_{count}p_{placement}"
+                shutil.rmtree(work, ignore_errors=True)  # stale records or files would mix into this run's
+                run = run_ours_checkpointing(settings, work, every)
+                if not keep_checkpoints:
+                    shutil.rmtree(work / "ckpt", ignore_errors=True)
+                ranks = summarize_checkpoint(run["ranks"])
+                rows.append({"strategy": name, "settings": settings.as_dict(), "every": every, "ranks": ranks,
+                             "checkpoints": run["checkpoints"], "records": run["ranks"]})
+                worst = max(ranks, key=lambda rank: rank["peak_over_steady"])
+                console.print(f"{preset} {count} processes {placement:>18}: peak/steady up to "
+                              f"{worst['peak_over_steady']:.2f}x (rank {worst['rank']}), "
+                              f"{worst['peak_rss_bytes'] / 2**20:.0f} MiB at save")
+    _save(f"{out}/checkpoint.json", {"machine": machine(), "checkpoint": rows})
+    table = checkpoint_table(rows)
+    Path(f"{out}/checkpoint.md").write_text(table + "\n")
+    print(table, file=sys.stderr)
+    return rows
+
+
 def run(out_dir: str = "docs/bench_results", docs: str = "docs/benchmarks.md", repeats: int = 2) -> None:
     """Both comparisons and the profile with their defaults, then rewrite the results section of ``docs``.
 
@@ -211,6 +271,15 @@ def _merge_repeats(runs: list[list[dict[str, Any]]], settings: RunSettings) -> l
     return ranks
 
 
+def _placement_of(strategy: str) -> str:
+    """``rlhf_separation`` -> ``separation``: the bench's placement name for a registered strategy name."""
+    placement = strategy.removeprefix("rlhf_")
+    if placement not in PLACEMENTS:
+        choices = ", ".join(f"rlhf_{name}" for name in PLACEMENTS)
+        raise ValueError(f"Unknown strategy {strategy!r}: choose from {choices}.")
+    return placement
+
+
 def _check_trl() -> None:
     try:
         import trl
@@ -231,7 +300,7 @@ def _save(path: str, data: dict[str, Any]) -> None:
 
 def main() -> None:
     auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "profile": profile,
-              "report": report})
+              "report": report, "checkpoint": checkpoint_memory})
 
 
 if __name__ == "__main__":

@@ -48,16 +48,57 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
 
 def run_ours(settings: RunSettings, work_dir: Path, timeout_s: float = 900) -> dict[str, Any]:
     """Run one measurement in a fresh process group; returns the per-rank records of :class:`IterationTimer`."""
+    _launch(settings, work_dir, [], timeout_s)
+    ranks = [json.loads(p.read_text()) for p in sorted((work_dir / "timings").glob("rank*.json"))]
+    if len(ranks) != settings.processes:
+        raise RuntimeError(f"Expected timings from {settings.processes} ranks, found {len(ranks)} in {work_dir}.")
+    return {"ranks": ranks}
+
+
+def run_ours_checkpointing(
+    settings: RunSettings, work_dir: Path, every: int, timeout_s: float = 900
+) -> dict[str, Any]:
+    """Run with checkpointing on, as a user adds it on the command line, and measure every save on every rank.
+
+    A ``ModelCheckpoint`` keeps a file every ``every`` iterations (``save_top_k=-1``: all of them) in
+    ``{work_dir}/ckpt``; :class:`~lightning_app_rlhf.bench.checkpoint_memory.CheckpointMemory` writes its
+    records into ``{work_dir}/memory``.
+
+    Args:
+        settings: The run; its ``warmup + iterations`` is the number of iterations.
+        work_dir: Folder of the run (config, checkpoints, records).
+        every: Iterations between checkpoints.
+        timeout_s: Limit of the whole run.
+
+    Returns:
+        ``ranks``: the per-rank records of ``CheckpointMemory`` (rank 0 first); ``checkpoints``: the files written,
+        oldest first.
+    """
+    from lightning_app_rlhf.bench.checkpoint_memory import read_records  # imports Lightning: only when needed
+
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(work_dir / "ckpt"), "every_n_train_steps": every, "save_top_k": -1}}
+    memory = {"class_path": "lightning_app_rlhf.bench.checkpoint_memory.CheckpointMemory",
+              "init_args": {"path": str(work_dir / "memory")}}
+    _launch(settings, work_dir, ["--trainer.enable_checkpointing", "true",
+                                 f"--trainer.callbacks+={json.dumps(checkpoint)}",
+                                 f"--trainer.callbacks+={json.dumps(memory)}"], timeout_s)
+    ranks = read_records(work_dir / "memory")
+    if len(ranks) != settings.processes:
+        raise RuntimeError(f"Expected save records from {settings.processes} ranks, found {len(ranks)} in "
+                           f"{work_dir}.")
+    files = sorted((work_dir / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return {"ranks": ranks, "checkpoints": [{"path": str(p), "bytes": p.stat().st_size} for p in files]}
+
+
+def _launch(settings: RunSettings, work_dir: Path, extra_args: list[str], timeout_s: float) -> None:
+    """``python -m lightning_app_rlhf fit`` with the settings' config and ``extra_args``, one thread per rank."""
     assert TOKENIZER_VOCAB <= settings.model_config()["vocab_size"]
     work_dir.mkdir(parents=True, exist_ok=True)
     config_path = work_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(fit_config(settings, work_dir / "timings")))
     env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads)}
-    command = [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(config_path)]
+    command = [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(config_path), *extra_args]
     result = subprocess.run(command, check=False, cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         raise RuntimeError(f"Our run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
-    ranks = [json.loads(p.read_text()) for p in sorted((work_dir / "timings").glob("rank*.json"))]
-    if len(ranks) != settings.processes:
-        raise RuntimeError(f"Expected timings from {settings.processes} ranks, found {len(ranks)} in {work_dir}.")
-    return {"ranks": ranks}

@@ -110,6 +110,44 @@ def placement_tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_table(rows: list[dict[str, Any]]) -> str:
+    """Resident memory at checkpoint save: one row per rank of each (preset, processes, placement) run.
+
+    Args:
+        rows: The ``checkpoint`` entries of the results (``python -m lightning_app_rlhf.bench checkpoint``).
+
+    Returns:
+        A markdown section (heading, one line of method, table); empty without rows.
+    """
+    if not rows:
+        return ""
+    methods = sorted({rank["method"] for row in rows for rank in row["ranks"]})
+    how = {"clear_refs": "VmHWM after resetting it through /proc/self/clear_refs",
+           "sampling": "VmRSS sampled every 2 ms"}
+    s = rows[0]["settings"]
+    lines = [
+        "### Memory at checkpoint save",
+        "",
+        (f"`ModelCheckpoint` every {rows[0]['every']} of {s['warmup'] + s['iterations']} iterations, batch "
+         f"{s['batch_size']}, {s['new_tokens']} new tokens, one thread per process. Steady: RSS just before the "
+         f"save; peak: the highest RSS during `trainer.save_checkpoint` (dump, strategy save, write, barrier), by "
+         f"{' or '.join(how.get(method, method) for method in methods)}; both from the save with the highest peak/steady. Save s: median over saves."),
+        "",
+        ("| preset | processes | placement | rank | steady MiB | peak during save MiB | peak/steady | save s "
+         "| file MiB |"),
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        for rank in row["ranks"]:
+            file_mib = f"{rank['file_bytes'] / 2**20:.1f}" if rank.get("file_bytes") is not None else "-"
+            lines.append(
+                f"| {row['settings']['preset']} | {row['settings']['processes']} | {row['settings']['placement']} "
+                f"| {rank['rank']} | {rank['steady_rss_bytes'] / 2**20:.0f} | {rank['peak_rss_bytes'] / 2**20:.0f} "
+                f"| {rank['peak_over_steady']:.2f}x | {rank['save_s']:.2f} | {file_mib} |"
+            )
+    return "\n".join(lines)
+
+
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
     groups: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for row in rows:

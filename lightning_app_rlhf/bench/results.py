@@ -47,6 +47,39 @@ def summarize(ranks: list[dict[str, Any]], settings: RunSettings, params: int) -
     return out
 
 
+def summarize_checkpoint(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank, the save that grew resident memory most (its steady and peak RSS), and the save times.
+
+    Args:
+        ranks: The per-rank records of :class:`~lightning_app_rlhf.bench.checkpoint_memory.CheckpointMemory`.
+
+    Returns:
+        One row per rank: ``steady_rss_bytes`` and ``peak_rss_bytes`` of the save with the highest
+        ``peak_over_steady`` (so the three agree), ``save_s`` (median over saves) and ``save_s_max``, and on rank 0
+        ``file_bytes`` (the newest checkpoint's size).
+    """
+    rows = []
+    for record in ranks:
+        saves = record["saves"]
+        if not saves:
+            raise RuntimeError(f"Rank {record['rank']} recorded no checkpoint save: is `every` above the steps?")
+        worst = max(saves, key=lambda save: save["peak_rss_bytes"] / save["steady_rss_bytes"])
+        row = {
+            "rank": record["rank"],
+            "method": record["method"],
+            "saves": len(saves),
+            "steady_rss_bytes": worst["steady_rss_bytes"],
+            "peak_rss_bytes": worst["peak_rss_bytes"],
+            "peak_over_steady": worst["peak_rss_bytes"] / worst["steady_rss_bytes"],
+            "save_s": statistics.median(save["seconds"] for save in saves),
+            "save_s_max": max(save["seconds"] for save in saves),
+        }
+        if saves[-1].get("file_bytes") is not None:
+            row["file_bytes"] = saves[-1]["file_bytes"]
+        rows.append(row)
+    return rows
+
+
 def train_flops(measured: list[dict[str, float]], settings: RunSettings, params: int, train_s: float) -> dict:
     """Achieved training FLOP/s (actor + critic, 6 FLOPs per parameter per token) and MFU on a known GPU."""
     tokens = statistics.median(row["prompt_tokens"] + row["gen_tokens"] for row in measured)
