@@ -4,6 +4,8 @@ non-finite weights refused, one copy of each role per file, and a placement's ch
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_placements import COMPARED, run_demo
+from test_placements import COMPARED, ROOT, run_demo
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
@@ -21,6 +23,7 @@ from lightning_app_rlhf.checkpoint import (
     checksum,
     load_checkpoint_file,
     role_owner,
+    save_checkpoint_file,
     seal,
     verify,
 )
@@ -79,13 +82,45 @@ def saved(tmp_path, tiny_gpt2_config, tokenizer) -> Path:
 # ---- crafted pickles ----
 
 
+RESUME_SCRIPT = """
+import sys
+
+import lightning.pytorch as pl
+
+from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
+from lightning_app_rlhf.demo import build_tokenizer, prompts, topic_reward
+
+strategy, ckpt_path = sys.argv[1:]
+tokenizer = build_tokenizer()
+config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 64,
+          "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+module = RLHFModule(actor={"config": config}, tokenizer=tokenizer, reward_fn=topic_reward,
+                    generation=GenerationConfig(max_new_tokens=4), ppo=PPOConfig(num_minibatches=2))
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=4), ckpt_path=ckpt_path)
+"""
+
+
 @pytest.mark.parametrize("strategy", ["rlhf_flattening", "rlhf_interleaving", "rlhf_separation"])
-def test_a_crafted_pickle_runs_no_code_under_any_placement(tmp_path, strategy):
+def test_a_crafted_pickle_runs_no_code_through_fit_under_any_placement(tmp_path, strategy):
+    """``Trainer.fit(ckpt_path=...)`` on 2 processes: the strategy reads weights-only and names the file."""
     path, marker = crafted_checkpoint(tmp_path)
-    with pytest.raises(AssertionError) as failed:  # run_demo asserts the run succeeded
-        run_demo(tmp_path, strategy, "--trainer.devices", "2", "--trainer.strategy", strategy, "--ckpt_path",
-                 str(path), steps=1)
-    assert f"Checkpoint {path} holds objects that only a full unpickle can build" in str(failed.value)
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script), strategy, str(path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert f"CheckpointError: Checkpoint {path} holds objects that only a full unpickle can build" in result.stderr
+    assert not marker.exists()
+
+
+def test_a_crafted_pickle_runs_no_code_through_the_command_line(tmp_path):
+    path, marker = crafted_checkpoint(tmp_path)
+    with pytest.raises(AssertionError, match=f"Checkpoint {path} holds objects"):  # run_demo asserts success
+        run_demo(tmp_path, "crafted", "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
+                 "--ckpt_path", str(path), steps=1)
     assert not marker.exists()
 
 
@@ -130,7 +165,7 @@ def test_non_finite_weights_are_refused_even_with_a_valid_checksum(saved, tmp_pa
     first = next(k for k, v in checkpoint["state_dict"].items() if v.is_floating_point())
     checkpoint["state_dict"][first] = torch.full_like(checkpoint["state_dict"][first], float("nan"))
     seal(checkpoint)
-    torch.save(checkpoint, saved)
+    save_checkpoint_file(checkpoint, saved)  # a new file replaces the one the loaded tensors map
     with pytest.raises(CheckpointError, match=rf"Checkpoint {saved} has NaN or infinite values in 1 weight tensors"):
         fit(small_module(tiny_gpt2_config, tokenizer), tokenizer, tmp_path, 3, ckpt_path=saved)
 
