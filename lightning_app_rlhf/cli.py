@@ -6,6 +6,7 @@ never reaches LightningCLI.
 
 from __future__ import annotations
 
+import pickle
 import sys
 
 from jsonargparse import set_parsing_settings
@@ -13,6 +14,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
+from lightning_app_rlhf.checkpoint import check_checkpoint_file, not_weights_only
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
 
@@ -23,6 +25,20 @@ class RLHFCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.tokenizer")
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads --ckpt_path (weights-only) for saved hyper-parameters before anything else runs; an
+        # empty, truncated or crafted file must fail there with its name, not with a bare torch error.
+        ckpt_path = self.config.get(self.config.get("subcommand") or "", {}).get("ckpt_path")
+        if not ckpt_path or "://" in str(ckpt_path):
+            super()._parse_ckpt_path()
+            return
+        check_checkpoint_file(ckpt_path)
+        try:
+            super()._parse_ckpt_path()
+        except pickle.UnpicklingError as err:
+            raise not_weights_only(ckpt_path, err) from err
 
     def before_fit(self) -> None:
         """A PlacementTuner must see ``--ckpt_path`` before the models are built, to reuse the saved plan."""

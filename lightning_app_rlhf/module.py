@@ -21,6 +21,14 @@ from typing_extensions import override
 
 from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.calls import Experience
+from lightning_app_rlhf.checkpoint import (
+    OPTIMIZERS_KEY,
+    CheckpointError,
+    check_checkpoint_file,
+    rank_state,
+    seal,
+    verify,
+)
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.engine import RLHFEngine
 from lightning_app_rlhf.experience import RewardShaping
@@ -220,6 +228,9 @@ class RLHFModule(pl.LightningModule):
         batch_size = getattr(datamodule, "batch_size", None)
         if stage == "fit" and batch_size is not None:
             self._check_minibatches(batch_size)
+        path = self.trainer.ckpt_path if self._trainer is not None else None
+        if stage == "fit" and path is not None and "://" not in str(path):
+            check_checkpoint_file(path)  # before any model is built; a bare EOFError would name no file
 
     def _check_minibatches(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration, times ``generation.num_samples``,
@@ -250,6 +261,10 @@ class RLHFModule(pl.LightningModule):
     def trained_roles(self) -> list[str]:
         """The trainable roles whose train call runs on this rank, in optimizer order."""
         return [role for role in self.algorithm.trainable_roles if self._placement().runs(f"{role}.train")]
+
+    def scheduled_roles(self) -> list[str]:
+        """The roles of :meth:`trained_roles` that have an LR scheduler, in scheduler order."""
+        return [role for role in self.trained_roles() if getattr(self, f"{role}_scheduler") is not None]
 
     @override
     def configure_optimizers(self) -> Any:
@@ -428,9 +443,22 @@ class RLHFModule(pl.LightningModule):
             "seed": self.seed,
             "algorithm": self.algorithm.name,
         }
+        if not self._placement().distributed:  # a placement strategy seals the file it assembles on rank 0
+            seal(checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        path = self.trainer.ckpt_path if self._trainer is not None else None
+        verify(checkpoint, path)
+        if OPTIMIZERS_KEY in checkpoint:  # one entry per role (a placement strategy saved it): take this rank's
+            held = [role for role in self.algorithm.roles if self.role_module(role) is not None]
+            rank_state(checkpoint, held, self.trained_roles(), self.scheduled_roles(), path)
+        elif "rlhf_ranks" in checkpoint:
+            saved = checkpoint["rlhf_plan"]
+            raise CheckpointError(f"Checkpoint {path} keeps each of its {saved['world_size']} ranks' state apart (the "
+                                  "layout of earlier versions), and this run has no placement strategy to pick its "
+                                  f"rank's part. Resume with the strategy it was saved with ({saved['name']!r}) and "
+                                  f"--trainer.devices {saved['world_size']}.")
         state = checkpoint.get("rlhf")
         if state is not None:
             saved = state.get("algorithm", "ppo")

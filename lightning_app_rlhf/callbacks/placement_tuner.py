@@ -7,11 +7,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_app_rlhf.checkpoint import load_checkpoint_file
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
@@ -162,7 +162,7 @@ class PlacementTuner(Callback):
         if not os.path.isfile(path):
             raise ValueError(f"PlacementTuner reuses the plan saved in the checkpoint it resumes from, and needs "
                              f"that file's path; got {path!r}. Pass the checkpoint file itself.")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = load_checkpoint_file(path)  # weights-only: a crafted file cannot run code here
         return checkpoint.get("callbacks", {}).get(self.state_key)
 
     @override

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import os
+import pickle
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -16,14 +18,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_app_rlhf.checkpoint import (
+    assemble,
+    check_checkpoint_file,
+    not_weights_only,
+    owned_state,
+    recv_state,
+    role_owner,
+    seal,
+    send_state,
+)
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
+from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_trained_roles
 from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
-
-RANK_LOCAL_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
-"""Checkpoint entries that differ per rank under a placement."""
 
 
 class PlacementStrategy(ParallelStrategy):
@@ -42,6 +52,8 @@ class PlacementStrategy(ParallelStrategy):
             notebooks and tests.
         process_group_backend: ``gloo``/``nccl``; default by device.
         threads_per_process: CPU threads per process (default: cores / local processes).
+        checkpoint_io: Writes and reads checkpoint files. Default: :class:`AtomicCheckpointIO` (local files
+            written in place, atomically, without a copy of the whole file in memory).
     """
 
     strategy_name = "rlhf_placement"
@@ -63,7 +75,7 @@ class PlacementStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self._plan = plan
@@ -165,31 +177,54 @@ class PlacementStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """One file for the whole job: rank 0 writes it with every rank's roles, optimizers and schedulers,
-        since under a placement no rank holds them all (Lightning's default would keep rank 0's only)."""
-        mine = {key: checkpoint.get(key) for key in RANK_LOCAL_KEYS}
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
-        if self.is_global_zero:
-            plan = self.placement_plan
-            checkpoint = {**checkpoint, "rlhf_ranks": everyone,
-                          "rlhf_plan": {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls}}
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        """One file for the whole job, written by rank 0, with one copy of each role taken from its owner rank
+        (:func:`~lightning_app_rlhf.checkpoint.role_owner`). Only the roles that rank 0 does not own travel to it,
+        one owner at a time, so a save holds at most one extra copy of those roles, never every rank's state."""
+        module = self.lightning_module
+        plan = self.placement_plan
+        owners = {role: role_owner(plan, role) for role in module.algorithm.roles}
+        mine = owned_state(checkpoint, [r for r, owner in owners.items() if owner == self.global_rank],
+                           module.trained_roles(), module.scheduled_roles())
+        senders = sorted({owner for owner in owners.values() if owner != 0})
+        if not self.is_global_zero:
+            if self.global_rank in senders:
+                send_state(mine, dst=0)
+            return
+        parts = dict(mine)
+        for rank in senders:
+            parts.update(recv_state(rank, self.root_device))
+        checkpoint = assemble(checkpoint, parts)
+        checkpoint["rlhf_plan"] = {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls}
+        seal(checkpoint)
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        """Read the checkpoint weights-only (a crafted file cannot run code); the module then checks its checksum
+        and weights and takes the roles this rank holds."""
+        if weights_only is False:
+            raise ValueError(f"{type(self).__name__} loads checkpoints with weights_only=True only: unpickling "
+                             "arbitrary objects would run code from the file. Drop weights_only=False; checkpoints "
+                             "written by this package load weights-only.")
+        if isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path):
+            check_checkpoint_file(checkpoint_path)
+        try:
+            checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise not_weights_only(checkpoint_path, err) from err
         saved = checkpoint.get("rlhf_plan")
         if saved is None:
-            return checkpoint  # saved without a placement: rank 0's state is everything
+            return checkpoint  # saved without a placement: one process held every role
         plan = self.placement_plan
         if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
             raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} ranks; "
                              f"this run uses {plan.name!r} on {plan.world_size}. Resume with the same strategy, "
                              "its arguments and --trainer.devices (with a PlacementTuner: let it read the checkpoint "
                              "by setting trainer.ckpt_path before fit, as RLHFCLI does for --ckpt_path).")
-        mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
-        return {**checkpoint, **{key: value for key, value in mine.items() if value is not None}}
+        if "rlhf_ranks" in checkpoint:  # the per-rank layout of earlier versions: this rank's entry
+            mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
+            checkpoint.update({key: value for key, value in mine.items() if value is not None})
+        return checkpoint
 
     @override
     def model_to_device(self) -> None:
