@@ -190,19 +190,25 @@ def owned_state(
 class _TensorSlot:
     """Where a tensor stood in a state sent by :func:`send_state`; its bytes follow as their own message."""
 
+    index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
 
 
 def send_state(state: Any, dst: int) -> None:
     """Send a nested state (dicts, lists, tensors, plain values) to rank ``dst``: its structure as one pickled
-    object, then each tensor's bytes as they are, with no pickled copy of the tensors on either side."""
+    object, then each tensor's bytes as they are, with no pickled copy of the tensors on either side. A tensor that
+    appears twice (tied weights) is sent once and arrives as one tensor."""
     tensors: list[torch.Tensor] = []
+    slots: dict[tuple[Any, ...], _TensorSlot] = {}
 
     def strip(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            tensors.append(value.detach().contiguous())
-            return _TensorSlot(value.dtype, tuple(value.shape))
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if key not in slots or not value.numel():
+                slots[key] = _TensorSlot(len(tensors), value.dtype, tuple(value.shape))
+                tensors.append(value.detach().contiguous())
+            return slots[key]
         return _map_containers(value, strip)
 
     dist.send_object_list([strip(state)], dst=dst)
@@ -215,14 +221,22 @@ def recv_state(src: int, device: torch.device) -> Any:
     """Receive what :func:`send_state` sent from rank ``src``, its tensors on ``device``."""
     box: list[Any] = [None]
     dist.recv_object_list(box, src=src, device=device if device.type != "cpu" else None)
+    received: dict[int, torch.Tensor] = {}
+
+    def collect(value: Any) -> Any:
+        if isinstance(value, _TensorSlot):
+            received.setdefault(value.index, torch.empty(value.shape, dtype=value.dtype, device=device))
+        else:
+            _map_containers(value, collect)
+        return value
+
+    collect(box[0])
+    for index in sorted(received):  # the order they were sent in
+        if received[index].numel():
+            dist.recv(received[index].reshape(-1).view(torch.uint8), src=src)
 
     def fill(value: Any) -> Any:
-        if isinstance(value, _TensorSlot):
-            tensor = torch.empty(value.shape, dtype=value.dtype, device=device)
-            if tensor.numel():
-                dist.recv(tensor.reshape(-1).view(torch.uint8), src=src)
-            return tensor
-        return _map_containers(value, fill)
+        return received[value.index] if isinstance(value, _TensorSlot) else _map_containers(value, fill)
 
     return fill(box[0])
 

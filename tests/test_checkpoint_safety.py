@@ -22,9 +22,11 @@ from lightning_app_rlhf.checkpoint import (
     CheckpointError,
     checksum,
     load_checkpoint_file,
+    recv_state,
     role_owner,
     save_checkpoint_file,
     seal,
+    send_state,
     verify,
 )
 from lightning_app_rlhf.demo import prompts, topic_reward
@@ -206,6 +208,32 @@ def test_checksum_covers_weights_optimizer_state_and_plain_values():
 
 
 # ---- one copy of each role ----
+
+
+def _exchange(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    weight = torch.arange(9.0).reshape(3, 3)
+    state = {"actor": {"state_dict": {"actor.wte": weight, "actor.lm_head": weight, "actor.t": weight.T,
+                                      "actor.half": torch.tensor(2.5, dtype=torch.bfloat16), "actor.none": torch.zeros(0)},
+                       "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1e-3}]}}}
+    try:
+        if rank == 1:
+            send_state(state, dst=0)
+            return
+        got = recv_state(1, torch.device("cpu"))
+        weights = got["actor"]["state_dict"]
+        assert weights["actor.wte"] is weights["actor.lm_head"]  # tied weights stay one tensor
+        assert torch.equal(weights["actor.wte"], weight) and torch.equal(weights["actor.t"], weight.T)
+        assert weights["actor.half"].dtype == torch.bfloat16 and weights["actor.half"].item() == 2.5
+        assert weights["actor.none"].shape == (0,)
+        assert got["actor"]["optimizer"] == {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1e-3}]}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_state_travels_between_ranks_tensor_by_tensor():
+    torch.multiprocessing.start_processes(_exchange, args=(29631,), nprocs=2, start_method="fork")
 
 
 def test_each_role_is_kept_once_from_its_owner():
