@@ -155,6 +155,12 @@ def test_reinforce_pp_whitens_discounted_kl_shaped_returns_over_the_batch():
     assert_close(advantages, torch.tensor([[0.3 / std, 0.35 / std], [-0.65 / std, 0.0]]), rtol=1e-5, atol=1e-6)
 
 
+def test_reinforce_pp_equal_returns_whiten_to_zero():
+    """Scores (2 | 2) on one token each, no KL: every return is 2, the batch std is 0 -> advantages 0, not NaN."""
+    advantages, _ = algorithm("reinforce_pp", num_samples=1).advantages(scored([2, 2], [[1, 0], [1, 0]], 1))
+    assert_close(advantages, torch.zeros(2, 2), rtol=0, atol=0)
+
+
 def test_reinforce_pp_discounts_returns():
     """gamma 0.5, no KL: the score 1 at the last of 3 tokens returns (0.25, 0.5, 1) before whitening."""
     mask = torch.tensor([[1, 1, 1]])
