@@ -246,6 +246,11 @@ def _run_concurrently(context: Any, k: int, seconds: float) -> list[tuple[float,
 def _run_work(seconds: float, barrier: Any, results: Any) -> None:
     """After one warm-up and the barrier, run ``_WORK`` for ``seconds`` of wall time; report (CPU time / wall time,
     median CPU seconds of one unit)."""
+    # One thread, as a profiled process runs; and a forked child must not enter the parent's OpenMP pool (libgomp
+    # is not fork-safe: a parent that ran torch ops on 2+ threads left a pool the child would wait on forever).
+    import torch
+
+    torch.set_num_threads(1)
     work = _WORK or _python_loop
     work()
     barrier.wait(timeout=60)
