@@ -30,6 +30,7 @@ def bench(tmp_path: Path, *args: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.slow  # 100 s: the harness end to end against TRL; scripts/bench.sh runs the real thing
 def test_trl_comparison_placements_and_report(tmp_path):
     pytest.importorskip("trl")
     small = ["--batch_size", "8", "--warmup", "1", "--iterations", "2"]

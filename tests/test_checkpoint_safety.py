@@ -105,7 +105,10 @@ trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=4), ckpt_p
 """
 
 
-@pytest.mark.parametrize("strategy", ["rlhf_flattening", "rlhf_interleaving", "rlhf_separation"])
+@pytest.mark.parametrize("strategy", [
+    *(pytest.param(s, marks=pytest.mark.slow) for s in ("rlhf_flattening", "rlhf_interleaving")),
+    "rlhf_separation",  # the default run: Flattening's load is also checked in-process below
+])
 def test_a_crafted_pickle_runs_no_code_through_fit_under_any_placement(tmp_path, strategy):
     """``Trainer.fit(ckpt_path=...)`` on 2 processes: the strategy reads weights-only and names the file."""
     path, marker = crafted_checkpoint(tmp_path)
