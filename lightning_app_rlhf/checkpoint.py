@@ -78,25 +78,6 @@ def not_weights_only(path: str | os.PathLike[str], err: BaseException) -> Checkp
     )
 
 
-def save_checkpoint_file(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``checkpoint`` so that ``path`` is either the old file or the whole new one: ``torch.save`` streams to
-    a temporary file beside it (no copy of the whole file in memory), which replaces ``path`` once synced. An
-    interrupted save leaves no partial file behind, except after a hard kill, where the temporary file stays in
-    the checkpoint's own directory, named ``.<name>.tmp-<pid>``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-
-
 # ---- integrity ----
 
 

@@ -9,7 +9,13 @@ import torch
 from torch.testing import assert_close
 
 from lightning_app_rlhf import ppo
-from lightning_app_rlhf.algorithms import ALGORITHMS, Algorithm, ScoredRollout, build_algorithm, register_algorithm
+from lightning_app_rlhf.algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    ScoredRollout,
+    build_algorithm,
+    register_algorithm,
+)
 from lightning_app_rlhf.calls import Experience
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import repeat_samples, sample_keys

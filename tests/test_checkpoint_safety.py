@@ -24,12 +24,12 @@ from lightning_app_rlhf.checkpoint import (
     load_checkpoint_file,
     recv_state,
     role_owner,
-    save_checkpoint_file,
     seal,
     send_state,
     verify,
 )
 from lightning_app_rlhf.demo import prompts, topic_reward
+from lightning_app_rlhf.files import write_atomically
 from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
 
 
@@ -171,7 +171,7 @@ def test_non_finite_weights_are_refused_even_with_a_valid_checksum(saved, tmp_pa
     first = next(k for k, v in checkpoint["state_dict"].items() if v.is_floating_point())
     checkpoint["state_dict"][first] = torch.full_like(checkpoint["state_dict"][first], float("nan"))
     seal(checkpoint)
-    save_checkpoint_file(checkpoint, saved)  # a new file replaces the one the loaded tensors map
+    write_atomically(saved, lambda file: torch.save(checkpoint, file))  # a new file: the loaded tensors map the old
     with pytest.raises(CheckpointError, match=rf"Checkpoint {saved} has NaN or infinite values in 1 weight tensors"):
         fit(small_module(tiny_gpt2_config, tokenizer), tokenizer, tmp_path, 3, ckpt_path=saved)
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from lightning_app_rlhf import demo
-from lightning_app_rlhf.data import PromptDataModule, PromptDataset, collate_left_padded, read_prompts, read_rows
+from lightning_app_rlhf.data import (
+    PromptDataModule,
+    PromptDataset,
+    collate_left_padded,
+    read_prompts,
+    read_rows,
+)
 
 PROMPTS = ["list some fruit:", "red", "name a few animals: cat dog", "blue sky", "tell me about weather:"]
 ANSWERS = ["apple", "1", "cat", "2", "rain"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_app_rlhf.files import write_atomically
 from lightning_app_rlhf.planner import Workload, profile_workload, role_shape
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
 from lightning_app_rlhf.planner.profiler import (
@@ -18,7 +20,6 @@ from lightning_app_rlhf.planner.profiler import (
     ProfileFileError,
     _load_cached,
     cache_path,
-    write_json_atomically,
 )
 
 # The smallest GPT-2 the profiler runs: one layer, h=32, so a measurement takes well under a second.
@@ -120,6 +121,18 @@ def test_profile_saves_and_loads_back(tmp_path):
     saved.save(path)
     assert Profile.load(path) == saved
     assert os.listdir(path.parent) == ["profile.json"]
+
+
+def write_json_atomically(path, data) -> None:
+    """JSON streamed through :func:`write_atomically`, so a failure can stop it half-way through the file."""
+
+    def write(file) -> None:
+        text = io.TextIOWrapper(file, encoding="utf-8")
+        json.dump(data, text)
+        text.flush()
+        text.detach()  # leave the binary file open for write_atomically
+
+    write_atomically(path, write)
 
 
 def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path):

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import platform
-import secrets
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_app_rlhf.files import write_atomically
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 from lightning_app_rlhf.role_table import ACTOR, CRITIC
@@ -84,7 +84,7 @@ class Profile:
         return Profile(self.hardware, other.device or self.device, ops)
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as JSON, atomically (:func:`write_json_atomically`).
+        """Write the profile as JSON, atomically (:func:`~lightning_app_rlhf.files.write_atomically`).
 
         Args:
             path: The file to write; its directory is created if missing.
@@ -94,7 +94,8 @@ class Profile:
             "device": asdict(self.device) if self.device else None,
             "ops": self.ops,
         }
-        write_json_atomically(path, data)
+        text = json.dumps(data, indent=1)
+        write_atomically(path, lambda file: file.write(text.encode("utf-8")))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -157,41 +158,6 @@ def _profile_problem(data: Any) -> str | None:
                 ):
                     return f"ops[{key!r}][{op!r}] has a point {point!r} that is not [batch, length, seconds]"
     return None
-
-
-def write_json_atomically(path: str | Path, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` so that readers see the previous file or the complete new one, never a
-    partial one (a killed process or a full disk used to leave truncated profile caches behind).
-
-    The JSON goes to a temporary file in the same directory (``os.replace`` is only atomic within one file
-    system), is flushed and fsynced, then replaces ``path``. On any error the temporary file is removed and
-    ``path`` keeps its previous content.
-
-    Args:
-        path: The target file; its directory is created if missing.
-        data: JSON-serializable data.
-
-    Raises:
-        TypeError: ``data`` holds something JSON cannot encode (``path`` is left untouched).
-        ValueError: ``data`` holds a circular reference (``path`` is left untouched).
-        OSError: The directory or file cannot be written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A hidden, unique name that no cache lookup matches; os.open applies the umask like write_text did (mkstemp
-    # would make the file 0600, unreadable to the other users of a shared LIGHTNING_APP_RLHF_CACHE).
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            json.dump(data, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())  # the bytes are on disk before the rename makes them visible
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 def interpolate(points: list[list[float]], batch: float, length: float) -> float:

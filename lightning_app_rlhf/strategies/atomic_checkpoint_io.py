@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_app_rlhf.checkpoint import save_checkpoint_file
+from lightning_app_rlhf.files import write_atomically
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes local checkpoints with :func:`~lightning_app_rlhf.checkpoint.save_checkpoint_file`: streamed to a
-    temporary file in the checkpoint's directory, then renamed over the target. Lightning's own writer first
+    """Writes local checkpoints with :func:`~lightning_app_rlhf.files.write_atomically`: ``torch.save`` streams to
+    a temporary file in the checkpoint's directory (no copy of the whole file in memory), renamed over the target. Lightning's own writer first
     serialises the whole file into memory and stages it in the system's temporary directory, where an interrupted
     save leaves it. Remote paths (``s3://`` and the like) go through Lightning's writer."""
 
@@ -25,4 +26,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options for local files; got "
                             f"{storage_options!r}. Drop them, or pass your own checkpoint_io to the strategy.")
-        save_checkpoint_file(checkpoint, path)
+        write_atomically(path, lambda file: torch.save(checkpoint, file))
