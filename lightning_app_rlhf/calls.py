@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf import ppo
 from lightning_app_rlhf.config import PPOConfig
-from lightning_app_rlhf.generation import Rollout, position_ids_from_mask
+from lightning_app_rlhf.generation import Rollout, position_ids_from_mask, row_chunks
 from lightning_app_rlhf.roles import RewardFunction
 
 
@@ -37,20 +39,79 @@ def response_logits(
     return logits[:, :-1, :]
 
 
-@torch.no_grad()
-def reference_forward(reference: nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Reference log-probabilities [B, T] of the sampled response tokens."""
-    logits = response_logits(reference, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-    return ppo.logprobs_from_logits(logits, rollout.responses, temperature) * rollout.response_mask
+def _in_chunks(
+    forward: Callable[[Rollout], torch.Tensor],
+    rollout: Rollout,
+    batch_size: int | None,
+    lockstep_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """``forward`` on consecutive row chunks of ``rollout`` (see :func:`~lightning_app_rlhf.generation.row_chunks`),
+    its outputs concatenated along dim 0. With a lockstep group, a rank without rows in a chunk runs ``forward`` on a
+    stand-in row and drops the output, so that a sharded model's forwards stay paired across the group."""
+    if batch_size is None and lockstep_group is None:
+        return forward(rollout)
+    num_rows = len(rollout.sequences)
+    chunks = row_chunks(num_rows, batch_size, lockstep_group, rollout.sequences.device)
+    if not chunks:  # no rows and no group: the one call on the empty rollout, as without chunks
+        return forward(rollout)
+    outs, stand_in_out = [], None
+    for rows in chunks:
+        if rows.stop > rows.start:
+            outs.append(forward(rollout if rows.stop - rows.start == num_rows else rollout.select(rows)))
+        else:
+            stand_in_out = forward(_stand_in(rollout))
+    if not outs:
+        return stand_in_out[:0]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _stand_in(rollout: Rollout) -> Rollout:
+    """One row to run a forward on when a rank has none left in a chunk: its first row, or token 0 attended."""
+    if len(rollout.sequences):
+        return rollout.select(slice(0, 1))
+    sequences = rollout.sequences.new_zeros(1, rollout.sequences.shape[1])
+    response_mask = rollout.response_mask.new_zeros(1, rollout.response_mask.shape[1])
+    return Rollout(sequences, rollout.attention_mask.new_ones(sequences.shape), response_mask,
+                   rollout.logprobs.new_zeros(response_mask.shape), rollout.prompt_length)
 
 
 @torch.no_grad()
-def critic_forward(critic: nn.Module, rollout: Rollout) -> torch.Tensor:
-    """Critic values [B, T] of the states before each response token."""
-    values = critic(
-        rollout.sequences, rollout.attention_mask, position_ids_from_mask(rollout.attention_mask)
-    )
-    return values[:, rollout.prompt_length - 1 : -1] * rollout.response_mask
+def reference_forward(
+    reference: nn.Module,
+    rollout: Rollout,
+    temperature: float,
+    batch_size: int | None = None,
+    lockstep_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Reference log-probabilities [B, T] of the sampled response tokens.
+
+    ``batch_size``: rows per forward (``generation.batch_size``; None: all at once). ``lockstep_group``: the ranks
+    over which ``reference`` is sharded (FSDP2 / ZeRO-3), which must then run the same number of chunks; None when it
+    is not sharded.
+    """
+
+    def forward(part: Rollout) -> torch.Tensor:
+        logits = response_logits(reference, part.sequences, part.attention_mask, part.prompt_length)
+        return ppo.logprobs_from_logits(logits, part.responses, temperature) * part.response_mask
+
+    return _in_chunks(forward, rollout, batch_size, lockstep_group)
+
+
+@torch.no_grad()
+def critic_forward(
+    critic: nn.Module,
+    rollout: Rollout,
+    batch_size: int | None = None,
+    lockstep_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Critic values [B, T] of the states before each response token, ``batch_size`` rows per forward (see
+    :func:`reference_forward`)."""
+
+    def forward(part: Rollout) -> torch.Tensor:
+        values = critic(part.sequences, part.attention_mask, position_ids_from_mask(part.attention_mask))
+        return values[:, part.prompt_length - 1 : -1] * part.response_mask
+
+    return _in_chunks(forward, rollout, batch_size, lockstep_group)
 
 
 @torch.no_grad()
@@ -59,19 +120,29 @@ def reward_forward(
     rollout: Rollout,
     tokenizer: PreTrainedTokenizerBase,
     row_fields: dict[str, list[Any]] | None = None,
+    batch_size: int | None = None,
+    lockstep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scores [B] in float32: a reward model's output, or a reward function's on decoded text.
+
+    A reward model runs ``batch_size`` rows per forward (see :func:`reference_forward`). A reward function is
+    called once on the whole rollout whatever ``batch_size``: decoded text is small, and the function sees every
+    response of the shard (and its row fields) at once, as without chunks.
 
     A reward function also receives the dataset rows' other fields (e.g. ``answer=[...]``, one entry per response)
     as keyword arguments, when its signature takes them by name or takes ``**kwargs`` (TRL's convention).
     """
     if isinstance(reward, nn.Module):
-        logits = reward(
-            input_ids=rollout.sequences,
-            attention_mask=rollout.attention_mask,
-            position_ids=position_ids_from_mask(rollout.attention_mask),
-        ).logits
-        return logits[:, 0].float()
+
+        def forward(part: Rollout) -> torch.Tensor:
+            logits = reward(
+                input_ids=part.sequences,
+                attention_mask=part.attention_mask,
+                position_ids=position_ids_from_mask(part.attention_mask),
+            ).logits
+            return logits[:, 0].float()
+
+        return _in_chunks(forward, rollout, batch_size, lockstep_group)
     prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
     responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
     scores = torch.as_tensor(reward(prompts, responses, **_accepted(reward, row_fields or {})), dtype=torch.float32)

@@ -27,6 +27,12 @@ class GenerationConfig:
     num_samples: int = 1
     """Responses sampled per prompt (the group size G of GRPO, RLOO and REINFORCE++-baseline). Each response's draws
     are keyed by (seed, iteration, prompt index, sample index)."""
+    batch_size: int | None = None
+    """Rows sampled, and scored by each forward call (reference, critic, reward model), at once on a rank; None: the
+    rank's whole shard at once. A shard is split into ceil(rows / batch_size) consecutive chunks of near-equal size
+    (ranks of a sharded model use the largest shard of their group, so they run the same number of chunks). Chunks
+    give the same tokens (sampling is keyed per sample) and the same scores within float tolerance; lower it when a
+    large rollout does not fit in memory."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -42,6 +48,13 @@ class GenerationConfig:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}.")
         if self.num_samples < 1:
             raise ValueError(f"generation.num_samples must be >= 1 (responses per prompt), got {self.num_samples}.")
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1
+        ):
+            raise ValueError(
+                f"generation.batch_size must be an integer >= 1 (rows per chunk), or None to process a rank's whole "
+                f"shard at once, got {self.batch_size!r}."
+            )
 
 
 @dataclass
@@ -54,6 +67,10 @@ class PPOConfig:
     """Passes over each rollout batch."""
     num_minibatches: int = 1
     """Minibatches per PPO epoch; the rollout batch size must be divisible by it."""
+    micro_batch_size: int | None = None
+    """Samples per forward and backward pass on one rank: each rank's share of a minibatch runs in micro-batches
+    of at most this size, with the gradients accumulated over them before one optimizer step (the same update as
+    one pass). None: the whole share at once."""
     clip_range: float = 0.2
     """Policy ratio clipping epsilon."""
     clip_range_value: float = 0.2
@@ -105,6 +122,9 @@ class PPOConfig:
         for name in ("ppo_epochs", "num_minibatches", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"ppo.micro_batch_size must be >= 1 or None (no micro-batches), got "
+                             f"{self.micro_batch_size}.")
         for name in ("clip_range", "clip_range_value"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ppo.{name} must be > 0, got {getattr(self, name)}.")

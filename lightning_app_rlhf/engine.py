@@ -2,12 +2,14 @@
 
 Each call runs on its group's ranks (the :class:`~lightning_app_rlhf.placement.Placement` decides which) and its
 outputs are gathered to every rank, so every rank goes through the same steps in the same order: generate, score,
-advantages (the algorithm's), train, reallocate. The caller owns the loop, the optimizers and the backward pass:
-:class:`~lightning_app_rlhf.RLHFModule` binds it to Lightning's Trainer and Fabric.
+advantages (the algorithm's), train, reallocate. Each role runs through its :class:`~lightning_app_rlhf.wrappers.RoleWrapper` (backward, clipping, step, full
+parameters). The caller owns the loop and the optimizers: :class:`~lightning_app_rlhf.RLHFModule` binds it to
+Lightning's Trainer and Fabric.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,12 +36,10 @@ from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.ppo import LossScale
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction
+from lightning_app_rlhf.wrappers import RoleWrapper
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""
-
-Backward = Callable[[torch.Tensor], None]
-OptimizerStep = Callable[[torch.optim.Optimizer], None]
 
 
 @dataclass
@@ -54,6 +54,8 @@ class RLHFEngine:
         tokenizer: Decodes responses for a reward function; gives the EOS and pad ids.
         shaping: Score shaping and the KL coefficient, stateful across iterations.
         modules: Role -> its module on this rank (None where this rank does not hold it).
+        wrappers: Role -> its wrapper on this rank: the roles this rank trains, and the frozen roles the plan
+            shards here.
         reward_fn: The reward function, when the reward is not a model.
         seed: Keys the sampling noise and the minibatch order.
     """
@@ -65,6 +67,7 @@ class RLHFEngine:
     tokenizer: PreTrainedTokenizerBase
     shaping: RewardShaping
     modules: Callable[[str], nn.Module | None]
+    wrappers: dict[str, RoleWrapper]
     reward_fn: RewardFunction | None
     seed: int
 
@@ -76,7 +79,13 @@ class RLHFEngine:
         if not self.placement.runs(call):
             return None
         rows = self.placement.shard(call, batch["input_ids"].shape[0])
-        part = generate(
+        with self._running(ACTOR.name):
+            part = self._generate(batch, rows, iteration)
+        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
+
+    def _generate(self, batch: dict[str, Any], rows: slice, iteration: int) -> Rollout:
+        call = ACTOR.call("generate")
+        return generate(
             self.modules(ACTOR.name),
             batch["input_ids"][rows],
             batch["attention_mask"][rows],
@@ -86,7 +95,6 @@ class RLHFEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             lockstep_group=self.placement.groups.get(call) if self.placement.sharded_here(ACTOR.name) else None,
         )
-        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
         """Every rank receives the whole rollout from the shards of ``actor.generate``'s ranks."""
@@ -131,45 +139,41 @@ class RLHFEngine:
         if not self.placement.runs(call):
             return None
         rows = self.placement.shard(call, len(rollout.sequences))
-        shard = rollout.select(rows)
+        with self._running(role):
+            return {FORWARD_OUTPUTS[role][0]: self._forward(role, rollout.select(rows), rows, row_fields)}
+
+    def _forward(
+        self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None
+    ) -> torch.Tensor:
+        batch_size = self.generation.batch_size
         if role == REFERENCE.name:
-            out = reference_forward(self.modules(role), shard, self.generation.temperature)
-        elif role == REWARD.name:
+            return reference_forward(self.modules(role), shard, self.generation.temperature, batch_size=batch_size)
+        if role == REWARD.name:
             fields = {name: values[rows] for name, values in (row_fields or {}).items()}
-            out = reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields)
-        else:
-            out = critic_forward(self.modules(role), shard)
-        return {FORWARD_OUTPUTS[role][0]: out}
+            return reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields,
+                                  batch_size=batch_size)
+        return critic_forward(self.modules(role), shard, batch_size=batch_size)
+
+    def _running(self, role: str) -> contextlib.AbstractContextManager[None]:
+        """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one."""
+        wrapper = self.wrappers.get(role)
+        if wrapper is None and isinstance(self.modules(role), AdapterDisabledReference):
+            wrapper = self.wrappers.get(ACTOR.name)  # the LoRA actor's base, adapters off
+        return wrapper.running() if wrapper is not None else contextlib.nullcontext()
 
     # ---- train calls ----
 
-    def train_role(
-        self,
-        role: str,
-        experience: Experience,
-        model: nn.Module | None,
-        optimizer: torch.optim.Optimizer | None,
-        backward: Backward,
-        step: OptimizerStep,
-    ) -> dict[str, torch.Tensor]:
-        """``role``'s train call on its group (``model`` and ``optimizer`` are None off it); the statistics reach
-        every rank."""
+    def train_role(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
+        """``role``'s train call on its group, through its wrapper; the statistics reach every rank."""
         call = role + ".train"
-        stats = self._update(role, experience, model, optimizer, backward, step) if self.placement.runs(call) else None
+        stats = self._update(role, experience, self.wrappers[role]) if self.placement.runs(call) else None
         return self.placement.broadcast_stats(call, stats, self.algorithm.stat_names(role))
 
-    def _update(
-        self,
-        role: str,
-        experience: Experience,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        backward: Backward,
-        step: OptimizerStep,
-    ) -> dict[str, torch.Tensor]:
-        """Epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every minibatch and
-        divides by the whole minibatch's sizes; the wrapper averages gradients over D ranks, so the loss is scaled
-        by D. The update is the same whatever D is. A minibatch with no valid token takes no step."""
+    def _update(self, role: str, experience: Experience, wrapper: RoleWrapper) -> dict[str, torch.Tensor]:
+        """Epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every minibatch,
+        in micro-batches, and divides by the whole minibatch's sizes; the wrapper averages gradients over D
+        ranks, so the loss is scaled by D. The update is the same whatever D and the micro-batch size are. A
+        minibatch with no valid token takes no step."""
         call = role + ".train"
         ranks, my_rank = self.placement.group_size(call), self.placement.group_rank(call)
         config = self.config
@@ -183,15 +187,16 @@ class RLHFEngine:
                 if tokens == 0:  # every sample skipped: AdamW would still move the weights (momentum, decay)
                     continue
                 scale = LossScale(tokens.float(), len(indices), self.generation.max_new_tokens)
-                shard = experience.minibatch(indices.tensor_split(ranks)[my_rank])
-                loss, stats = self.algorithm.loss(role, model, shard, scale)
-                backward(loss * ranks)
-                if config.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                step(optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                for name, value in stats.items():
-                    totals[name] = totals[name] + value.detach()
+                shard = indices.tensor_split(ranks)[my_rank]
+                micro = shard.tensor_split(micro_batch_count(len(indices), ranks, config.micro_batch_size))
+                for i, rows in enumerate(micro):
+                    with wrapper.accumulating(last=i == len(micro) - 1):
+                        loss, stats = self.algorithm.loss(role, wrapper.train_module, experience.minibatch(rows),
+                                                          scale)
+                        wrapper.backward(loss * ranks)
+                    for name, value in stats.items():
+                        totals[name] = totals[name] + value.detach()
+                wrapper.step()
                 steps += 1
         names = self.algorithm.stat_names(role)
         summed = self.placement.all_reduce_sum(call, torch.stack([totals[n] for n in names]))
@@ -204,16 +209,18 @@ class RLHFEngine:
         moved = []
         for role in self.algorithm.trainable_roles:
             shadows = self.placement.plan.shadow_ranks(role)
-            if shadows and (self.placement.runs(role + ".train") or self.placement.rank in shadows):
-                moved.append(self.placement.reallocate_weights(role, self.modules(role)))
+            if not shadows:
+                continue
+            if self.placement.runs(role + ".train"):
+                with self.wrappers[role].full_parameters() as params:  # a gather over the group when sharded
+                    moved.append(self.placement.reallocate_weights(role, params))
+            elif self.placement.rank in shadows:
+                shadow = [p for p in self.modules(role).parameters() if p.requires_grad]
+                moved.append(self.placement.reallocate_weights(role, shadow))
         return moved
 
-    def gather_memory(self, optimizers: dict[str, torch.optim.Optimizer]) -> list[list[RoleMemory]]:
-        """Every rank's :class:`RoleMemory` rows, on every rank (one object all-gather).
-
-        Args:
-            optimizers: Role -> its optimizer, for the roles this rank trains.
-        """
+    def gather_memory(self) -> list[list[RoleMemory]]:
+        """Every rank's :class:`RoleMemory` rows, on every rank (one small object all-gather)."""
         mine = []
         for role in self.algorithm.roles:
             module = self.modules(role)
@@ -224,9 +231,18 @@ class RLHFEngine:
             if isinstance(module, AdapterDisabledReference):  # runs on the actor's weights, counted there
                 mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
                 continue
-            mine.append(role_memory(role, module, calls, optimizers.get(role)))
+            mine.append(role_memory(role, calls, module, self.wrappers.get(role)))
         if not self.placement.distributed:
             return [mine]
         everyone: list[Any] = [None] * self.placement.plan.world_size
         torch.distributed.all_gather_object(everyone, mine)
         return everyone
+
+
+def micro_batch_count(minibatch: int, ranks: int, micro_batch_size: int | None) -> int:
+    """Micro-batches per rank for one minibatch: the same on every rank of the group (a sharded wrapper's forward
+    and backward are collectives), enough for the largest share."""
+    if micro_batch_size is None:
+        return 1
+    largest_share = -(-minibatch // ranks)
+    return -(-largest_share // micro_batch_size)

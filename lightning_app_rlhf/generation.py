@@ -7,6 +7,7 @@ it is generated alone, in a batch of 32, or on any rank of a placement.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,38 @@ def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     return not bool(running.item())
 
 
+def row_chunks(
+    num_rows: int,
+    batch_size: int | None,
+    lockstep_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> list[slice]:
+    """Consecutive row chunks of a rank's ``num_rows`` rows, each of at most ``batch_size`` rows.
+
+    ``ceil(num_rows / batch_size)`` chunks of near-equal size (sizes differ by at most one), covering the rows in
+    order; ``batch_size=None``: one chunk of every row. With ``lockstep_group`` (ranks whose model is sharded and
+    must run the same number of forwards), the count is ``ceil(max rows over the group / batch_size)`` on every
+    rank, from one all-reduce on ``device``: a rank's chunks are then non-empty when it has at least as many rows as
+    chunks, and a rank with fewer rows gets empty chunks, which its caller runs on a stand-in row so that the
+    group's collectives stay paired. Without a group, zero rows give no chunks.
+    """
+    if batch_size is None:
+        num_chunks = 1 if num_rows > 0 or lockstep_group is not None else 0
+    else:
+        most = num_rows
+        if lockstep_group is not None:
+            count = torch.tensor([num_rows], dtype=torch.int64, device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=lockstep_group)
+            most = int(count.item())
+        num_chunks = -(-most // batch_size)
+    bounds = [i * num_rows // num_chunks for i in range(num_chunks + 1)] if num_chunks else []
+    return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
+
+
+def _pad_columns(tensor: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -151,6 +184,12 @@ def generate(
 ) -> Rollout:
     """Sample responses for left-padded prompts with a KV cache, stopping each row at EOS.
 
+    With ``config.batch_size`` set, the rows run in consecutive chunks of at most that many rows (see
+    :func:`row_chunks`), each a separate prefill and decode loop that stops when its rows are done; the chunks'
+    responses are padded (``pad_token_id``; mask and log-probs 0) to the longest and concatenated. Every draw is
+    keyed per row, so the tokens are those of one call on all rows, and the log-probabilities equal within float
+    tolerance.
+
     Args:
         model: A Hugging Face causal LM (or anything with the same call signature and output), or a PEFT model
             wrapping one; its adapters run unmerged.
@@ -160,18 +199,67 @@ def generate(
         keys: [B] per-sample keys from :func:`sample_keys`; they fix every random draw of that row.
         eos_token_id: Token that ends a response (it is kept, with mask 1).
         pad_token_id: Token written after EOS.
-        lockstep_group: Ranks whose model is sharded (FSDP2): they must run the same number of forwards, so
-            generation stops only when every rank of the group is done.
+        lockstep_group: Ranks whose model is sharded (FSDP2): they must run the same number of forwards, so every
+            rank of the group runs the same number of chunks (from the group's largest shard), and a chunk's
+            generation stops only when every rank of the group is done with it. A rank without rows in a chunk
+            runs its forwards on a stand-in row that is done from the start.
     """
-    batch_size, prompt_length = input_ids.shape
+    num_rows, prompt_length = input_ids.shape
     check_context_length(model, prompt_length, config.max_new_tokens)
+    chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
+    if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
+        return _generate_chunk(model, input_ids, attention_mask, config, keys, eos_token_id, pad_token_id,
+                               lockstep_group)
+    parts = []
+    for rows in chunks:
+        if rows.stop > rows.start:
+            parts.append(_generate_chunk(model, input_ids[rows], attention_mask[rows], config, keys[rows],
+                                         eos_token_id, pad_token_id, lockstep_group))
+        else:  # only with a lockstep group: take part in the group's forwards, keep nothing
+            if num_rows:
+                stand_in, stand_in_mask = input_ids[:1], attention_mask[:1]
+            else:
+                stand_in = torch.full((1, prompt_length), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+                stand_in_mask = torch.ones_like(stand_in, dtype=attention_mask.dtype)
+            _generate_chunk(model, stand_in, stand_in_mask, config, torch.zeros(1, dtype=torch.int64), eos_token_id,
+                            pad_token_id, lockstep_group, active=False)
+    width = max((part.response_mask.shape[1] for part in parts), default=0)
+    responses = torch.cat([_pad_columns(part.responses, width, pad_token_id) for part in parts]) if parts \
+        else input_ids.new_zeros(0, 0)
+    response_mask = torch.cat([_pad_columns(part.response_mask, width, 0) for part in parts]) if parts \
+        else attention_mask.new_zeros(0, 0)
+    logprobs = torch.cat([_pad_columns(part.logprobs, width, 0.0) for part in parts]) if parts \
+        else torch.zeros(0, 0, device=input_ids.device)
+    return Rollout(
+        sequences=torch.cat([input_ids, responses], dim=1),
+        attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+        response_mask=response_mask,
+        logprobs=logprobs,
+        prompt_length=prompt_length,
+    )
+
+
+def _generate_chunk(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    keys: torch.Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+    lockstep_group: dist.ProcessGroup | None,
+    active: bool = True,
+) -> Rollout:
+    """One prefill and decode loop over all of its (non-empty) rows; ``active=False``: the rows are done from the
+    start (a stand-in that only keeps a lockstep group's forwards paired)."""
+    batch_size, prompt_length = input_ids.shape
     uniforms = keyed_uniforms(keys, config.max_new_tokens)
     position_ids = position_ids_from_mask(attention_mask)
     # Only the last prompt position's logits are needed: with a large vocabulary the LM head dominates a prefill.
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
     )
-    done = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
+    done = torch.full((batch_size,), not active, dtype=torch.bool, device=input_ids.device)
     tokens, logprobs, masks = [], [], []
     mask = attention_mask
     for step in range(config.max_new_tokens):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-OPTIMIZER_SLOTS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 1, torch.optim.RMSprop: 1}
-"""State tensors per parameter element kept by common optimizers (SGD counts its momentum buffer)."""
+from lightning_app_rlhf.wrappers import RoleWrapper
 
 
 @dataclass
@@ -22,32 +20,16 @@ class RoleMemory:
     grad_bytes: int
     """Gradients of the trainable parameters, on ranks that run the role's train call."""
     optimizer_bytes: int
-    """Optimizer state: slots per element (Adam: 2) times the trainable parameter bytes."""
+    """Optimizer state (with DeepSpeed ZeRO: its fp32 master partition too), on ranks that run the train call."""
     shares: str | None = None
     """The role whose parameters this one runs on, counted there: a LoRA actor's reference is its base model with
     the adapters disabled, so it costs no bytes of its own."""
 
 
-def role_memory(
-    role: str, module: nn.Module, calls: list[str], optimizer: torch.optim.Optimizer | None
-) -> RoleMemory:
-    """Bytes of ``module`` on this rank; gradients and optimizer state only where the role trains here."""
-    local = [_local(p) for p in module.parameters()]
-    param_bytes = sum(p.numel() * p.element_size() for p in local)
-    trainable = sum(_local(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    grads = trainable if optimizer is not None else 0
-    slots = _optimizer_slots(optimizer) if optimizer is not None else 0
-    return RoleMemory(role, "+".join(calls), param_bytes, grads, slots * trainable)
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param  # FSDP2 shard
-
-
-def _optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
-    for cls, slots in OPTIMIZER_SLOTS.items():
-        if type(optimizer) is cls:
-            if cls is torch.optim.SGD and not optimizer.defaults.get("momentum"):
-                return 0
-            return slots
-    return 2  # unknown optimizers: assume Adam-like
+def role_memory(role: str, calls: list[str], module: nn.Module, wrapper: RoleWrapper | None) -> RoleMemory:
+    """Bytes of ``role`` on this rank: its wrapper's accounting where the role is wrapped here, else the whole
+    module's parameters (a shadow or an unwrapped frozen role)."""
+    if wrapper is not None:
+        return RoleMemory(role, "+".join(calls), *wrapper.memory_bytes())
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return RoleMemory(role, "+".join(calls), param_bytes, 0, 0)

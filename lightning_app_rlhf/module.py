@@ -37,6 +37,7 @@ from lightning_app_rlhf.memory import RoleMemory
 from lightning_app_rlhf.placement import Placement
 from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, ROLES
+from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper
 from lightning_app_rlhf.roles import (
     AdapterDisabledReference,
     ModelSpec,
@@ -144,9 +145,9 @@ class RLHFModule(pl.LightningModule):
         self._fabric_iteration = 0
         self.pending_experience: Experience | None = None
         """With ``overlap``: the rollout scored last iteration, trained on in the next one."""
-        self.train_modules: dict[str, nn.Module] = {}
-        """Role -> the module its train call runs (DDP/FSDP2-wrapped by the strategy; a plain dict so the
-        wrappers are not registered as submodules)."""
+        self.role_wrappers: dict[str, RoleWrapper] = {}
+        """Role -> its wrapper on this rank (the roles it trains, and frozen roles the plan shards here); set by
+        the strategy. A plain dict, so wrapped modules are not registered as submodules."""
 
     @property
     def has_critic(self) -> bool:
@@ -283,20 +284,35 @@ class RLHFModule(pl.LightningModule):
 
         return [PlacementSummary()]
 
-    def _optimizer(self, role: str) -> torch.optim.Optimizer:
-        optimizers = self.optimizers()
-        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        return optimizers[self.trained_roles().index(role)].optimizer
+    def attach_optimizers(self, optimizers: list[Any]) -> None:
+        """Give each trained role's wrapper its optimizer (in :meth:`trained_roles` order), with this module's
+        backward and optimizer step (Lightning's precision plugin and hooks) and the configured clipping. The
+        strategy calls it once the wrappers and the optimizers exist."""
+        for role, optimizer in zip(self.trained_roles(), optimizers, strict=True):
+            self.role_wrappers[role].attach_optimizer(
+                getattr(optimizer, "optimizer", optimizer),  # a Fabric or Lightning optimizer wraps the torch one
+                self.ppo.max_grad_norm, self.manual_backward, self._optimizer_step,
+            )
 
     def gather_memory(self) -> list[list[RoleMemory]]:
         """Every rank's :class:`RoleMemory` rows, on every rank (a collective: call it on every rank)."""
-        return self.engine.gather_memory({role: self._optimizer(role) for role in self.trained_roles()})
+        return self.engine.gather_memory()
 
     @property
     def engine(self) -> RLHFEngine:
         """The model calls of one iteration over the roles this rank holds now."""
         return RLHFEngine(self._placement(), self.algorithm, self.generation, self.ppo, self.tokenizer, self.shaping,
-                          self.role_module, self.reward_fn, self.seed)
+                          self.role_module, self._wrappers(), self.reward_fn, self.seed)
+
+    def _wrappers(self) -> dict[str, RoleWrapper]:
+        """The strategy's wrappers; under a Trainer without a placement strategy (one process), plain ones."""
+        if not self.role_wrappers and self.trained_roles():
+            for role in self.trained_roles():
+                self.role_wrappers[role] = DDPWrapper(self.role_module(role), None, 1, 0, self.device)
+                self.role_wrappers[role].wrap()
+            optimizers = self.optimizers()
+            self.attach_optimizers(optimizers if isinstance(optimizers, list) else [optimizers])
+        return self.role_wrappers
 
     # ---- one iteration ----
 
@@ -341,13 +357,8 @@ class RLHFModule(pl.LightningModule):
         if experience is None or not bool(experience.response_mask.any()):
             return {}, None
         stats: dict[str, torch.Tensor] = {}
-        trained_here = self.trained_roles()
         for role in self.algorithm.trainable_roles:
-            here = role in trained_here
-            model = self.train_modules.get(role, self.role_module(role)) if here else None
-            optimizer = self._optimizer(role) if here else None
-            stats.update(engine.train_role(role, experience, model, optimizer, self.manual_backward,
-                                           self._optimizer_step))
+            stats.update(engine.train_role(role, experience))
         return stats, experience
 
     # ---- export ----

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan
 from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
@@ -176,25 +175,24 @@ class Placement:
 
     # ---- weight reallocation ----
 
-    def reallocate_weights(self, role: str, module: nn.Module | None, bucket_bytes: int = 100 << 20) -> int:
+    def reallocate_weights(self, role: str, params: list[torch.Tensor], bucket_bytes: int = 100 << 20) -> int:
         """Send ``role``'s trained weights from its train leader to every shadow copy; return bytes moved.
 
-        Train ranks pass their (unwrapped) trained module, shadow ranks their shadow module. Only parameters
-        that train are sent (frozen ones never change). Ranks outside both must not call this.
+        Train ranks pass the trainable parameters, full (their wrapper's ``full_parameters()``); shadow ranks pass
+        their shadow's trainable parameters, in the same order. Frozen parameters never change and never move.
+        Ranks outside both must not call this.
         """
         group = self.reallocation_groups.get(role)
         if group is None and not self.plan.shadow_ranks(role):
             return 0
         with self._collective(f"{role}.train", "weight reallocation"):
-            return self._reallocate(role, module, group, bucket_bytes)
+            return self._reallocate(role, params, group, bucket_bytes)
 
-    def _reallocate(self, role: str, module: nn.Module | None, group: dist.ProcessGroup | None, bucket_bytes: int) -> int:
+    def _reallocate(self, role: str, params: list[torch.Tensor], group: dist.ProcessGroup | None,
+                    bucket_bytes: int) -> int:
         train_leader = self.leader(f"{role}.train")
-        params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
-        if self.runs(f"{role}.train"):
-            params = [_full_tensor(p) for p in params]  # FSDP2: a collective over the train group
-            if self.rank != train_leader:
-                return 0
+        if self.runs(f"{role}.train") and self.rank != train_leader:
+            return 0
         moved = 0
         for bucket in _buckets(params, bucket_bytes):
             flat = torch.cat([p.detach().reshape(-1) for p in bucket])
@@ -239,10 +237,6 @@ def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.
     if tensor.numel():
         out[tuple(slice(0, s) for s in tensor.shape)] = tensor.to(device)
     return out
-
-
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

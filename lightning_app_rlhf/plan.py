@@ -10,7 +10,6 @@ The three APP placements are presets of one mechanism:
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -28,10 +27,7 @@ from lightning_app_rlhf.role_table import (
     role_of,
 )
 
-WRAPPERS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
-"""Parallel wrappers of a trainable role on its train group: DDP, FSDP2, or DeepSpeed ZeRO stage 0-3."""
-FROZEN_WRAPPERS = ("fsdp2",)
-"""Wrappers of a frozen role on its forward call's group (absent: every rank of the group holds it whole)."""
+from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, WRAPPERS, wrapper_class
 
 
 @dataclass(frozen=True)
@@ -47,8 +43,10 @@ class PlacementPlan:
     calls: dict[str, tuple[int, ...]]
     """Call name -> the ranks that run it (sorted, no duplicates)."""
     wrappers: dict[str, str] = field(default_factory=dict)
-    """Trainable role -> ``ddp``, ``fsdp2`` or ``zero0``-``zero3`` (default ``ddp``). Optionally a frozen role (``reference``,
-    ``reward``) -> ``fsdp2``: sharded over its forward call's group, whose ranks run the forward in lockstep."""
+    """Role -> its wrapper (:data:`~lightning_app_rlhf.wrappers.WRAPPERS`). A trainable role: ``ddp`` (default),
+    ``fsdp2``, ``zero1``, ``zero2`` or ``zero3``, on its train group. Optionally a frozen role (``reference``,
+    ``reward``) -> ``fsdp2`` or ``zero3``: sharded over its forward call's group, whose ranks run the forward in
+    lockstep."""
     name: str = "custom"
     """A label for summaries and logs."""
     overlap: bool = False
@@ -105,20 +103,15 @@ class PlacementPlan:
                                  "overlap=False.")
         for role in self.trainable_roles:
             wrapper = self.wrappers.get(role)
-            if wrapper not in WRAPPERS:
-                raise ValueError(f"Role {role!r} has wrapper {wrapper!r}; choose one of {list(WRAPPERS)}.")
+            wrapper_class(wrapper, role)  # unknown, or its package missing: the error names the fix
             train = set(self.calls[f"{role}.train"])
-            if wrapper in ("fsdp2", "zero3") and len(train) > 1:
+            if wrapper in SHARDED_WRAPPERS and len(train) > 1:
                 for call, ranks in self.calls.items():
                     if role_of(call) == role and set(ranks) & train and set(ranks) != train:
                         raise ValueError(
                             f"Call {call!r} runs on ranks {list(ranks)}, part of the {wrapper} group {sorted(train)} "
                             f"of '{role}.train': a sharded role can only run a call on all of its train ranks or on "
                             "ranks outside them (shadow copies). Change the call's ranks, or use wrapper 'ddp'.")
-            if wrapper.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
-                raise ValueError(f"Role {role!r} asks for DeepSpeed ({wrapper}) but deepspeed is not installed. "
-                                 "Install it with `pip install 'lightning-app-rlhf[deepspeed]'`, or use 'ddp' or "
-                                 "'fsdp2'.")
         unknown = sorted(set(self.wrappers) - set(self.roles))
         if unknown:
             raise ValueError(f"Wrappers name unknown roles {unknown}, which the plan does not place: give wrappers "
@@ -129,6 +122,8 @@ class PlacementPlan:
                 raise ValueError(f"Frozen role {role!r} has wrapper {self.wrappers[role]!r}; a frozen role is either "
                                  f"held whole (leave it out of `wrappers`) or sharded with {list(FROZEN_WRAPPERS)} over "
                                  f"the ranks of '{role}.forward'.")
+            if role in self.wrappers:
+                wrapper_class(self.wrappers[role], role)
 
     def validate_shared_reference(self) -> None:
         """Raise a ``ValueError`` naming the fix if the reference cannot run on the actor's base model.
@@ -146,7 +141,7 @@ class PlacementPlan:
                 f"'reference.forward' without holding the actor. Put 'reference.forward' on ranks that run an actor "
                 f"call ({sorted(actor_ranks)}), or give a separate `reference` model so those ranks load a copy.")
         train = set(self.calls[ACTOR.call("train")])
-        if self.wrappers.get(ACTOR.name) in ("fsdp2", "zero3") and len(train) > 1 and reference & train != train \
+        if self.wrappers.get(ACTOR.name) in SHARDED_WRAPPERS and len(train) > 1 and reference & train != train \
                 and reference & train:
             raise ValueError(
                 f"'reference.forward' runs on ranks {sorted(reference)}, part of the {self.wrappers[ACTOR.name]} group "

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, Placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_trained_roles
+from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
 
 
 class FabricPlacementStrategy(ParallelStrategy):
@@ -123,11 +123,12 @@ class FabricPlacementStrategy(ParallelStrategy):
                                self._timeout)
         module.placement = self.placement
         module.configure_model()
+        wrap_roles(module, self.placement, self.root_device)  # before the optimizers: FSDP2 replaces parameters
         optimizers, schedulers = module.configure_optimizers()
         # Fabric returns the module alone when a rank trains nothing (Separation's generation ranks).
-        fabric_module = fabric.setup(module, *optimizers)[0] if optimizers else fabric.setup(module)
+        fabric_module, *fabric_optimizers = fabric.setup(module, *optimizers) if optimizers else (fabric.setup(module),)
         module.fabric_schedulers = schedulers
-        wrap_trained_roles(module, self.placement, self.root_device)
+        module.attach_optimizers(fabric_optimizers)
         return fabric_module.module if hasattr(fabric_module, "module") else fabric_module
 
     @override

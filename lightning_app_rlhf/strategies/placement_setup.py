@@ -18,7 +18,7 @@ from torch import nn
 from lightning_app_rlhf.placement import Placement, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLES
-from lightning_app_rlhf.wrappers import shard_frozen, wrap_for_training
+from lightning_app_rlhf.wrappers import RoleWrapper, wrapper_class
 
 
 def start_distributed(
@@ -60,18 +60,23 @@ def place(
     return create_placement(plan, global_rank, root_device, timeout)
 
 
-def wrap_trained_roles(module: nn.Module, placement: Placement, device: torch.device) -> None:
+def wrap_roles(module: nn.Module, placement: Placement, device: torch.device) -> None:
     """Wrap each trainable role this rank trains on its own train group (never the whole module), and shard the
-    frozen roles the plan gives a wrapper over their forward call's group."""
+    frozen roles the plan gives a wrapper over their forward call's group. The wrappers land in
+    ``module.role_wrappers``; the trained ones get their optimizers from ``module.attach_optimizers``."""
+    plan = placement.plan
     for role in module.trained_roles():
-        call = f"{role}.train"
-        module.train_modules[role] = wrap_for_training(
-            module.role_module(role), placement.plan.wrappers[role], placement.groups.get(call),
-            placement.group_size(call), device,
-        )
+        wrapper = _wrapper(module, placement, role, f"{role}.train", device)
+        wrapper.wrap()
     for role in (entry.name for entry in ROLES if not entry.trainable):
         call = f"{role}.forward"
-        frozen = module.role_module(role)
-        if role in placement.plan.wrappers and frozen is not None and placement.runs(call):
-            shard_frozen(frozen, placement.plan.wrappers[role], placement.groups.get(call),
-                         placement.group_size(call), device)
+        if role in plan.wrappers and module.role_module(role) is not None and placement.runs(call):
+            _wrapper(module, placement, role, call, device).wrap_frozen()
+
+
+def _wrapper(module: nn.Module, placement: Placement, role: str, call: str, device: torch.device) -> RoleWrapper:
+    cls = wrapper_class(placement.plan.wrappers[role], role)
+    wrapper = cls(module.role_module(role), placement.groups.get(call), placement.group_size(call),
+                  placement.group_rank(call), device)
+    module.role_wrappers[role] = wrapper
+    return wrapper

@@ -32,8 +32,8 @@ from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
-from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_trained_roles
-from lightning_app_rlhf.wrappers import SHARDED_WRAPPERS
+from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
+from lightning_app_rlhf.wrappers import wrapper_class
 
 
 class PlacementStrategy(ParallelStrategy):
@@ -166,13 +166,14 @@ class PlacementStrategy(ParallelStrategy):
         self.model_to_device()
         module = self.lightning_module
         placement = module.placement
-        sharded = [r for r, w in placement.plan.wrappers.items() if w in SHARDED_WRAPPERS]
+        sharded = [r for r, w in placement.plan.wrappers.items() if wrapper_class(w).shards_optimizer]
         if sharded and trainer.checkpoint_callbacks:
             raise ValueError(f"Checkpoints of sharded roles ({', '.join(sharded)}) are not supported yet. Disable "
                              "checkpointing (--trainer.enable_checkpointing false) or use wrapper='ddp'.")
-        wrap_trained_roles(module, placement, self.root_device)
+        wrap_roles(module, placement, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            module.attach_optimizers(self.optimizers)
         self.setup_precision_plugin()
 
     @override
@@ -254,5 +255,5 @@ class PlacementStrategy(ParallelStrategy):
     def teardown(self) -> None:
         super().teardown()
         module = self.lightning_module
-        if module is not None and hasattr(module, "train_modules"):
-            module.train_modules.clear()
+        if module is not None and hasattr(module, "role_wrappers"):
+            module.role_wrappers.clear()

@@ -1,0 +1,194 @@
+"""``RoleWrapper``: how one role runs on its process group. Plain PyTorch, no Lightning."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Backward = Callable[[torch.Tensor], None]
+OptimizerStep = Callable[[torch.optim.Optimizer], None]
+
+OPTIMIZER_SLOTS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 1, torch.optim.RMSprop: 1}
+"""State tensors per parameter element kept by common optimizers (SGD counts its momentum buffer)."""
+
+
+class RoleWrapper(ABC):
+    """One role on the ranks of one call: wrapping, the module each call runs, backward, clipping, the optimizer
+    step, full parameters on demand, memory accounting and checkpoint state.
+
+    A trainable role is wrapped on its train group; a frozen role (reference, reward model) on its forward group,
+    when the plan gives it a wrapper. The class attributes describe what each rank keeps, for the plan's
+    validation, the planner's memory and cost model, and its search space.
+
+    Args:
+        module: The role's module on this rank.
+        group: The process group of the call (None when it has one rank).
+        group_size: Ranks in that group.
+        group_rank: This rank's index in the group.
+        device: This rank's device.
+    """
+
+    name: ClassVar[str]
+    """The plan's name for the wrapper (``PlacementPlan.wrappers`` values)."""
+    shards_params: ClassVar[bool] = False
+    """No rank holds the full parameters: a forward gathers them, collectively over the group."""
+    shards_grads: ClassVar[bool] = False
+    """Each rank keeps only its part of the gradients."""
+    shards_optimizer: ClassVar[bool] = False
+    """Each rank keeps only its part of the optimizer state."""
+    wraps_frozen: ClassVar[bool] = False
+    """Can shard a frozen role over its forward group."""
+    package: ClassVar[str | None] = None
+    """The package it needs beyond torch; absent, the planner does not search it and a plan asking for it fails."""
+    extra: ClassVar[str | None] = None
+    """This project's pip extra that installs :attr:`package`."""
+
+    def __init__(
+        self, module: nn.Module, group: dist.ProcessGroup | None, group_size: int, group_rank: int,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.group_size = group_size
+        self.group_rank = group_rank
+        self.device = device
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.max_grad_norm: float | None = None
+        self._backward: Backward = _plain_backward
+        self._optimizer_step: OptimizerStep = _plain_step
+
+    # ---- set-up ----
+
+    @abstractmethod
+    def wrap(self) -> None:
+        """Wrap (or shard) the module for training, before its optimizer exists."""
+
+    def wrap_frozen(self) -> None:
+        """Shard a frozen role over its forward group."""
+        raise ValueError(f"Wrapper {self.name!r} cannot wrap a frozen role.")
+
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, backward: Backward | None = None,
+        optimizer_step: OptimizerStep | None = None,
+    ) -> None:
+        """Take the role's optimizer (built over :attr:`module`'s parameters after :meth:`wrap`).
+
+        Args:
+            optimizer: The role's optimizer.
+            max_grad_norm: Clip the gradients' global norm to this before each step (None: no clipping).
+            backward: Runs ``loss.backward()`` (Lightning passes ``manual_backward``, for its precision plugin
+                and hooks). Wrappers that own backward ignore it.
+            optimizer_step: Steps the optimizer (Lightning passes its strategy's, for the same reasons).
+        """
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self._backward = backward or _plain_backward
+        self._optimizer_step = optimizer_step or _plain_step
+
+    # ---- the calls ----
+
+    @property
+    @abstractmethod
+    def train_module(self) -> nn.Module:
+        """The module the train call runs forward and backward through."""
+
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        """Enter around any call of the role on this rank (forward, generate, backward, step, gathers)."""
+        return contextlib.nullcontext()
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Enter around the forward and backward of one micro-batch; ``last`` for the last of a minibatch, after
+        which the gradients are complete (earlier ones may skip their gradient synchronisation)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._backward(loss)
+
+    def step(self) -> None:
+        """Clip, step and zero the gradients."""
+        assert self.optimizer is not None
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        self._optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[list[torch.Tensor]]:
+        """The trainable parameters, full, in ``module.parameters()`` order (a collective over the group when they
+        are sharded); valid inside the block."""
+        yield [p for p in self.module.parameters() if p.requires_grad]
+
+    # ---- memory ----
+
+    def memory_bytes(self) -> tuple[int, int, int]:
+        """This rank's ``(parameter, gradient, optimizer)`` bytes for the role, from the tensors it keeps.
+        Gradients and optimizer state count only with an optimizer (a trainable role on its train group)."""
+        params = list(self.module.parameters())
+        param_bytes = sum(_local(p).numel() * p.element_size() for p in params)
+        if self.optimizer is None:
+            return param_bytes, 0, 0
+        trainable = sum(_local(p).numel() * p.element_size() for p in params if p.requires_grad)
+        return param_bytes, trainable, optimizer_slots(self.optimizer) * trainable
+
+    @classmethod
+    def predicted_bytes(
+        cls, shapes: Sequence[tuple[int, ...]], trainable: Sequence[bool], element_size: int, group_size: int,
+        group_rank: int, slots: int, trains: bool,
+    ) -> tuple[int, int, int]:
+        """What :meth:`memory_bytes` will measure, from the parameter shapes alone (the planner's memory model).
+
+        Args:
+            shapes: Every parameter's shape, in ``module.parameters()`` order.
+            trainable: Whether each parameter trains.
+            element_size: Bytes per element.
+            group_size: Ranks in the group.
+            group_rank: The rank's index in the group.
+            slots: Optimizer state tensors per trainable element (AdamW: 2).
+            trains: Whether the rank runs the role's train call (gradients and optimizer state).
+        """
+        local = [cls.local_numel(shape, group_size, group_rank) for shape in shapes]
+        params = sum(local) * element_size
+        if not trains:
+            return params, 0, 0
+        grads = sum(n for n, t in zip(local, trainable) if t) * element_size
+        return params, grads, slots * grads
+
+    @classmethod
+    def local_numel(cls, shape: tuple[int, ...], group_size: int, group_rank: int) -> int:
+        """Elements of one parameter that a rank keeps (all of them unless the wrapper shards parameters)."""
+        return _numel(shape)
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
+    """State tensors per trainable element that ``optimizer`` keeps (unknown optimizers: Adam-like, 2)."""
+    for cls, slots in OPTIMIZER_SLOTS.items():
+        if type(optimizer) is cls:
+            if cls is torch.optim.SGD and not optimizer.defaults.get("momentum"):
+                return 0
+            return slots
+    return 2
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _plain_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()

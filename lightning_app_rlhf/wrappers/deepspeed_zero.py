@@ -1,0 +1,294 @@
+"""``ZeroWrapper``: a DeepSpeed ZeRO engine (stage 1, 2 or 3) for one role, on the role's group only.
+
+DeepSpeed assumes that its engines span the whole job: ZeRO-3 checks its parameter order and synchronises with
+world-wide barriers and broadcasts from global rank 0. A role here runs on a subgroup, so every DeepSpeed call of
+a role runs inside :func:`deepspeed_world`, which makes DeepSpeed's default group that role's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from typing_extensions import override
+
+from lightning_app_rlhf.wrappers.base import RoleWrapper
+
+ALIGNMENT = 2
+"""ZeRO-1/2 pad a role's flat parameter buffer to a multiple of ``ALIGNMENT x ranks`` elements (DeepSpeed's
+``nccl_start_alignment_factor``) before splitting it into equal partitions."""
+
+
+class ZeroWrapper(RoleWrapper):
+    """A ``deepspeed.initialize`` engine whose data-parallel group is the role's group. DeepSpeed owns backward,
+    gradient clipping (its ``gradient_clipping``), the optimizer step and zero-grad; the optimizer is the role's
+    own (``zero_allow_untested_optimizer``), so LR schedulers and Lightning's optimizer list keep working.
+
+    On a group of one rank there is nothing to partition: the role trains as a plain module (the same update).
+    """
+
+    stage: ClassVar[int]
+    package = "deepspeed"
+    extra = "deepspeed"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine: Any = None
+
+    @override
+    def wrap(self) -> None:
+        pass  # deepspeed.initialize needs the optimizer: see attach_optimizer
+
+    @override
+    def wrap_frozen(self) -> None:
+        if self.group_size > 1:
+            self.engine = self._initialize(None, None)
+
+    @override
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None, *args: Any,
+                         **kwargs: Any) -> None:
+        super().attach_optimizer(optimizer, max_grad_norm, *args, **kwargs)
+        if self.group_size > 1:
+            self.engine = self._initialize(optimizer, max_grad_norm)
+
+    def _initialize(self, optimizer: torch.optim.Optimizer | None, max_grad_norm: float | None) -> Any:
+        deepspeed = import_deepspeed(self.device)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # unused: the engine decides batches and micro-batches
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": max_grad_norm or 0.0,
+            "zero_optimization": {"stage": self.stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**62,
+            "wall_clock_breakdown": False,
+        }
+        with deepspeed_world(self.group):
+            engine, *_ = deepspeed.initialize(model=self.module, optimizer=optimizer, config=config,
+                                              mpu=_GroupMPU(self.group), dist_init_required=False)
+        return engine
+
+    @property
+    @override
+    def train_module(self) -> nn.Module:
+        return self.engine if self.engine is not None else self.module
+
+    @override
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        return deepspeed_world(self.group) if self.engine is not None else contextlib.nullcontext()
+
+    @override
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        if self.engine is not None:
+            self.engine.set_gradient_accumulation_boundary(last)
+        with self.running():
+            yield
+
+    @override
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.engine is None:
+            return super().backward(loss)
+        with self.running():
+            self.engine.backward(loss)
+
+    @override
+    def step(self) -> None:
+        if self.engine is None:
+            return super().step()
+        with self.running():
+            self.engine.step()
+
+    @override
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[list[torch.Tensor]]:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.engine is None or self.stage < 3:
+            yield params
+            return
+        import deepspeed
+
+        with self.running(), deepspeed.zero.GatheredParameters(params):
+            yield params
+
+    @override
+    def memory_bytes(self) -> tuple[int, int, int]:
+        if self.engine is None:
+            return super().memory_bytes()
+        params = list(self.module.parameters())
+        size = params[0].element_size() if params else 4
+        held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+        if self.optimizer is None:
+            return held * size, 0, 0
+        zero = self.engine.optimizer
+        partition = sum(t.numel() for t in _master_partitions(zero))
+        states = sum(t.numel() * t.element_size() for state in zero.optimizer.state.values()
+                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        grads = trainable if self.stage == 1 else partition  # stage 1 reduces whole gradients
+        return held * size, grads * size, partition * 4 + states  # fp32 master copy + optimizer state
+
+    @classmethod
+    @override
+    def predicted_bytes(
+        cls, shapes: Sequence[tuple[int, ...]], trainable: Sequence[bool], element_size: int, group_size: int,
+        group_rank: int, slots: int, trains: bool,
+    ) -> tuple[int, int, int]:
+        if group_size == 1:
+            return RoleWrapper.predicted_bytes.__func__(cls, shapes, trainable, element_size, 1, 0, slots, trains)
+        numels = [_numel(shape) for shape in shapes]
+        if cls.stage == 3:
+            local = [-(-n // group_size) for n in numels]  # each parameter padded to a multiple of the ranks
+            held = sum(local)
+            partition = sum(n for n, t in zip(local, trainable) if t)
+        else:
+            held = sum(numels)
+            total = sum(n for n, t in zip(numels, trainable) if t)
+            align = ALIGNMENT * group_size
+            partition = -(-total // align) * align // group_size
+        if not trains:
+            return held * element_size, 0, 0
+        full = sum(n for n, t in zip(numels, trainable) if t)
+        grads = full if cls.stage == 1 else partition
+        return held * element_size, grads * element_size, partition * 4 * (1 + slots)
+
+
+class Zero1Wrapper(ZeroWrapper):
+    """ZeRO stage 1: optimizer state partitioned over the group."""
+
+    name = "zero1"
+    stage = 1
+    shards_optimizer = True
+
+
+class Zero2Wrapper(ZeroWrapper):
+    """ZeRO stage 2: optimizer state and gradients partitioned."""
+
+    name = "zero2"
+    stage = 2
+    shards_grads = True
+    shards_optimizer = True
+
+
+class Zero3Wrapper(ZeroWrapper):
+    """ZeRO stage 3: parameters too; a forward gathers each module's weights. Also shards frozen roles."""
+
+    name = "zero3"
+    stage = 3
+    shards_params = True
+    shards_grads = True
+    shards_optimizer = True
+    wraps_frozen = True
+
+
+def import_deepspeed(device: torch.device) -> Any:
+    """Import DeepSpeed for ``device`` (its CPU accelerator on a CPU) and bind its communication backend to the
+    process group that already exists."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+
+    if ds_comm.cdb is None:
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
+                                   dist_init_required=False)
+    return deepspeed
+
+
+@contextlib.contextmanager
+def deepspeed_world(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Make ``group`` DeepSpeed's default group inside the block (see the module's docstring)."""
+    import deepspeed.comm.comm as ds_comm
+
+    backend = ds_comm.cdb
+    if group is None or isinstance(backend, _GroupScopedBackend):
+        yield
+        return
+    ds_comm.cdb = _GroupScopedBackend(backend, group)
+    try:
+        yield
+    finally:
+        ds_comm.cdb = backend
+
+
+class _GroupScopedBackend:
+    """DeepSpeed's torch backend with ``group=None`` read as one process group (ranks and sources within it)."""
+
+    def __init__(self, backend: Any, group: dist.ProcessGroup) -> None:
+        self._backend = backend
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def barrier(self, group: Any = None, **kwargs: Any) -> Any:
+        return self._backend.barrier(group=group or self._group, **kwargs)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+        if group is None:
+            group, src = self._group, dist.get_global_rank(self._group, src)
+        return self._backend.broadcast(tensor=tensor, src=src, group=group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        return self._backend.all_reduce(tensor, op if op is not None else dist.ReduceOp.SUM, group or self._group,
+                                        async_op)
+
+    def get_rank(self, group: Any = None) -> int:
+        return self._backend.get_rank(group or self._group)
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self._backend.get_world_size(group or self._group)
+
+
+class _GroupMPU:
+    """DeepSpeed's "model parallel unit": data parallel over ``group``, no tensor or pipeline parallelism."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._group)
+
+    def get_model_parallel_group(self) -> None:
+        return None  # DeepSpeed reads None as "no model parallelism" and skips those collectives
+
+    def get_tensor_model_parallel_group(self) -> None:
+        return None
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def _master_partitions(zero: Any) -> list[torch.Tensor]:
+    """The fp32 master partitions that DeepSpeed's ZeRO optimizer steps (stage 1/2 and stage 3 name them apart)."""
+    groups = getattr(zero, "single_partition_of_fp32_groups", None)
+    return list(groups) if groups is not None else list(zero.fp32_partitioned_groups_flat)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
