@@ -93,7 +93,7 @@ class RLHFEngine:
             sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
-            lockstep_group=self.placement.groups.get(call) if self.placement.sharded_here(ACTOR.name) else None,
+            lockstep_group=self._lockstep_group(ACTOR.name),
         )
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
@@ -145,21 +145,34 @@ class RLHFEngine:
     def _forward(
         self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None
     ) -> torch.Tensor:
-        batch_size = self.generation.batch_size
+        chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self._lockstep_group(role)}
         if role == REFERENCE.name:
-            return reference_forward(self.modules(role), shard, self.generation.temperature, batch_size=batch_size)
+            return reference_forward(self.modules(role), shard, self.generation.temperature, **chunks)
         if role == REWARD.name:
             fields = {name: values[rows] for name, values in (row_fields or {}).items()}
-            return reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields,
-                                  batch_size=batch_size)
-        return critic_forward(self.modules(role), shard, batch_size=batch_size)
+            return reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields, **chunks)
+        return critic_forward(self.modules(role), shard, **chunks)
+
+    def _wrapper_of(self, role: str) -> RoleWrapper | None:
+        """The wrapper whose weights a call of ``role`` runs on here: the role's own, or for a LoRA actor's
+        reference (its base, adapters off) the actor's."""
+        wrapper = self.wrappers.get(role)
+        if wrapper is None and isinstance(self.modules(role), AdapterDisabledReference):
+            wrapper = self.wrappers.get(ACTOR.name)
+        return wrapper
 
     def _running(self, role: str) -> contextlib.AbstractContextManager[None]:
         """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one."""
-        wrapper = self.wrappers.get(role)
-        if wrapper is None and isinstance(self.modules(role), AdapterDisabledReference):
-            wrapper = self.wrappers.get(ACTOR.name)  # the LoRA actor's base, adapters off
+        wrapper = self._wrapper_of(role)
         return wrapper.running() if wrapper is not None else contextlib.nullcontext()
+
+    def _lockstep_group(self, role: str) -> torch.distributed.ProcessGroup | None:
+        """The group over which ``role``'s weights are sharded here, whose ranks must run the same number of
+        forwards (each gathers weights collectively); None when this rank holds them whole."""
+        wrapper = self._wrapper_of(role)
+        if wrapper is None or not wrapper.shards_params or wrapper.group_size == 1:
+            return None
+        return wrapper.group
 
     # ---- train calls ----
 

@@ -30,7 +30,7 @@ from lightning_app_rlhf.checkpoint import (
     verify,
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.engine import RLHFEngine
+from lightning_app_rlhf.engine import RLHFEngine, micro_batch_count
 from lightning_app_rlhf.experience import RewardShaping
 from lightning_app_rlhf.generation import repeat_samples
 from lightning_app_rlhf.memory import RoleMemory
@@ -258,6 +258,22 @@ class RLHFModule(pl.LightningModule):
                 raise ValueError(f"Each PPO minibatch of {minibatch} samples is split over the {ranks} ranks of "
                                  f"'{role}.train': raise data.batch_size or lower ppo.num_minibatches so that "
                                  f"batch_size{times_g} / num_minibatches >= {ranks}.")
+            self._check_micro_batches(role, minibatch, ranks)
+
+    def _check_micro_batches(self, role: str, minibatch: int, ranks: int) -> None:
+        """Every rank of a train group runs the same number of micro-batches (a sharded wrapper's passes are
+        collectives), so the smallest share of a minibatch needs at least that many samples."""
+        size = self.ppo.micro_batch_size
+        if size is None:
+            return
+        smallest = minibatch // ranks
+        if smallest >= micro_batch_count(minibatch, ranks, size):
+            return
+        fits = next(m for m in range(size, minibatch + 1) if micro_batch_count(minibatch, ranks, m) <= smallest)
+        raise ValueError(f"ppo.micro_batch_size={size} splits the largest share of a {minibatch}-sample minibatch "
+                         f"over the {ranks} ranks of '{role}.train' into {micro_batch_count(minibatch, ranks, size)} "
+                         f"micro-batches, and every rank must run as many, but the smallest share has {smallest} "
+                         f"samples. Use ppo.micro_batch_size >= {fits}, or a minibatch divisible by {ranks}.")
 
     def trained_roles(self) -> list[str]:
         """The trainable roles whose train call runs on this rank, in optimizer order."""

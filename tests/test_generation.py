@@ -14,7 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_app_rlhf import ppo
-from lightning_app_rlhf.calls import response_logits
+from lightning_app_rlhf.calls import critic_forward, reference_forward, response_logits, reward_forward
 from lightning_app_rlhf.config import GenerationConfig
 from lightning_app_rlhf.data import collate_left_padded
 from lightning_app_rlhf.generation import (
@@ -24,9 +24,10 @@ from lightning_app_rlhf.generation import (
     inverse_cdf_sample,
     keyed_uniforms,
     position_ids_from_mask,
+    row_chunks,
     sample_keys,
 )
-from lightning_app_rlhf.roles import ModelSpec, build_causal_lm
+from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
 PAD, EOS = 0, 2
 VOCAB = 8
@@ -365,3 +366,204 @@ def test_generate_checks_context_length(gpt2):
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(gpt2, ids, torch.ones_like(ids), GenerationConfig(max_new_tokens=8),
                  sample_keys(0, 0, torch.tensor([0])), EOS, PAD)
+
+
+# ---- generation.batch_size: chunked sampling and scoring ----
+
+CHUNK_PROMPTS = ["list some fruit:", "red", "name a few animals: cat dog", "give me colors, like blue:", "hi",
+                 "count to three:", "blue"]
+
+
+class CountingLM(nn.Module):
+    """Wraps a causal LM and records the batch size of every call, marking prefills (no cache) with a P."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls: list[str] = []
+
+    @property
+    def config(self):
+        return self.inner.config
+
+    def forward(self, **kwargs):
+        prefill = kwargs.get("past_key_values") is None
+        self.calls.append(("P" if prefill else "") + str(kwargs["input_ids"].shape[0]))
+        return self.inner(**kwargs)
+
+
+class FakeLockstepGroup:
+    """Stands in for the other ranks of a lockstep group, through a patched ``dist.all_reduce``: they hold
+    ``peer_rows`` rows and stay running for the first ``peer_steps`` decode steps of every chunk."""
+
+    def __init__(self, monkeypatch, model: CountingLM | None, peer_rows: int, peer_steps: int = 0) -> None:
+        self.model, self.peer_rows, self.peer_steps = model, peer_rows, peer_steps
+        self.row_counts = 0
+        self.seen_prefills = 0
+        self.steps = 0
+        monkeypatch.setattr(torch.distributed, "all_reduce", self.all_reduce)
+
+    def all_reduce(self, tensor, op=None, group=None):
+        assert group is self and op == torch.distributed.ReduceOp.MAX
+        if tensor.dtype == torch.int64:  # the row count of row_chunks
+            self.row_counts += 1
+            tensor.fill_(max(int(tensor.item()), self.peer_rows))
+            return
+        prefills = sum(call.startswith("P") for call in self.model.calls)
+        if prefills != self.seen_prefills:  # a new chunk started
+            self.seen_prefills, self.steps = prefills, 0
+        self.steps += 1
+        tensor.fill_(max(int(tensor.item()), int(self.steps <= self.peer_steps)))
+
+
+def _pad_rollout_to(rollout, width: int):
+    """The rollout's responses widened to ``width`` columns (pad token, mask 0, log-prob 0)."""
+    extra = width - rollout.response_mask.shape[1]
+    response_mask = torch.nn.functional.pad(rollout.response_mask, (0, extra))
+    return SimpleNamespace(
+        responses=torch.nn.functional.pad(rollout.responses, (0, extra), value=PAD),
+        response_mask=response_mask,
+        logprobs=torch.nn.functional.pad(rollout.logprobs, (0, extra)),
+    )
+
+
+@pytest.fixture
+def chunk_batch(tokenizer):
+    return encode_batch(tokenizer, CHUNK_PROMPTS, list(range(len(CHUNK_PROMPTS))))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_chunked_generation_equals_whole(gpt2, chunk_batch, batch_size):
+    """Chunks of 1, 3 and more than the batch: the same tokens and masks, log-probs within 1e-5, with EOS and
+    left padding (chunks whose responses are shorter than the longest are padded)."""
+    model = EOSBiased(gpt2, bias=4.5)
+    config = GenerationConfig(max_new_tokens=8)
+    whole = run(model, chunk_batch, config, seed=1)
+    chunked = run(model, chunk_batch, GenerationConfig(max_new_tokens=8, batch_size=batch_size), seed=1)
+
+    lengths = whole.response_mask.sum(1)
+    assert lengths.min() < lengths.max() == 8  # rows end at EOS at different steps, one never does
+    assert (chunk_batch["attention_mask"] == 0).any()  # left padding
+    assert chunked.prompt_length == whole.prompt_length
+    assert torch.equal(chunked.sequences, whole.sequences)
+    assert torch.equal(chunked.attention_mask, whole.attention_mask)
+    assert torch.equal(chunked.response_mask, whole.response_mask)
+    assert chunked.response_mask.dtype == whole.response_mask.dtype
+    assert_close(chunked.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+
+
+def test_chunked_generation_runs_chunks_of_at_most_batch_size(gpt2, chunk_batch):
+    """7 rows with batch_size 3: three prefills of 2, 2 and 3 rows (near-equal consecutive chunks)."""
+    model = CountingLM(EOSBiased(gpt2, bias=4.5))
+    run(model, chunk_batch, GenerationConfig(max_new_tokens=8, batch_size=3), seed=1)
+    assert [call for call in model.calls if call.startswith("P")] == ["P2", "P2", "P3"]
+    assert set(model.calls) == {"P3", "P2", "3", "2"}
+
+
+def test_row_chunks_split():
+    """Consecutive near-equal chunks of at most batch_size rows; None is one chunk; no rows, no chunks."""
+    sizes = lambda chunks: [c.stop - c.start for c in chunks]
+    assert sizes(row_chunks(7, 3)) == [2, 2, 3]
+    assert row_chunks(7, 3)[0].start == 0 and row_chunks(7, 3)[-1].stop == 7
+    assert sizes(row_chunks(7, 1)) == [1] * 7
+    assert row_chunks(7, 16) == [slice(0, 7)]
+    assert row_chunks(7, None) == [slice(0, 7)]
+    assert row_chunks(0, 4) == [] and row_chunks(0, None) == []
+
+
+def test_lockstep_chunks_follow_the_group(monkeypatch, gpt2, chunk_batch):
+    """Under a lockstep group the chunk count comes from the group's largest shard (one all-reduce), a rank with
+    fewer rows than chunks runs a stand-in chunk, and every chunk decodes as long as the group does; the tokens are
+    still those of an unchunked call."""
+    model = CountingLM(EOSBiased(gpt2, bias=8.0))
+    rows = slice(0, 2)
+    local = {k: v[rows] for k, v in chunk_batch.items() if torch.is_tensor(v)}
+    whole = run(model.inner, local, GenerationConfig(max_new_tokens=8), seed=1)
+    group = FakeLockstepGroup(monkeypatch, model, peer_rows=5, peer_steps=3)
+    keys = sample_keys(1, 0, local["index"])
+    config = GenerationConfig(max_new_tokens=8, batch_size=2)
+    chunked = generate(model, local["input_ids"], local["attention_mask"], config, keys, EOS, PAD, lockstep_group=group)
+
+    assert group.row_counts == 1
+    # ceil(5 / 2) = 3 chunks of this rank's 2 rows: [], [0], [1]; the empty one runs on a stand-in row.
+    assert [call for call in model.calls if call.startswith("P")] == ["P1", "P1", "P1"]
+    assert whole.response_mask.sum(1).max() < 4  # every row ends before the peers do ...
+    assert len(model.calls) == 3 * (1 + 3)  # ... so each chunk runs the peers' 3 decode steps
+    expected = _pad_rollout_to(whole, chunked.response_mask.shape[1])
+    assert torch.equal(chunked.responses, expected.responses)
+    assert torch.equal(chunked.response_mask, expected.response_mask)
+    assert_close(chunked.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+
+
+def test_lockstep_rank_without_rows_keeps_the_group_paired(monkeypatch, gpt2, chunk_batch):
+    """A rank with no rows runs one stand-in chunk per group chunk and returns an empty rollout."""
+    model = CountingLM(gpt2)
+    group = FakeLockstepGroup(monkeypatch, model, peer_rows=3, peer_steps=2)
+    empty = chunk_batch["input_ids"][:0]
+    config = GenerationConfig(max_new_tokens=8, batch_size=2)
+    keys = sample_keys(0, 0, torch.tensor([], dtype=torch.long))
+    out = generate(model, empty, chunk_batch["attention_mask"][:0], config, keys, EOS, PAD, lockstep_group=group)
+    assert model.calls == ["P1", "1", "1"] * 2
+    assert out.sequences.shape == (0, empty.shape[1]) and out.response_mask.shape[0] == 0
+
+
+@pytest.fixture
+def scored(tiny_gpt2_config, gpt2, chunk_batch):
+    """A rollout with EOS and left padding, and the three scoring models."""
+    rollout = run(EOSBiased(gpt2, bias=4.5), chunk_batch, GenerationConfig(max_new_tokens=8), seed=1)
+    critic = build_critic(ModelSpec(config=tiny_gpt2_config, init_seed=1))
+    reward = build_reward_model(ModelSpec(config=tiny_gpt2_config, init_seed=2), pad_token_id=PAD)
+    return rollout, gpt2, critic, reward
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_chunked_forwards_equal_whole(scored, tokenizer, batch_size):
+    """reference, critic and reward-model forwards in chunks equal one forward on all rows (within 1e-5)."""
+    rollout, reference, critic, reward = scored
+    assert rollout.response_mask.min() == 0
+    for forward in (
+        lambda **kw: reference_forward(reference, rollout, 0.7, **kw),
+        lambda **kw: critic_forward(critic, rollout, **kw),
+        lambda **kw: reward_forward(reward, rollout, tokenizer, **kw),
+    ):
+        whole, chunked = forward(), forward(batch_size=batch_size)
+        assert chunked.shape == whole.shape and chunked.dtype == whole.dtype
+        assert_close(chunked, whole, rtol=0, atol=1e-5)
+
+
+def test_reward_function_called_once_whatever_batch_size(scored, tokenizer):
+    """A reward function on decoded text sees the whole rollout in one call, with its row fields."""
+    rollout, *_ = scored
+    seen = []
+
+    def reward_fn(prompts, responses, answer):
+        seen.append(len(responses))
+        return [float(len(r)) + a for r, a in zip(responses, answer)]
+
+    answers = list(range(len(rollout.sequences)))
+    scores = reward_forward(reward_fn, rollout, tokenizer, {"answer": answers}, batch_size=2)
+    assert seen == [len(rollout.sequences)] and scores.shape == (len(rollout.sequences),)
+
+
+def test_lockstep_forward_stand_in_chunks(monkeypatch, scored):
+    """Under a lockstep group a scoring forward runs as many chunks as the group's largest shard needs, on a
+    stand-in row where this rank has none, and still returns exactly its own rows' scores."""
+    rollout, reference, *_ = scored
+    model = CountingLM(reference)
+    local = rollout.select(slice(0, 2))
+    whole = reference_forward(reference, local, 1.0)
+    group = FakeLockstepGroup(monkeypatch, model, peer_rows=5)
+    chunked = reference_forward(model, local, 1.0, batch_size=2, lockstep_group=group)
+    assert model.calls == ["P1", "P1", "P1"]  # chunks [], [0], [1]
+    assert_close(chunked, whole, rtol=0, atol=1e-5)
+    nothing = reference_forward(model, rollout.select(slice(0, 0)), 1.0, batch_size=2, lockstep_group=group)
+    assert nothing.shape == (0, rollout.response_mask.shape[1]) and len(model.calls) == 6
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_generation_batch_size_must_be_a_positive_integer(bad):
+    """generation.batch_size below 1 (or not an integer) fails, naming the field and None."""
+    with pytest.raises(ValueError, match=r"generation\.batch_size must be an integer >= 1.*or None"):
+        GenerationConfig(batch_size=bad)
+    assert GenerationConfig(batch_size=1).batch_size == 1
+    assert GenerationConfig().batch_size is None

@@ -7,12 +7,21 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 
-def _digest(module) -> str:
+def _digest(params) -> str:
     sha = hashlib.sha256()
-    for p in module.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 shard -> whole tensor (collective)
-        sha.update(full.detach().cpu().contiguous().numpy().tobytes())
+    for p in params:
+        sha.update(p.detach().cpu().contiguous().numpy().tobytes())
     return sha.hexdigest()
+
+
+def _role_digest(pl_module, role: str) -> str:
+    """The trained parameters of ``role``: gathered through its wrapper where this rank trains it (FSDP2 and ZeRO-3
+    shards -> whole tensors, a collective over the train group), the shadow's own elsewhere."""
+    wrapper = pl_module.role_wrappers.get(role)
+    if wrapper is None:
+        return _digest(p for p in getattr(pl_module, role).parameters() if p.requires_grad)
+    with wrapper.full_parameters() as params:
+        return _digest(params)
 
 
 class WeightCopiesEqual(Callback):
@@ -23,7 +32,7 @@ class WeightCopiesEqual(Callback):
         self.records = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        mine = {role: _digest(getattr(pl_module, role)) for role in ("actor", "critic")
+        mine = {role: _role_digest(pl_module, role) for role in ("actor", "critic")
                 if getattr(pl_module, role) is not None}
         everyone = [None] * trainer.world_size
         dist.all_gather_object(everyone, mine)

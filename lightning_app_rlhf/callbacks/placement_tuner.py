@@ -75,6 +75,9 @@ class PlacementTuner(Callback):
         self.prediction: dict[str, Any] = {}
         """What the planner predicted for :attr:`optimal_plan` (seconds and samples per iteration, peak bytes,
         source), or where the plan came from on a resume."""
+        self.batch_sizes: dict[str, int | None] = {}
+        """The planner's ``generation.batch_size`` and ``ppo.micro_batch_size`` for :attr:`optimal_plan` (None: a
+        rank's whole shard); the module runs with them, or with smaller ones it was given."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -91,6 +94,7 @@ class PlacementTuner(Callback):
         if saved:  # a checkpoint written without a tuner (or before it chose) has no plan to reuse
             plan, self.prediction = PlacementPlan.from_dict(saved["plan"]), {**saved["prediction"], "source": "checkpoint"}
             _check_saved_plan(plan, saved, pl_module)
+            self.batch_sizes = saved.get("batch_sizes", {})
         else:
             from lightning_app_rlhf.planner.profiler import measure_collectives, measure_device
 
@@ -100,15 +104,17 @@ class PlacementTuner(Callback):
             outcome = strategy.broadcast(outcome)  # every rank applies the same plan, or raises the same error
             if isinstance(outcome, str):
                 raise RuntimeError(outcome)
-            plan, self.prediction = outcome
+            plan, self.prediction, self.batch_sizes = outcome
         strategy.apply_plan(plan)
         self.optimal_plan = plan
-        rank_zero_info(f"PlacementTuner: using {describe(plan)} ({_prediction_text(self.prediction)}).")
+        applied = _apply_batch_sizes(pl_module, self.batch_sizes)
+        rank_zero_info(f"PlacementTuner: using {describe(plan)}{applied} ({_prediction_text(self.prediction)}).")
 
     def _decide(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: DeviceType | None
-    ) -> tuple[PlacementPlan, dict] | str:
-        """Rank 0: profile, search, and return the best plan with its prediction (or the error's message).
+    ) -> tuple[PlacementPlan, dict, dict] | str:
+        """Rank 0: profile, search, and return the best plan with its prediction and batch sizes (or the error's
+        message).
 
         Args:
             trainer: The trainer being set up.
@@ -152,7 +158,9 @@ class PlacementTuner(Callback):
         prediction = {"source": best.source, "iteration_s": best.iteration_s, "samples_per_s": best.samples_per_s,
                       "peak_memory_bytes": best.estimate.peak_bytes,
                       "speedup_over_flattening": result.speedup_over("flattening")}
-        return best.plan, prediction
+        batch_sizes = {"generation.batch_size": best.choice.generation_batch,
+                       "ppo.micro_batch_size": best.choice.micro_batch}
+        return best.plan, prediction, batch_sizes
 
     def _saved_state(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         """The tuner state saved in the checkpoint this run resumes from, if any."""
@@ -182,7 +190,8 @@ class PlacementTuner(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.optimal_plan is None:
             return {}
-        return {"plan": self.optimal_plan.to_dict(), "prediction": self.prediction, "algorithm": self.algorithm}
+        return {"plan": self.optimal_plan.to_dict(), "prediction": self.prediction, "algorithm": self.algorithm,
+                "batch_sizes": self.batch_sizes}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -208,6 +217,20 @@ def _check_saved_plan(plan: PlacementPlan, saved: dict[str, Any], module: pl.Lig
         f"{algorithm.name!r} (roles {list(algorithm.roles)}). Resume with {resume}, or start a new run without "
         "--ckpt_path."
     )
+
+
+def _apply_batch_sizes(module: pl.LightningModule, batch_sizes: dict[str, int | None]) -> str:
+    """Run with the planner's generation batch and micro-batch, unless the module was given smaller ones: a plan
+    may fit in memory only thanks to them. Returns what changed, for the log line."""
+    changed = []
+    for name, planned in batch_sizes.items():
+        section, field = name.split(".")
+        config = getattr(module, section)
+        given = getattr(config, field)
+        if planned is not None and (given is None or planned < given):
+            setattr(config, field, planned)
+            changed.append(f"{name}={planned}")
+    return f" with {', '.join(changed)}" if changed else ""
 
 
 def describe(plan: PlacementPlan) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -10,6 +11,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_app_rlhf.wrappers.sharded_io import load_dcp, save_dcp
 
 Backward = Callable[[torch.Tensor], None]
 OptimizerStep = Callable[[torch.optim.Optimizer], None]
@@ -48,6 +51,9 @@ class RoleWrapper(ABC):
     """The package it needs beyond torch; absent, the planner does not search it and a plan asking for it fails."""
     extra: ClassVar[str | None] = None
     """This project's pip extra that installs :attr:`package`."""
+    checkpoint_format: ClassVar[str] = "dcp"
+    """What :meth:`save_sharded` writes: ``dcp`` (``torch.distributed.checkpoint``, loadable under any sharding
+    and number of ranks) or ``deepspeed`` (DeepSpeed's own files, loadable on as many ranks as saved them)."""
 
     def __init__(
         self, module: nn.Module, group: dist.ProcessGroup | None, group_size: int, group_rank: int,
@@ -123,6 +129,22 @@ class RoleWrapper(ABC):
         """The trainable parameters, full, in ``module.parameters()`` order (a collective over the group when they
         are sharded); valid inside the block."""
         yield [p for p in self.module.parameters() if p.requires_grad]
+
+    # ---- checkpoints ----
+
+    def save_sharded(self, directory: str | os.PathLike[str], optimizer: bool = True) -> None:
+        """Write the role under ``directory``, each rank of the group its own shard (weights, and with ``optimizer``
+        the optimizer state). Collective over the group: every rank of it calls this with the same directory.
+
+        The default writes with ``torch.distributed.checkpoint`` over the group: FSDP2's shards as they are, and
+        one copy of a replicated tensor."""
+        save_dcp(self.module, self.optimizer if optimizer else None, directory, self.group, self.group_size)
+
+    def load_sharded(self, directory: str | os.PathLike[str], optimizer: bool = True) -> None:
+        """Read what :meth:`save_sharded` wrote into this rank's part of the role (and of its optimizer state),
+        weights-only. Collective over the group. The default reads ``torch.distributed.checkpoint`` files, resharded
+        to this group whatever the wrapper and number of ranks that saved them."""
+        load_dcp(self.module, self.optimizer if optimizer else None, directory, self.group, self.group_size)
 
     # ---- memory ----
 

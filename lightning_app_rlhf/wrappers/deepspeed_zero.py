@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_app_rlhf.wrappers.base import RoleWrapper
+from lightning_app_rlhf.wrappers.sharded_io import DEEPSPEED_TAG, weights_only_deepspeed
 
 ALIGNMENT = 2
 """ZeRO-1/2 pad a role's flat parameter buffer to a multiple of ``ALIGNMENT x ranks`` elements (DeepSpeed's
@@ -35,6 +36,7 @@ class ZeroWrapper(RoleWrapper):
     stage: ClassVar[int]
     package = "deepspeed"
     extra = "deepspeed"
+    checkpoint_format = "deepspeed"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -114,6 +116,29 @@ class ZeroWrapper(RoleWrapper):
 
         with self.running(), deepspeed.zero.GatheredParameters(params):
             yield params
+
+    @override
+    def save_sharded(self, directory: str | os.PathLike[str], optimizer: bool = True) -> None:
+        """DeepSpeed's ``engine.save_checkpoint`` on the role's group: the module's states from the group's first
+        rank, each rank's ZeRO partition (fp32 master weights and optimizer state) in its own file, under
+        ``directory/zero/``. DeepSpeed always writes the partitions, so ``optimizer`` changes nothing here."""
+        if self.engine is None:
+            return super().save_sharded(directory, optimizer)
+        with self.running():
+            self.engine.save_checkpoint(os.fspath(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
+
+    @override
+    def load_sharded(self, directory: str | os.PathLike[str], optimizer: bool = True) -> None:
+        """DeepSpeed's ``engine.load_checkpoint``, weights-only, into an engine on as many ranks as saved it (DeepSpeed
+        refuses another number when it reads optimizer state)."""
+        if self.engine is None:
+            return super().load_sharded(directory, optimizer)
+        with self.running(), weights_only_deepspeed(self.engine):
+            path, _ = self.engine.load_checkpoint(os.fspath(directory), tag=DEEPSPEED_TAG,
+                                                  load_optimizer_states=self.optimizer is not None,
+                                                  load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"No DeepSpeed checkpoint of this role in {directory}/{DEEPSPEED_TAG}.")
 
     @override
     def memory_bytes(self) -> tuple[int, int, int]:

@@ -1,0 +1,166 @@
+"""Parallel wrappers as objects: the registry, micro-batches, and DDP, FSDP2 and ZeRO 1-3 under every placement
+on 2 and 4 CPU processes (gloo; DeepSpeed on its CPU accelerator)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
+from lightning_app_rlhf.plan import flattening_plan, separation_plan
+from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, WRAPPERS, available_wrappers, is_available
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipfrac", "policy/approx_kl",
+            "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
+PLACEMENTS = {"flattening": "FlatteningStrategy", "interleaving": "InterleavingStrategy",
+              "separation": "SeparationStrategy"}
+DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("zero1", "flattening", 2)}
+"""The matrix cells the default test run covers; ``pytest -m slow`` runs the rest."""
+needs_deepspeed = pytest.mark.skipif(not is_available("zero1"), reason="deepspeed is not installed")
+
+
+# ---- the registry ----
+
+
+def test_one_registry_describes_every_wrapper():
+    assert list(WRAPPERS) == ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
+    assert SHARDED_WRAPPERS == ("fsdp2", "zero3") and FROZEN_WRAPPERS == ("fsdp2", "zero3")
+    assert [WRAPPERS[n].shards_grads for n in WRAPPERS] == [False, True, False, True, True]
+    assert [WRAPPERS[n].shards_optimizer for n in WRAPPERS] == [False, True, True, True, True]
+    assert set(available_wrappers()) == {n for n in WRAPPERS if is_available(n)} >= {"ddp", "fsdp2"}
+
+
+def test_plans_name_the_choices_and_the_install_command(monkeypatch):
+    with pytest.raises(ValueError, match=r"Role 'actor' has wrapper 'zero0'; choose one of \['ddp', 'fsdp2', 'zero1'"):
+        flattening_plan(2, wrapper="zero0")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "deepspeed" else object())
+    with pytest.raises(ValueError, match=r"deepspeed is not installed.*pip install 'lightning-app-rlhf\[deepspeed\]'"):
+        separation_plan(4, wrapper="zero2")
+    assert available_wrappers() == ("ddp", "fsdp2")
+
+
+# ---- micro-batches ----
+
+
+def _fit(tokenizer, micro_batch_size: int | None) -> tuple[RLHFModule, list[float]]:
+    pl.seed_everything(0)
+    module = RLHFModule(
+        actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
+                          "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
+        tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=10),
+        ppo=PPOConfig(kl_coef=0.01, num_minibatches=2, ppo_epochs=2, micro_batch_size=micro_batch_size),
+        actor_optimizer=lambda p: torch.optim.SGD(p, lr=0.5), critic_optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+    )
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.initial_wte = pl_module.actor.transformer.wte.weight.detach().clone()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(trainer.callback_metrics["policy/loss"].item())
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()])
+    trainer.fit(module, PromptDataModule(demo.prompts(64), tokenizer, batch_size=12))
+    return module, losses
+
+
+def test_micro_batches_give_the_update_of_one_pass(tokenizer):
+    """Minibatches of 6 samples in micro-batches of 2 (and of 4: uneven, 4 + 2) accumulate the gradient of one
+    pass: the same weights and losses within float tolerance after two iterations of 2 epochs x 2 minibatches.
+    (SGD, whose update is the gradient: Adam would blow float noise on the gradient-free attention key bias up to
+    full-size steps.)"""
+    whole, whole_losses = _fit(tokenizer, None)
+    for size in (2, 4):
+        micro, micro_losses = _fit(tokenizer, size)
+        assert micro_losses == pytest.approx(whole_losses, rel=1e-5, abs=1e-7)
+        for role in ("actor", "critic"):
+            for (name, a), b in zip(getattr(whole, role).named_parameters(), getattr(micro, role).parameters()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{role}.{name}")
+    assert not torch.equal(whole.actor.transformer.wte.weight, whole.initial_wte)  # the updates moved the weights
+
+
+def test_micro_batch_size_that_cannot_split_every_share_evenly_is_refused(tokenizer):
+    module = RLHFModule(actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                          "vocab_size": 512, "n_positions": 64}},
+                        tokenizer=tokenizer, reward_fn=demo.topic_reward, ppo=PPOConfig(micro_batch_size=1))
+    module.placement = None
+    module._check_micro_batches("actor", 15, 3)  # shares of 5: 5 micro-batches of 1 each
+    with pytest.raises(ValueError, match=r"ppo.micro_batch_size=1 .* 16-sample minibatch .* 6 micro-batches.*"
+                                         r"smallest share has 5 samples. Use ppo.micro_batch_size >= 2"):
+        module._check_micro_batches("actor", 16, 3)  # shares 6, 5, 5: 6 micro-batches of 1 do not fit in 5
+
+
+# ---- every wrapper under every placement ----
+
+
+def run_demo(tmp_path: Path, name: str, *args: str) -> list[dict[str, float]]:
+    """Three iterations of the demo config through the CLI; its metrics.csv rows."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
+         "--trainer.max_steps", "3", "--trainer.enable_checkpointing", "false",
+         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
+         "--model.generation.max_new_tokens", "12", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (metrics,) = (tmp_path / name).rglob("metrics.csv")
+    import csv
+
+    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The demo on one process: the trajectory every wrapper and placement must log."""
+    rows = run_demo(tmp_path_factory.mktemp("single"), "single")
+    return [r for r in rows if "reward/mean" in r]
+
+
+def _cells():
+    for wrapper in ("fsdp2", "zero1", "zero2", "zero3"):
+        for placement in PLACEMENTS:
+            for devices in (2, 4):
+                slow = (wrapper, placement, devices) not in DEFAULT_RUN
+                marks = [pytest.mark.slow] if slow else []
+                if wrapper.startswith("zero"):
+                    marks.append(needs_deepspeed)
+                yield pytest.param(wrapper, placement, devices, marks=marks, id=f"{wrapper}-{placement}-{devices}")
+
+
+@pytest.mark.parametrize("wrapper,placement,devices", list(_cells()))
+def test_every_wrapper_logs_the_one_process_trajectory(tmp_path, one_process, wrapper, placement, devices):
+    """Actor and critic under ``wrapper`` log the one-process (DDP-equivalent) values step by step; under
+    Separation, the shadows hold the trained weights bit for bit after every update (sharded ones gathered);
+    micro-batches of 4 change nothing."""
+    digests = tmp_path / "digests.json"
+    extra = ["--model.ppo.micro_batch_size", "4"] if wrapper == "zero3" else []
+    if placement == "separation":
+        extra += ["--trainer.callbacks+=weight_check_callback.WeightCopiesEqual", f"--trainer.callbacks.path={digests}"]
+    rows = run_demo(tmp_path, "run", "--trainer.devices", str(devices), "--trainer.strategy",
+                    f"lightning_app_rlhf.strategies.{PLACEMENTS[placement]}", "--trainer.strategy.wrapper", wrapper,
+                    *extra)
+    logged = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    for step, (got, want) in enumerate(zip(logged, one_process, strict=True)):
+        for metric in COMPARED:
+            assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (step, metric)
+    if placement == "separation":
+        records = json.loads(digests.read_text())
+        assert len(records) == 3
+        for ranks in records:
+            for role in ("actor", "critic"):
+                assert len({r[role] for r in ranks}) == 1, role
+        assert len({ranks[0]["actor"] for ranks in records}) == 3  # the weights moved every iteration
+        assert all(r["reallocate/bytes"] > 1_000_000 for r in logged)
