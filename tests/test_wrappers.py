@@ -164,3 +164,91 @@ def test_every_wrapper_logs_the_one_process_trajectory(tmp_path, one_process, wr
                 assert len({r[role] for r in ranks}) == 1, role
         assert len({ranks[0]["actor"] for ranks in records}) == 3  # the weights moved every iteration
         assert all(r["reallocate/bytes"] > 1_000_000 for r in logged)
+
+
+# ---- the tuner runs the planner's batch sizes ----
+
+
+def test_tuner_applies_the_planners_generation_batch_and_micro_batch(tokenizer, monkeypatch):
+    """When the planner's best plan fits only with a generation batch of 4 and micro-batches of 2, the run
+    samples and scores in chunks of 4 and trains in micro-batches of 2; a smaller size the user gave stays."""
+    import dataclasses
+
+    import lightning_app_rlhf.planner as planner
+    from lightning_app_rlhf import calls
+    from lightning_app_rlhf.callbacks import PlacementTuner
+
+    real = planner.plan_placement
+
+    def plan_with_batches(*args, **kwargs):
+        result = real(*args, **kwargs)
+        best = result.best
+        estimate = dataclasses.replace(best.estimate, choice=dataclasses.replace(best.choice, generation_batch=4,
+                                                                                 micro_batch=2))
+        result.best = dataclasses.replace(best, estimate=estimate)
+        return result
+
+    monkeypatch.setattr(planner, "plan_placement", plan_with_batches)
+    chunks: list[int] = []
+    real_chunks = calls.row_chunks
+    monkeypatch.setattr(calls, "row_chunks", lambda n, size, *a, **k: chunks.append(size) or real_chunks(n, size, *a, **k))
+    seen: list[tuple] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((pl_module.generation.batch_size, pl_module.ppo.micro_batch_size))
+
+    module = RLHFModule(
+        actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
+                          "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
+        tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=8),
+        ppo=PPOConfig(num_minibatches=2),
+    )
+    tuner = PlacementTuner(search="presets", profile=False, cluster="1x1xcpu")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="rlhf_flattening", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[tuner, Record()])
+    trainer.fit(module, PromptDataModule(demo.prompts(32), tokenizer, batch_size=8))
+    assert tuner.batch_sizes == {"generation.batch_size": 4, "ppo.micro_batch_size": 2}
+    assert seen == [(4, 2), (4, 2)]
+    assert tuner.state_dict()["batch_sizes"] == tuner.batch_sizes  # a resume runs them too
+    assert chunks and set(chunks) == {4}  # the scoring forwards ran in chunks of 4
+
+
+# ---- the planner proposes only what the strategies run ----
+
+
+@pytest.mark.parametrize("wrapper", [pytest.param(w, marks=[needs_deepspeed] if WRAPPERS[w].package else [])
+                                     for w in WRAPPERS])
+def test_the_planners_choice_with_each_wrapper_runs(tmp_path, tokenizer, wrapper):
+    """``plan`` restricted to one wrapper returns a plan that the strategy accepts and trains for 2 iterations
+    on 2 processes, with the planner's batch sizes, checkpoints on."""
+    import dataclasses
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_app_rlhf.planner import parse_cluster, plan_placement, workload_from_module
+    from lightning_app_rlhf.strategies import PlacementStrategy
+
+    def module() -> RLHFModule:
+        return RLHFModule(
+            actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
+                              "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
+            tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=8),
+            ppo=PPOConfig(num_minibatches=2))
+
+    workload = dataclasses.replace(workload_from_module(module(), 8, 8), wrappers=(wrapper,))
+    best = plan_placement(parse_cluster("1x2xcpu"), workload, search="both", time_budget_s=1.0,
+                          mcmc_steps=200).best
+    assert set(best.plan.wrappers[r] for r in best.plan.trainable_roles) == {wrapper}
+    rlhf = module()
+    rlhf.generation.batch_size, rlhf.ppo.micro_batch_size = best.choice.generation_batch, best.choice.micro_batch
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+        strategy=PlacementStrategy(plan=best.plan, start_method="fork", timeout=120),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)],
+    )
+    trainer.fit(rlhf, PromptDataModule(demo.prompts(32), tokenizer, batch_size=8))
+    (saved,) = (tmp_path / "ckpt").iterdir()  # the fork launcher keeps the children's loop state to them
+    assert saved.name == "epoch=0-step=2.ckpt"

@@ -19,7 +19,9 @@ from lightning_app_rlhf.role_table import CALLS, role_of
 
 class PlacementSummary(Callback):
     """Prints the placement (every call with its ranks and wrapper) and the memory per rank and role, and logs
-    ``memory/param_bytes_rank{r}`` and ``memory/state_bytes_rank{r}`` at step 0.
+    ``memory/param_bytes_rank{r}``, ``memory/grad_bytes_rank{r}``, ``memory/optimizer_bytes_rank{r}`` and their
+    sum of gradients and optimizer state ``memory/state_bytes_rank{r}`` at step 0, as each wrapper accounts them
+    (the planner predicts the same numbers).
 
     Args:
         print_tables: Print the tables on rank 0 (the metrics are logged either way).
@@ -40,10 +42,12 @@ class PlacementSummary(Callback):
 
 
 def memory_metrics(rows: list[list[RoleMemory]]) -> dict[str, Any]:
-    """Parameter bytes and gradient + optimizer bytes per rank."""
+    """Parameter, gradient and optimizer bytes per rank, and gradient + optimizer bytes."""
     metrics: dict[str, float] = {}
     for rank, rank_rows in enumerate(rows):
         metrics[f"memory/param_bytes_rank{rank}"] = float(sum(r.param_bytes for r in rank_rows))
+        metrics[f"memory/grad_bytes_rank{rank}"] = float(sum(r.grad_bytes for r in rank_rows))
+        metrics[f"memory/optimizer_bytes_rank{rank}"] = float(sum(r.optimizer_bytes for r in rank_rows))
         metrics[f"memory/state_bytes_rank{rank}"] = float(sum(r.grad_bytes + r.optimizer_bytes for r in rank_rows))
     return metrics
 

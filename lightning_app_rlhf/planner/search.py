@@ -607,7 +607,10 @@ def _fastest_start(
         for i, group in enumerate(groups):
             calls = {c: everyone.ranks(c) for c in layout.calls}
             calls[call] = group
-            plan = PlacementPlan(n, calls, everyone.wrappers, name="probe")
+            try:
+                plan = PlacementPlan(n, calls, everyone.wrappers, name="probe")
+            except ValueError:  # a sharded role's call on part of its train group: no plan can run it there
+                continue
             compute, comm = model.call_time(choose_batches(model, plan), call)
             times.append((compute + comm, -len(group), i))
         state.append(min(times)[2])
