@@ -382,8 +382,9 @@ class RLHFModule(pl.LightningModule):
     def export_actor(self, directory: str | os.PathLike[str], merge: bool = True) -> Path | None:
         """Save the trained actor and the tokenizer in Hugging Face format.
 
-        Call it on every rank; it runs no collective. The lowest rank of ``actor.train``, which holds the trained
-        weights, writes and returns the directory; the other ranks return None.
+        Call it on every rank. The lowest rank of ``actor.train``, which holds the trained weights, writes and
+        returns the directory; the other ranks return None. An actor sharded over its train group (FSDP2, ZeRO-3)
+        is gathered first: a collective over that group.
 
         Args:
             directory: Where to write; created if missing.
@@ -395,25 +396,34 @@ class RLHFModule(pl.LightningModule):
         if not merge and self.actor_spec.lora is None:
             raise ValueError("The actor has no LoRA adapter to export: use merge=True to save its full weights.")
         placement = self._placement()
+        gathered = self._gather_sharded_actor() if placement.sharded_here(ACTOR.name) else None
         if placement.rank != placement.leader(ACTOR.call("train")):
             return None
         if self.actor is None:
             raise RuntimeError("The actor is not built yet: export after `fit` (or after `configure_model`).")
-        if placement.sharded_here(ACTOR.name):
-            raise ValueError(f"The actor is sharded ({placement.plan.wrappers[ACTOR.name]}) over "
-                             f"{placement.group_size(ACTOR.call('train'))} ranks; exporting a sharded actor is not supported "
-                             "yet. Train it with wrapper 'ddp' to export it.")
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         if not merge:
-            self.actor.save_pretrained(path)
+            self.actor.save_pretrained(path)  # peft writes the adapter from whichever rank calls it
         elif is_lora(self.actor):
             # Merge into a copy: the live actor keeps its adapters (and its reference, the base with them off).
-            copy.deepcopy(self.actor).merge_and_unload().save_pretrained(path)
+            save_hf_model(copy.deepcopy(self.actor).merge_and_unload(), path)
         else:
-            self.actor.save_pretrained(path)
+            save_hf_model(self.actor, path, gathered)
         self.tokenizer.save_pretrained(path)
         return path
+
+    def _gather_sharded_actor(self) -> dict[str, torch.Tensor]:
+        """The sharded actor's full weights, on the CPU (every rank of ``actor.train`` takes part)."""
+        if self.actor_spec.lora is not None:
+            raise ValueError(f"Exporting a LoRA actor sharded with {self._placement().plan.wrappers[ACTOR.name]} is "
+                             "not supported: train a LoRA actor with wrapper 'ddp' (its adapters are small).")
+        names = [name for name, p in self.actor.named_parameters() if p.requires_grad]
+        if len(names) != len(list(self.actor.parameters())):
+            raise ValueError("Exporting a sharded actor with frozen parameters is not supported: train every "
+                             "parameter, or use wrapper 'ddp'.")
+        with self.role_wrappers[ACTOR.name].full_parameters() as params:
+            return {name: p.detach().cpu().clone() for name, p in zip(names, params)}
 
     # ---- Trainer or Fabric ----
 
@@ -496,6 +506,22 @@ class RLHFModule(pl.LightningModule):
             self.seed = state["seed"]
             pending = state.get("pending_experience")
             self.pending_experience = Experience(**pending).to(self.device) if pending is not None else None
+
+
+def save_hf_model(model: nn.Module, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """What ``model.save_pretrained(path)`` writes (config, generation config, ``model.safetensors``), from any
+    rank: under torch.distributed, transformers writes the weights only on global rank 0, which under Separation
+    does not hold the trained actor."""
+    from safetensors.torch import save_file, save_model
+
+    model.config.save_pretrained(path)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    if state_dict is None:
+        save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})  # drops tied duplicates
+    else:
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
 
 
 def _no_closure() -> None:

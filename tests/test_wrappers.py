@@ -22,7 +22,8 @@ COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipf
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
 PLACEMENTS = {"flattening": "FlatteningStrategy", "interleaving": "InterleavingStrategy",
               "separation": "SeparationStrategy"}
-DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("zero1", "flattening", 2)}
+DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("zero1", "flattening", 2),
+               ("fsdp2", "flattening", 4)}
 """The matrix cells the default test run covers; ``pytest -m slow`` runs the rest."""
 needs_deepspeed = pytest.mark.skipif(not is_available("zero1"), reason="deepspeed is not installed")
 
@@ -121,11 +122,21 @@ def run_demo(tmp_path: Path, name: str, *args: str) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
 
 
+EXPORT = ("--trainer.callbacks+=lightning_app_rlhf.callbacks.ExportActor", "--trainer.callbacks.dirpath=exported")
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The demo on one process: the trajectory every wrapper and placement must log."""
-    rows = run_demo(tmp_path_factory.mktemp("single"), "single")
-    return [r for r in rows if "reward/mean" in r]
+    """The demo on one process: the trajectory every wrapper and placement must log, and its exported actor."""
+    tmp_path = tmp_path_factory.mktemp("single")
+    rows = run_demo(tmp_path, "single", *EXPORT)
+    return [r for r in rows if "reward/mean" in r], _exported(tmp_path)
+
+
+def _exported(tmp_path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
 
 
 def _cells():
@@ -143,19 +154,22 @@ def _cells():
 def test_every_wrapper_logs_the_one_process_trajectory(tmp_path, one_process, wrapper, placement, devices):
     """Actor and critic under ``wrapper`` log the one-process (DDP-equivalent) values step by step; under
     Separation, the shadows hold the trained weights bit for bit after every update (sharded ones gathered);
-    micro-batches of 4 change nothing."""
+    micro-batches of 4 change nothing; the exported actor (gathered when sharded) equals the one-process one."""
     digests = tmp_path / "digests.json"
     extra = ["--model.ppo.micro_batch_size", "4"] if wrapper == "zero3" else []
     if placement == "separation":
         extra += ["--trainer.callbacks+=weight_check_callback.WeightCopiesEqual", f"--trainer.callbacks.path={digests}"]
     rows = run_demo(tmp_path, "run", "--trainer.devices", str(devices), "--trainer.strategy",
                     f"lightning_app_rlhf.strategies.{PLACEMENTS[placement]}", "--trainer.strategy.wrapper", wrapper,
-                    *extra)
+                    *EXPORT, *extra)
     logged = [r for r in rows if "reward/mean" in r]
+    reference, exported = one_process
     assert [r["step"] for r in logged] == [0, 1, 2]
-    for step, (got, want) in enumerate(zip(logged, one_process, strict=True)):
+    for step, (got, want) in enumerate(zip(logged, reference, strict=True)):
         for metric in COMPARED:
             assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (step, metric)
+    for key, value in _exported(tmp_path).items():
+        torch.testing.assert_close(value, exported[key], rtol=1e-3, atol=1e-4, msg=key)
     if placement == "separation":
         records = json.loads(digests.read_text())
         assert len(records) == 3

@@ -6,6 +6,7 @@ import datetime
 import os
 import pickle
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,21 +20,39 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_app_rlhf.checkpoint import (
+    LAYOUT_KEY,
+    SHARDS_LOADER_KEY,
     assemble,
     check_checkpoint_file,
+    checkpoint_file,
+    is_sharded_checkpoint,
     not_weights_only,
     owned_state,
     recv_state,
+    restore_modes,
+    role_layout,
     role_owner,
     seal,
     send_state,
+    sharded_roles,
+    verify,
 )
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
-from lightning_app_rlhf.wrappers import wrapper_class
+from lightning_app_rlhf.strategies.sharded_checkpoint import (
+    PendingRestore,
+    check_shards,
+    checksum_shards,
+    load_whole_optimizers,
+    load_whole_roles,
+    publish,
+    restore_special_roles,
+    save_shards,
+    staging_directory,
+)
 
 
 class PlacementStrategy(ParallelStrategy):
@@ -85,6 +104,7 @@ class PlacementStrategy(ParallelStrategy):
         self._threads_per_process = threads_per_process
         self._num_nodes = 1
         self.placement_plan: PlacementPlan | None = None
+        self._pending_restore: PendingRestore | None = None
 
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
         """The plan for this world size and the algorithm's ``roles``. Presets override this."""
@@ -166,10 +186,6 @@ class PlacementStrategy(ParallelStrategy):
         self.model_to_device()
         module = self.lightning_module
         placement = module.placement
-        sharded = [r for r, w in placement.plan.wrappers.items() if wrapper_class(w).shards_optimizer]
-        if sharded and trainer.checkpoint_callbacks:
-            raise ValueError(f"Checkpoints of sharded roles ({', '.join(sharded)}) are not supported yet. Disable "
-                             "checkpointing (--trainer.enable_checkpointing false) or use wrapper='ddp'.")
         wrap_roles(module, placement, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -180,52 +196,120 @@ class PlacementStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """One file for the whole job, written by rank 0, with one copy of each role taken from its owner rank
         (:func:`~lightning_app_rlhf.checkpoint.role_owner`). Only the roles that rank 0 does not own travel to it,
-        one owner at a time, so a save holds at most one extra copy of those roles, never every rank's state."""
+        one owner at a time, so a save holds at most one extra copy of those roles, never every rank's state.
+
+        A role that its wrapper shards (FSDP2, ZeRO over more than one rank) is never gathered: each rank of its
+        group writes its own shard, and the checkpoint becomes a directory (see
+        :mod:`~lightning_app_rlhf.strategies.sharded_checkpoint`), put in place of ``filepath`` in one rename."""
         module = self.lightning_module
         plan = self.placement_plan
+        sharded = sharded_roles(plan)
+        staging = staging_directory(self, filepath) if sharded else None
+        if staging is not None:
+            save_shards(module, sharded, staging, optimizer="optimizer_states" in checkpoint)
         owners = {role: role_owner(plan, role) for role in module.algorithm.roles}
         mine = owned_state(checkpoint, [r for r, owner in owners.items() if owner == self.global_rank],
-                           module.trained_roles(), module.scheduled_roles())
+                           module.trained_roles(), module.scheduled_roles(), sharded)
         senders = sorted({owner for owner in owners.values() if owner != 0})
         if not self.is_global_zero:
             if self.global_rank in senders:
                 send_state(mine, dst=0)
+            if staging is not None:
+                checksum_shards(self, staging, sharded)
             return
         parts = dict(mine)
         for rank in senders:
             parts.update(recv_state(rank, self.root_device))
         checkpoint = assemble(checkpoint, parts)
-        checkpoint["rlhf_plan"] = {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls}
-        seal(checkpoint)
-        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        checkpoint["rlhf_plan"] = {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls,
+                                   "wrappers": dict(plan.wrappers)}
+        checkpoint[LAYOUT_KEY] = role_layout(plan)
+        if staging is None:
+            seal(checkpoint)
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        checkpoint["rlhf_files"] = checksum_shards(self, staging, sharded)
+        publish(self, checkpoint, staging, filepath, seal)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """A sharded role's optimizer state is saved with its shards: nothing here (a ZeRO engine's optimizer cannot
+        even produce a ``torch.optim`` state dict)."""
+        sharded = sharded_roles(self.placement_plan) if self.placement_plan is not None else []
+        for role, mine in zip(self.lightning_module.trained_roles(), self.optimizers, strict=False):
+            if mine is optimizer and role in sharded:
+                return {}
+        return super().optimizer_state(optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read the checkpoint weights-only (a crafted file cannot run code); the module then checks its checksum
-        and weights and takes the roles this rank holds."""
+        and weights and takes the roles this rank holds.
+
+        Any plan that places the saved roles can resume: whole roles load from their one copy wherever this plan
+        holds them, FSDP2 shards reshard to this run's groups, ZeRO shards need the saved stage and number of ranks
+        (:func:`~lightning_app_rlhf.checkpoint.restore_modes` names the fix otherwise). A checkpoint directory's
+        shard files are checked against the CRC-32 values its meta file lists, by every rank, before anything loads.
+        """
         if weights_only is False:
             raise ValueError(f"{type(self).__name__} loads checkpoints with weights_only=True only: unpickling "
                              "arbitrary objects would run code from the file. Drop weights_only=False; checkpoints "
                              "written by this package load weights-only.")
-        if isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path):
+        self._pending_restore = None
+        local = isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path)
+        if local:
             check_checkpoint_file(checkpoint_path)
+        file = checkpoint_file(checkpoint_path) if local else checkpoint_path
         try:
-            checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+            checkpoint = self.checkpoint_io.load_checkpoint(file, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise not_weights_only(checkpoint_path, err) from err
+            raise not_weights_only(file, err) from err
         saved = checkpoint.get("rlhf_plan")
         if saved is None:
             return checkpoint  # saved without a placement: one process held every role
         plan = self.placement_plan
-        if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
-            raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} ranks; "
-                             f"this run uses {plan.name!r} on {plan.world_size}. Resume with the same strategy, "
-                             "its arguments and --trainer.devices (with a PlacementTuner: let it read the checkpoint "
-                             "by setting trainer.ckpt_path before fit, as RLHFCLI does for --ckpt_path).")
         if "rlhf_ranks" in checkpoint:  # the per-rank layout of earlier versions: this rank's entry
+            if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
+                raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} "
+                                 f"ranks, in the per-rank layout of earlier versions; this run uses {plan.name!r} on "
+                                 f"{plan.world_size}. Resume with the same strategy, its arguments and "
+                                 "--trainer.devices.")
             mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
             checkpoint.update({key: value for key, value in mine.items() if value is not None})
+            return checkpoint
+        modes = restore_modes(checkpoint, plan, checkpoint_path)
+        if is_sharded_checkpoint(checkpoint_path):
+            verify(checkpoint, file)  # the meta file first: its list of shard files is what the shards are checked by
+            check_shards(self, checkpoint, Path(checkpoint_path))
+            checkpoint[SHARDS_LOADER_KEY] = True
+        self._pending_restore = PendingRestore(Path(str(checkpoint_path)), modes)
         return checkpoint
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after :meth:`setup` when this plan shards a role: its shards load into the wrapped role and its
+        optimizer, which exist only then. (Lightning then no longer passes ``weights_only`` to
+        :meth:`load_checkpoint`, which reads weights-only anyway.)"""
+        return self.placement_plan is not None and bool(sharded_roles(self.placement_plan))
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """The roles that load whole as Lightning does; the others (shards, or whole weights into an FSDP2 role)
+        once the roles are wrapped: now when restoring after setup, else with the optimizer states."""
+        restore = self._pending_restore
+        load_whole_roles(self.lightning_module, restore, checkpoint["state_dict"], strict)
+        if restore is not None and restore.special and self.restore_checkpoint_after_setup:
+            restore_special_roles(self.lightning_module, restore, checkpoint)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        restore = self._pending_restore
+        if restore is not None and restore.special and not restore.done:
+            restore_special_roles(self.lightning_module, restore, checkpoint)
+        load_whole_optimizers(self.lightning_module, restore, self.optimizers, checkpoint["optimizer_states"],
+                              self.root_device)
+        self._pending_restore = None
 
     @override
     def model_to_device(self) -> None:
@@ -251,9 +335,3 @@ class PlacementStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        module = self.lightning_module
-        if module is not None and hasattr(module, "role_wrappers"):
-            module.role_wrappers.clear()
