@@ -51,12 +51,7 @@ def test_placements_give_the_same_trajectory(tmp_path, devices):
     # Only Separation has shadow copies to refresh: actor + critic trainable parameters, fp32.
     assert all(r["reallocate/bytes"] == 0 for r in runs["rlhf_flattening"] + runs["rlhf_interleaving"])
     assert all(r["reallocate/bytes"] > 1_000_000 for r in runs["rlhf_separation"])
-    if devices == 4:  # FSDP2 instead of DDP changes where bytes live, not what is learned
-        fsdp2 = run_demo(tmp_path, "fsdp2", "--trainer.devices", "4", "--trainer.strategy",
-                         "lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "fsdp2")
-        for got, want in zip([r for r in fsdp2 if "reward/mean" in r], reference, strict=True):
-            for metric in COMPARED:
-                assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), ("fsdp2", metric)
+    if devices == 4:  # (FSDP2 and ZeRO: tests/test_wrappers.py)
         check_memory_figures({s: next(r for r in rows if "memory/param_bytes_rank0" in r) for s, rows in logged.items()})
 
 
@@ -196,7 +191,7 @@ def test_batches_too_small_for_the_groups_are_rejected(tokenizer, tiny_gpt2_conf
         module._check_minibatches(2)
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])  # + test_wrappers.py
 def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path, wrapper):
     """Under Separation (DDP or FSDP2 training on ranks 2-3), after every update the shadows on ranks 0-1 hold the
     trained actor and critic bytes exactly, and the weights change from one iteration to the next."""
