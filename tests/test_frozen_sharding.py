@@ -80,11 +80,15 @@ def run_plan(tmp_path: Path, name: str, plan: PlacementPlan) -> list[dict[str, f
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
 
 
-def test_fsdp2_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
-    """Sharding the frozen roles changes where their bytes live (half on each rank), not what is learned."""
+def test_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
+    """Sharding the frozen roles (the reference with FSDP2, the reward model with ZeRO-3 inference where
+    deepspeed is installed) changes where their bytes live (half on each rank), not what is learned."""
+    from lightning_app_rlhf.wrappers import is_available
+
     whole = flattening_plan(2)
+    reward = "zero3" if is_available("zero3") else "fsdp2"
     sharded = PlacementPlan(
-        2, whole.calls, {**whole.wrappers, "reference": "fsdp2", "reward": "fsdp2"}, name="sharded-frozen"
+        2, whole.calls, {**whole.wrappers, "reference": "fsdp2", "reward": reward}, name="sharded-frozen"
     )
     runs = {plan.name: run_plan(tmp_path, plan.name, plan) for plan in (whole, sharded)}
     steps = {name: [r for r in rows if "reward/mean" in r] for name, rows in runs.items()}
@@ -104,7 +108,8 @@ def test_fsdp2_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
             memory["flattening"][f"memory/param_bytes_rank{rank}"]
             - memory["sharded-frozen"][f"memory/param_bytes_rank{rank}"]
         )
-        # FSDP2 splits every tensor on dim 0 (the larger half on rank 0): each rank keeps about half of each model.
+        # FSDP2 splits every tensor on dim 0 (the larger half on rank 0), ZeRO-3 every flattened tensor (padded):
+        # each rank keeps about half of each model.
         assert saved == pytest.approx((reference + reward) / 2, rel=0.01), rank
         assert (
             memory["sharded-frozen"][f"memory/state_bytes_rank{rank}"]
