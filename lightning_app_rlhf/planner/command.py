@@ -14,12 +14,12 @@ import sys
 from typing import Any
 
 from lightning_app_rlhf.algorithms import ALGORITHMS
-from lightning_app_rlhf.plan import WRAPPERS
 from lightning_app_rlhf.planner.cluster import parse_cluster
 from lightning_app_rlhf.planner.cost_model import gib
 from lightning_app_rlhf.planner.search import SEARCHES, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, calls_of
+from lightning_app_rlhf.wrappers import WRAPPERS, wrapper_class
 
 SWEEP_MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
 SWEEP_CLUSTERS = ("1x8xA100-80GB", "2x8xA100-80GB", "4x8xA100-80GB", "8x8xA100-80GB")
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--wrappers",
         default=",".join(installed_wrappers()),
-        help=f"comma-separated subset of {','.join(WRAPPERS)} (zero* need deepspeed installed)",
+        help=f"comma-separated subset of the wrappers {','.join(WRAPPERS)}{_packages_note()}; default: those "
+        "installed here",
     )
     parser.add_argument(
         "--lora-rank",
@@ -94,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
         "markdown table (docs/planner.md)",
     )
     return parser
+
+
+def _packages_note() -> str:
+    """`` (zero1, zero2, zero3 need deepspeed)``: the registry's wrappers that need a package beyond torch."""
+    needs: dict[str, list[str]] = {}
+    for name, cls in WRAPPERS.items():
+        if cls.package:
+            needs.setdefault(cls.package, []).append(name)
+    return "".join(
+        f" ({', '.join(names)} need{'s' * (len(names) == 1)} {package})" for package, names in needs.items()
+    )
 
 
 def check_algorithm_args(args: argparse.Namespace) -> None:
@@ -123,6 +135,9 @@ def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
         if args.reward == "function"
         else role_shape(args.reward or critic or args.actor, "classifier", dtype_bytes)
     )
+    wrappers = tuple(w.strip() for w in args.wrappers.split(",") if w.strip())
+    for wrapper in wrappers:
+        wrapper_class(wrapper)  # unknown, or its package missing: a ValueError with the choices or the install
     name = f"{args.actor}+{critic}" if has_critic else f"{args.actor} {args.algorithm}"
     if args.num_samples > 1:
         name += f" G={args.num_samples}"
@@ -138,9 +153,11 @@ def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
         num_minibatches=args.num_minibatches,
         num_samples=args.num_samples,
         algorithm=args.algorithm,
-        wrappers=tuple(w.strip() for w in args.wrappers.split(",") if w.strip()),
-        # bf16 weights train with fp32 master weights and two fp32 moments; fp32 keeps two fp32 moments.
+        wrappers=wrappers,
+        # AdamW: two state tensors per element (the wrappers count them in memory); the analytic step time reads
+        # 12 bytes per parameter at bf16 (fp32 master weights and moments), 8 at fp32.
         optimizer_bytes_per_param=12.0 if dtype_bytes == 2 else 8.0,
+        optimizer_slots=2,
         gradient_checkpointing=gpu,
         flash_attention=gpu,
         lora_rank=args.lora_rank or None,

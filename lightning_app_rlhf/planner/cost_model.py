@@ -23,14 +23,11 @@ from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
+from lightning_app_rlhf.wrappers import WRAPPERS
 
 if TYPE_CHECKING:
     from lightning_app_rlhf.planner.profiler import Profile
 
-SHARD_PARAMS = ("fsdp2", "zero3")
-"""Wrappers that shard the weights over the train group (and gather them for every forward)."""
-SHARD_GRADS = ("fsdp2", "zero2", "zero3")
-SHARD_OPTIMIZER = ("fsdp2", "zero1", "zero2", "zero3")
 REALLOCATION_BUCKET_BYTES = 100 << 20
 """``Placement.reallocate_weights`` sends weights in buckets of this size."""
 GPU_USABLE_MEMORY = 0.9
@@ -194,7 +191,10 @@ class CostModel:
         return rows
 
     def static_memory(self, plan: PlacementPlan) -> list[RankMemory]:
-        """Weights, gradients and optimizer state of every rank, counted as ``memory.py`` does."""
+        """Weights, gradients and optimizer state of every rank: on the ranks where a role is wrapped (a trainable
+        role's train group, a frozen role's forward group when the plan gives it a wrapper) exactly what its
+        wrapper's ``memory_bytes`` measures there (:meth:`role_bytes`); elsewhere whole weights (shadow copies,
+        frozen roles held whole)."""
         w = self.workload
         self.check_plan(plan)
         rows = [RankMemory(rank) for rank in range(plan.world_size)]
@@ -203,35 +203,48 @@ class CostModel:
             if shape is None:
                 continue
             trainable = role in w.trainable
-            weights = w.held_params(role) * shape.dtype_bytes
             if trainable:
-                train = plan.ranks(f"{role}.train")
+                group = plan.ranks(f"{role}.train")
                 wrapper = plan.wrappers.get(role, "ddp")
             else:  # a frozen role lives on its forward group: whole, or sharded there by its wrapper
-                train = plan.ranks(f"{role}.forward") if role in plan.wrappers else ()
-                wrapper = plan.wrappers.get(role, "none")
-            n = len(train)
+                group = plan.ranks(f"{role}.forward") if role in plan.wrappers else ()
+                wrapper = plan.wrappers.get(role)
+            group = tuple(sorted(group))  # a process group numbers its ranks in order
+            n = len(group)
             holders = {r for c in plan.calls if role_of(c) == role for r in plan.ranks(c)}
             reference_on_actor = role == REFERENCE.name and self._reference_on_actor(plan)
-            trained_bytes = w.trainable_params(role) * shape.dtype_bytes
+            whole = w.held_params(role) * shape.dtype_bytes
             for rank in sorted(holders):
                 row = rows[rank]
                 if reference_on_actor:
                     row.roles[role] = "actor base, adapters off"
-                elif rank in train:
-                    row.weights += _split(weights, n, wrapper in SHARD_PARAMS)
-                    sharded = wrapper in SHARD_PARAMS and n > 1
+                elif rank in group:
+                    weights, grads, optimizer = self.role_bytes(role, wrapper, n, group.index(rank))
+                    row.weights += weights
+                    row.grads += grads
+                    row.optimizer += optimizer
+                    sharded = _shards_params(wrapper) and n > 1
                     if trainable:
-                        row.grads += _split(trained_bytes, n, wrapper in SHARD_GRADS)
-                        optimizer = int(w.trainable_params(role) * w.optimizer_bytes_per_param)
-                        row.optimizer += _split(optimizer, n, wrapper in SHARD_OPTIMIZER)
                         row.roles[role] = f"shard 1/{n} {wrapper}" if sharded else f"trained {wrapper}"
                     else:
                         row.roles[role] = f"frozen shard 1/{n} {wrapper}" if sharded else "frozen"
                 else:
-                    row.weights += weights
+                    row.weights += whole
                     row.roles[role] = "shadow" if trainable else "frozen"
         return rows
+
+    def role_bytes(self, role: str, wrapper: str, group_size: int, group_rank: int) -> tuple[int, int, int]:
+        """``(weights, gradients, optimizer)`` bytes of ``role`` on the rank ``group_rank`` of a group of
+        ``group_size`` ranks wrapped with ``wrapper``: the registry class's ``predicted_bytes`` over the role's
+        parameter shapes (gradients and optimizer state for a trainable role only)."""
+        w = self.workload
+        shape = w.shape(role)
+        if shape is None:
+            return 0, 0, 0
+        shapes, trainable = w.parameters(role)
+        return WRAPPERS[wrapper].predicted_bytes(
+            shapes, trainable, shape.dtype_bytes, group_size, group_rank, w.optimizer_slots, role in w.trainable
+        )
 
     def check_plan(self, plan: PlacementPlan) -> None:
         """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles."""
@@ -293,8 +306,8 @@ class CostModel:
             if role == REFERENCE.name and self._reference_on_actor(plan):
                 actor_train = ACTOR.call("train")
                 return self._sharded_call(plan, actor_train) and ranks == set(plan.ranks(actor_train))
-            return plan.wrappers.get(role) in SHARD_PARAMS and len(ranks) > 1
-        if plan.wrappers.get(role) not in SHARD_PARAMS:
+            return _shards_params(plan.wrappers.get(role)) and len(ranks) > 1
+        if not _shards_params(plan.wrappers.get(role)):
             return False
         train = plan.ranks(f"{role}.train")
         return len(train) > 1 and ranks == set(train)
@@ -308,7 +321,7 @@ class CostModel:
         if not ranks <= {r for c in plan.calls if role_of(c) == ACTOR.name for r in plan.ranks(c)}:
             return False
         train = set(plan.ranks(ACTOR.call("train")))
-        sharded = plan.wrappers[ACTOR.name] in SHARD_PARAMS and len(train) > 1
+        sharded = _shards_params(plan.wrappers[ACTOR.name]) and len(train) > 1
         return not sharded or not ranks & train or ranks == train
 
     def check_memory(self, rows: list[RankMemory]) -> str | None:
@@ -438,7 +451,7 @@ class CostModel:
         self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
     ) -> tuple[float, float]:
         w, n = self.workload, len(ranks)
-        wrapper = choice.plan.wrappers[role_of(call)]
+        wrapper = WRAPPERS[choice.plan.wrappers[role_of(call)]]
         local = ceil_div(w.samples // w.num_minibatches, n)
         b = self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
@@ -447,16 +460,16 @@ class CostModel:
             self.op_time(shape, "train", min(b, local - i), w.sequence_length) for i in range(0, local, b)
         )
         trained = w.trainable_params(role_of(call))
-        local_params = ceil_div(trained, n) if wrapper in SHARD_OPTIMIZER and n > 1 else trained
+        local_params = ceil_div(trained, n) if wrapper.shards_optimizer and n > 1 else trained
         compute += self.op_time(shape, "optimizer", local_params, 0)
         trained_bytes = trained * shape.dtype_bytes
-        if wrapper in SHARD_PARAMS:  # gather for forward and backward, reduce-scatter grads, per micro-batch
+        if wrapper.shards_params:  # gather for forward and backward, reduce-scatter grads, per micro-batch
             comm = micro_steps * (
                 2 * self.sharded_gather_s(ranks, shape) + self.all_gather_s(ranks, trained_bytes)
             )
             comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
-            measured = self._measured_ddp_step(shape, n) if wrapper == "ddp" else None
+            measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" else None
             comm = measured if measured is not None else self.all_reduce_s(ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
         return steps * compute, steps * comm + stats
@@ -478,7 +491,7 @@ class CostModel:
         moved = self.workload.trainable_params(role) * shape.dtype_bytes  # only trainable parameters move
         seconds = self.broadcast_s((train[0], *shadows), moved)
         seconds += ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
-        if plan.wrappers[role] in SHARD_PARAMS and len(train) > 1:
+        if _shards_params(plan.wrappers[role]) and len(train) > 1:
             seconds += self.all_gather_s(train, moved)  # full_tensor() of every trainable shard
             return tuple(sorted({*train, *shadows})), seconds
         return tuple(sorted({train[0], *shadows})), seconds
@@ -584,8 +597,9 @@ def decode_flops(shape: RoleShape, batch: int, context: int) -> float:
     return 2 * shape.matmul_params * batch + 4 * shape.layers * shape.hidden * context * batch
 
 
-def _split(nbytes: int, ranks: int, sharded: bool) -> int:
-    return ceil_div(nbytes, ranks) if sharded and ranks > 1 else nbytes
+def _shards_params(wrapper: str | None) -> bool:
+    """Whether the registry's ``wrapper`` (None: none) leaves no rank the full parameters (FSDP2, ZeRO-3)."""
+    return wrapper is not None and WRAPPERS[wrapper].shards_params
 
 
 def _log2(n: int) -> int:

@@ -32,14 +32,10 @@ from lightning_app_rlhf.planner.cost_model import (
 from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
 from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, TRAINABLE_ROLES, calls_of, role_of
+from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, available_wrappers
 
 SEARCHES = ("app", "mcmc", "both", "presets")
-SHARDED = ("fsdp2", "zero3")
 PRESETS = ("flattening", "interleaving", "separation")
-WRAPPER_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
-"""Least sharding (least communication) first."""
-FROZEN_CHOICES = (None, "fsdp2")
-"""MCMC options for a frozen role's wrapper: held whole, or FSDP2-sharded over its forward group."""
 OVERFLOW_PENALTY = 2.0
 """MCMC cost of a plan that does not fit: its time x (1 + OVERFLOW_PENALTY x the fraction it overflows by)."""
 
@@ -250,7 +246,9 @@ def _check_replica_fits(model: CostModel) -> None:
     w, cluster = model.workload, model.cluster
     n = cluster.world_size
     total, lines = 0, []
-    can_shard = any(wr in SHARDED for wr in w.wrappers)
+    wrappers = _wrappers(model)
+    sharding = [wr for wr in SHARDED_WRAPPERS if wr in available_wrappers()]
+    can_shard = any(wr in SHARDED_WRAPPERS for wr in wrappers)
     for role in sorted(w.roles, key=lambda r: r not in TRAINABLE_ROLES):  # trained roles first: they weigh most
         shape = w.shape(role)
         if shape is None:
@@ -259,15 +257,14 @@ def _check_replica_fits(model: CostModel) -> None:
         if held > model.capacity and not can_shard:  # without FSDP2 / ZeRO-3 every copy is whole
             raise PlannerError(
                 f"The {role} ({shape.name}, {gib(held)} of weights) does not fit on one "
-                f"{cluster.device.name} ({gib(model.capacity)} usable) and no sharding wrapper (fsdp2, zero3) "
-                f"is allowed: the wrappers are {list(w.wrappers)}. Allow fsdp2, or use larger devices or a "
-                "smaller model."
+                f"{cluster.device.name} ({gib(model.capacity)} usable) and no sharding wrapper "
+                f"({', '.join(sharding)}) is allowed: the wrappers are {list(w.wrappers)}. Allow "
+                f"{' or '.join(sharding)}, or use larger devices or a smaller model."
             )
         if role == REFERENCE.name and w.reference_is_actor_base:
             lines.append(f"{role} 0 (the actor's base, adapters off)")
             continue
-        trained = w.trainable_params(role)
-        full = held + int(trained * (shape.dtype_bytes + w.optimizer_bytes_per_param))
+        full = sum(model.role_bytes(role, wrappers[0], 1, 0))  # one whole copy, with its state if it trains
         lines.append(f"{role} {gib(full)}")
         total += full
     if total > n * model.capacity:
@@ -320,17 +317,25 @@ def _best_of(model: CostModel, plans: list[PlacementPlan], source: str) -> Candi
 
 
 def _wrappers(model: CostModel) -> list[str]:
-    return [w for w in WRAPPER_ORDER if w in model.workload.wrappers]
+    """The search space of the trainable roles' wrappers: the registry's, in its order, that this machine can run
+    (:func:`~lightning_app_rlhf.wrappers.available_wrappers`) and the workload allows."""
+    return [w for w in available_wrappers() if w in model.workload.wrappers]
+
+
+def _frozen_choices(model: CostModel) -> list[str | None]:
+    """Options for a frozen role's wrapper: held whole (None), or sharded over its forward group by one of the
+    searched wrappers that can (:data:`~lightning_app_rlhf.wrappers.FROZEN_WRAPPERS`)."""
+    return [None, *[w for w in _wrappers(model) if w in FROZEN_WRAPPERS]]
 
 
 def _frozen_options(model: CostModel) -> list[dict[str, str]]:
-    """Frozen-role wrappers to try: whole copies, then (where FSDP2 is allowed) every frozen model sharded."""
-    if "fsdp2" not in model.workload.wrappers:
-        return [{}]
+    """Frozen-role wrappers to try: whole copies, then for each wrapper of :func:`_frozen_choices` every frozen
+    model sharded with it."""
     roles = [r for r in _frozen_roles(model.workload) if model.workload.shape(r) is not None]
     if model.workload.reference_is_actor_base:
         roles = [r for r in roles if r != REFERENCE.name]
-    return [{}, dict.fromkeys(roles, "fsdp2")] if roles else [{}]
+    sharded = [w for w in _frozen_choices(model) if w is not None]
+    return [{}, *[dict.fromkeys(roles, wrapper) for wrapper in sharded]] if roles else [{}]
 
 
 def _frozen_roles(workload: Workload) -> tuple[str, ...]:
@@ -395,9 +400,9 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
             "device, so splitting them saves little memory"
         )
     # Generation copies of the trainable models (actor, critic if any) are whole; frozen models may be sharded
-    # where FSDP2 is allowed.
+    # where a wrapper of FROZEN_WRAPPERS is searched.
     shadows = sum(w.held_params(r) * w.shape(r).dtype_bytes for r in w.trainable) + (
-        0 if "fsdp2" in w.wrappers else frozen
+        0 if len(_frozen_choices(model)) > 1 else frozen
     )
     if shadows > capacity:
         rules.append(
@@ -482,7 +487,7 @@ def mcmc_search(
     rng = random.Random(seed)
     groups = device_groups(model.cluster)
     wrappers = _wrappers(model)
-    layout = _StateLayout.of(model.workload)
+    layout = _StateLayout.of(model.workload, _frozen_choices(model))
     n = model.cluster.world_size
     cache: dict[tuple, Estimate | None] = {}
 
@@ -526,7 +531,7 @@ def mcmc_search(
         elif slot < len(calls) + len(trainable):
             proposal[slot] = rng.randrange(len(wrappers))
         else:
-            proposal[slot] = rng.randrange(len(FROZEN_CHOICES))
+            proposal[slot] = rng.randrange(len(layout.frozen_choices))
         proposal = tuple(proposal)
         new_cost = cost(proposal)
         if math.isinf(new_cost):
@@ -542,7 +547,7 @@ def mcmc_search(
 @dataclass(frozen=True)
 class _StateLayout:
     """What the entries of an MCMC state index: a device group per call, then a wrapper per trainable role, then a
-    frozen choice (:data:`FROZEN_CHOICES`) per frozen role, each in the workload's role-table order."""
+    frozen choice (an index into :attr:`frozen_choices`) per frozen role, each in the workload's role-table order."""
 
     calls: tuple[str, ...]
     """The workload's calls (no ``critic.*`` for a critic-free algorithm)."""
@@ -550,10 +555,12 @@ class _StateLayout:
     """The workload's trainable roles."""
     frozen: tuple[str, ...]
     """The workload's frozen roles."""
+    frozen_choices: tuple[str | None, ...] = (None,)
+    """A frozen role's options (:func:`_frozen_choices`): held whole, or a wrapper that shards it."""
 
     @classmethod
-    def of(cls, workload: Workload) -> _StateLayout:
-        return cls(workload.calls, workload.trainable, _frozen_roles(workload))
+    def of(cls, workload: Workload, frozen_choices: list[str | None]) -> _StateLayout:
+        return cls(workload.calls, workload.trainable, _frozen_roles(workload), tuple(frozen_choices))
 
     @property
     def size(self) -> int:
@@ -568,9 +575,9 @@ def _evaluate_state(
     roles = {r: wrappers[state[offset + i]] for i, r in enumerate(layout.trainable)}
     offset += len(layout.trainable)
     for i, role in enumerate(layout.frozen):
-        frozen = FROZEN_CHOICES[state[offset + i]]
+        frozen = layout.frozen_choices[state[offset + i]]
         if frozen is not None:
-            if "fsdp2" not in model.workload.wrappers or model.workload.shape(role) is None:
+            if model.workload.shape(role) is None:
                 return None
             if role == REFERENCE.name and model.workload.reference_is_actor_base:
                 return None
@@ -588,7 +595,7 @@ def _state_of(plan: PlacementPlan, layout: _StateLayout, groups: list, wrappers:
     try:
         calls = [index[plan.ranks(c)] for c in layout.calls]
         trained = [wrappers.index(plan.wrappers[r]) for r in layout.trainable]
-        frozen = [FROZEN_CHOICES.index(plan.wrappers.get(r)) for r in layout.frozen]
+        frozen = [layout.frozen_choices.index(plan.wrappers.get(r)) for r in layout.frozen]
     except (KeyError, ValueError):
         return None
     return (*calls, *trained, *frozen)
@@ -614,7 +621,7 @@ def _fastest_start(
             compute, comm = model.call_time(choose_batches(model, plan), call)
             times.append((compute + comm, -len(group), i))
         state.append(min(times)[2])
-    for frozen in (0, 1):
+    for frozen in range(len(layout.frozen_choices)):
         for wrapper_index in range(len(wrappers)):
             for ref in (0, frozen):
                 choices = tuple(ref if r == REFERENCE.name else frozen for r in layout.frozen)

@@ -13,10 +13,13 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_app_rlhf.plan import WRAPPERS
 from lightning_app_rlhf.role_table import CRITIC, REQUIRED_ROLES, ROLE_NAMES, TRAINABLE_ROLES, calls_of
+from lightning_app_rlhf.wrappers import available_wrappers, wrapper_class
 
 ROLE_KINDS = ("causal_lm", "value", "classifier")
+
+Shape = tuple[int, ...]
+"""One parameter's shape."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class RoleShape:
     """Whether a causal LM's output head shares the input embedding (GPT-2)."""
     config: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     """The Hugging Face config fields it was read from (the profiler builds the model from them)."""
+    param_shapes: tuple[Shape, ...] = field(default=(), repr=False)
+    """Every parameter's shape, in the built module's ``parameters()`` order (tied weights once): what the wrappers
+    shard, parameter by parameter (:meth:`~lightning_app_rlhf.wrappers.RoleWrapper.predicted_bytes`). Empty: only
+    the count is known, and the memory model reads the body as one flat parameter (see :attr:`shapes`)."""
 
     @property
     def key(self) -> str:
@@ -60,6 +67,17 @@ class RoleShape:
             raise ValueError(f"Role kind {self.kind!r} is not one of {ROLE_KINDS}.")
         if min(self.layers, self.hidden, self.heads, self.vocab, self.params) < 1:
             raise ValueError(f"Role shape {self.name!r} has a non-positive size: {self}.")
+        if self.param_shapes and sum(map(numel, self.param_shapes)) != self.params:
+            raise ValueError(f"Role shape {self.name!r}: its parameter shapes hold "
+                             f"{sum(map(numel, self.param_shapes))} elements, not params={self.params}.")
+
+    @property
+    def shapes(self) -> tuple[Shape, ...]:
+        """:attr:`param_shapes`, or where they are unknown the body as one flat parameter followed by the head's."""
+        if self.param_shapes:
+            return self.param_shapes
+        head = _head_shapes(self)
+        return ((self.params - sum(map(numel, head)),), *head)
 
     @property
     def param_bytes(self) -> int:
@@ -80,21 +98,37 @@ class RoleShape:
             return self
         base_params = self.params - _head_params(self)
         base_matmul = self.matmul_params - self.hidden * self.head_outputs
-        shaped = replace(self, kind=kind, params=base_params, matmul_params=base_matmul)
+        head = _head_shapes(self)
+        # The head's parameters come last (the LM head of a causal LM, the critic's value head, the reward's score).
+        body = self.param_shapes[: len(self.param_shapes) - len(head)]
+        known = bool(self.param_shapes) and self.param_shapes[len(body):] == head
+        shaped = replace(self, kind=kind, params=base_params, matmul_params=base_matmul, param_shapes=())
         return replace(
             shaped,
             params=base_params + _head_params(shaped),
             matmul_params=base_matmul + self.hidden * shaped.head_outputs,
+            param_shapes=(*body, *_head_shapes(shaped)) if known else (),
         )
+
+
+def _head_shapes(shape: RoleShape) -> tuple[Shape, ...]:
+    """Parameters of the head on top of the backbone, last in ``parameters()``: an untied LM head (vocab x hidden), a
+    value head with bias (``ValueModel``) or a one-label score without bias (``...ForSequenceClassification``)."""
+    if shape.kind == "value":
+        return (1, shape.hidden), (1,)
+    if shape.kind == "classifier":
+        return ((1, shape.hidden),)
+    return () if shape.tied_head else ((shape.vocab, shape.hidden),)
 
 
 def _head_params(shape: RoleShape) -> int:
     """Parameters of the head on top of the backbone: an untied LM head, a value head (with bias) or a score."""
-    if shape.kind == "value":
-        return shape.hidden + 1
-    if shape.kind == "classifier":
-        return shape.hidden
-    return 0 if shape.tied_head else shape.hidden * shape.vocab
+    return sum(map(numel, _head_shapes(shape)))
+
+
+def numel(shape: Shape) -> int:
+    """Elements of a parameter of this shape."""
+    return math.prod(shape)
 
 
 NAMED_SIZES: dict[str, dict[str, Any]] = {
@@ -182,10 +216,15 @@ def role_shape(
         raise ValueError(f"A model config needs 'model_type' (e.g. 'gpt2' or 'llama'); got {sorted(fields)}.")
     if model_type == "gpt2":
         shape = _gpt2_shape(fields, name)
-    elif "intermediate_size" in fields or model_type in ("llama", "mistral", "qwen2"):
+    elif model_type in ("llama", "mistral", "qwen2"):
         shape = _llama_shape(fields, name)
     else:
-        shape = _counted_shape(fields, name)
+        try:  # built on the meta device: exact shapes of any architecture transformers knows
+            shape = _counted_shape(fields, name)
+        except (ValueError, KeyError):
+            if "intermediate_size" not in fields:
+                raise
+            shape = _llama_shape(fields, name)  # a model type transformers lacks: read as a LLaMA-like model
     return replace(shape, dtype_bytes=dtype_bytes, config=dict(fields)).as_kind(kind)
 
 
@@ -193,13 +232,15 @@ def _gpt2_shape(f: dict[str, Any], name: str) -> RoleShape:
     layers, h = f.get("n_layer", 12), f.get("n_embd", 768)
     heads, vocab, positions = f.get("n_head", 12), f.get("vocab_size", 50257), f.get("n_positions", 1024)
     inner = f.get("n_inner") or 4 * h
-    # Per block: c_attn 3h^2+3h, attn c_proj h^2+h, c_fc h*inner+inner, mlp c_proj inner*h+h, two LayerNorms 4h.
-    block = 4 * h * h + 2 * h * inner + inner + 9 * h
-    params = vocab * h + positions * h + layers * block + 2 * h  # LM head tied to wte
+    # GPT2LMHeadModel.parameters(): wte, wpe; per block ln_1, c_attn (Conv1D: in x out), attn c_proj, ln_2, c_fc,
+    # mlp c_proj, each weight then bias; ln_f. The LM head is tied to wte (listed once).
+    block = ((h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, inner), (inner,), (inner, h), (h,))
+    shapes = ((vocab, h), (positions, h), *block * layers, (h,), (h,))
     matmul = layers * (4 * h * h + 2 * h * inner) + h * vocab
     label = name if name != "custom" else f"gpt2-{layers}x{h}"
     return RoleShape(
-        label, "causal_lm", layers, h, heads, heads, inner, vocab, params, matmul, tied_head=True
+        label, "causal_lm", layers, h, heads, heads, inner, vocab, sum(map(numel, shapes)), matmul, tied_head=True,
+        param_shapes=shapes,
     )
 
 
@@ -213,12 +254,22 @@ def _llama_shape(f: dict[str, Any], name: str) -> RoleShape:
     kv_heads = f.get("num_key_value_heads") or heads
     kv = h * kv_heads // heads
     tied = bool(f.get("tie_word_embeddings", False))
-    block = 2 * h * h + 2 * h * kv + 3 * h * inner + 2 * h  # q, o, k, v, gate/up/down, two RMSNorms
-    params = vocab * h + layers * block + h + (0 if tied else vocab * h)
+    head_dim = f.get("head_dim") or h // heads
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    # LlamaForCausalLM.parameters(): embed_tokens; per layer q, k, v, o (nn.Linear: out x in, biases with
+    # attention_bias; Qwen2 always biases q, k, v), gate, up, down (biases with mlp_bias), two RMSNorms; the final
+    # norm; the LM head unless tied.
+    qkv_bias = bool(f.get("attention_bias")) or f["model_type"] == "qwen2"
+    o_bias, mlp_bias = bool(f.get("attention_bias")), bool(f.get("mlp_bias"))
+    attention = ((q_out, h), *[(q_out,)] * qkv_bias, (kv_out, h), *[(kv_out,)] * qkv_bias, (kv_out, h),
+                 *[(kv_out,)] * qkv_bias, (h, q_out), *[(h,)] * o_bias)
+    mlp = ((inner, h), *[(inner,)] * mlp_bias, (inner, h), *[(inner,)] * mlp_bias, (h, inner), *[(h,)] * mlp_bias)
+    shapes = ((vocab, h), *(*attention, *mlp, (h,), (h,)) * layers, (h,), *[(vocab, h)] * (not tied))
     matmul = layers * (2 * h * h + 2 * h * kv + 3 * h * inner) + h * vocab
     label = name if name != "custom" else f"{f['model_type']}-{layers}x{h}"
     return RoleShape(
-        label, "causal_lm", layers, h, heads, kv_heads, inner, vocab, params, matmul, tied_head=tied
+        label, "causal_lm", layers, h, heads, kv_heads, inner, vocab, sum(map(numel, shapes)), matmul, tied_head=tied,
+        param_shapes=shapes,
     )
 
 
@@ -231,7 +282,8 @@ def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
+    shapes = tuple(tuple(p.shape) for p in model.parameters())  # tied weights once, as the wrappers see them
+    params = sum(map(numel, shapes))
     embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     h, vocab = config.hidden_size, config.vocab_size
     tied = model.get_output_embeddings() is not None and getattr(config, "tie_word_embeddings", False)
@@ -250,6 +302,7 @@ def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
         params,
         matmul,
         tied_head=bool(tied),
+        param_shapes=shapes,
     )
 
 
@@ -287,11 +340,18 @@ class Workload:
     """The algorithm's registered name (``RLHFModule(algorithm=...)``), for labels and the profiler's loss. Its roles
     are :attr:`roles`: give ``critic`` exactly when it has a critic."""
     wrappers: tuple[str, ...] = ("ddp", "fsdp2")
-    """Wrappers the search may give the trainable roles. DeepSpeed's ``zero1``-``zero3`` only where deepspeed is
-    installed: ``PlacementPlan`` refuses them otherwise (see :func:`installed_wrappers`)."""
+    """Wrappers the search may give the trainable roles (and, those of
+    :data:`~lightning_app_rlhf.wrappers.FROZEN_WRAPPERS`, the frozen ones): names of the registry,
+    :data:`~lightning_app_rlhf.wrappers.WRAPPERS`, whose packages are installed (DeepSpeed's ``zero1``-``zero3``
+    need deepspeed; see :func:`installed_wrappers`). Another name fails with the choices or the install command."""
     optimizer_bytes_per_param: float = 8.0
-    """Optimizer state per trainable parameter: AdamW's two slots in the parameter dtype (8 at float32, as
-    ``memory.py`` counts); 12 for mixed precision (fp32 master weights + two fp32 moments)."""
+    """Optimizer work per trainable parameter, for the analytic time of a step: AdamW's two slots in the parameter
+    dtype (8 at float32); 12 for mixed precision (fp32 master weights + two fp32 moments). Memory counts
+    :attr:`optimizer_slots` instead, as each wrapper keeps them."""
+    optimizer_slots: int = 2
+    """Optimizer state tensors per trainable element (AdamW: 2, SGD with momentum: 1): the wrappers' ``slots``.
+    DDP and FSDP2 keep them in the parameter's dtype; DeepSpeed's ZeRO keeps them in fp32 next to an fp32 master
+    copy (:meth:`~lightning_app_rlhf.wrappers.RoleWrapper.predicted_bytes`)."""
     gradient_checkpointing: bool = False
     """Train calls keep only each layer's input and recompute the rest in backward (one more forward)."""
     flash_attention: bool = False
@@ -316,11 +376,12 @@ class Workload:
                 f"is not divisible by num_minibatches {self.num_minibatches}: pick a batch_size (or num_samples) "
                 f"that makes it a multiple, or a num_minibatches that divides {self.samples}."
             )
-        bad = [w for w in self.wrappers if w not in WRAPPERS]
-        if bad or not self.wrappers:
-            raise ValueError(
-                f"Wrappers {list(self.wrappers)} must be a non-empty subset of {list(WRAPPERS)}."
-            )
+        if not self.wrappers:
+            raise ValueError(f"Workload wrappers must name at least one of {list(available_wrappers())}.")
+        for name in self.wrappers:
+            wrapper_class(name)  # unknown, or its package missing: the error names the choices or the install
+        if self.optimizer_slots < 0:
+            raise ValueError(f"optimizer_slots must be >= 0, got {self.optimizer_slots}.")
 
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1 (or None for full fine-tuning), got {self.lora_rank}.")
@@ -371,6 +432,21 @@ class Workload:
         if self.lora_rank is not None and role in self.trainable:
             return shape.params + lora_params(shape, self.lora_rank)
         return shape.params
+
+    def parameters(self, role: str) -> tuple[tuple[Shape, ...], tuple[bool, ...]]:
+        """The shapes of the role's parameters in ``module.parameters()`` order, and whether each trains: what a
+        wrapper's ``predicted_bytes`` takes. A trainable role trains all of them; a frozen role none. With LoRA a
+        trainable role's base is frozen and its adapters (counted as one flat parameter after the base, an
+        approximation of PEFT's per-projection A and B matrices) train, with the critic's value head."""
+        shape = self.shape(role)
+        if shape is None:
+            return (), ()
+        shapes, trains = shape.shapes, role in self.trainable
+        if self.lora_rank is None or not trains:
+            return shapes, (trains,) * len(shapes)
+        head = len(_head_shapes(shape)) if shape.kind == "value" else 0
+        flags = (False,) * (len(shapes) - head) + (True,) * head
+        return (*shapes, (lora_params(shape, self.lora_rank),)), (*flags, True)
 
     @property
     def reference_is_actor_base(self) -> bool:
@@ -465,6 +541,7 @@ def workload_from_module(
         num_samples=module.generation.num_samples,
         algorithm=module.algorithm.name,
         optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
+        optimizer_slots=optimizer_slots,
         name=f"module ({module.algorithm.name})",
         wrappers=installed_wrappers(),
         # LoRA: adapters of this rank train (peft's default r is 8); the reference then shares the actor's base.
@@ -473,12 +550,9 @@ def workload_from_module(
 
 
 def installed_wrappers() -> tuple[str, ...]:
-    """Wrappers this machine can run: DeepSpeed's only when it is installed (``PlacementPlan`` checks it)."""
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        return ("ddp", "fsdp2")
-    return ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+    """Wrappers this machine can run, in registry order: :func:`lightning_app_rlhf.wrappers.available_wrappers`
+    (those whose package is installed; ``PlacementPlan`` refuses the others)."""
+    return available_wrappers()
 
 
 def lora_params(shape: RoleShape, rank: int) -> int:
