@@ -14,9 +14,16 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
-from lightning_app_rlhf.checkpoint import check_checkpoint_file, not_weights_only
+from lightning_app_rlhf.checkpoint import (
+    CheckpointError,
+    check_checkpoint_file,
+    checkpoint_file,
+    is_sharded_checkpoint,
+    not_weights_only,
+)
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
+from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
 class RLHFCLI(LightningCLI):
@@ -35,14 +42,23 @@ class RLHFCLI(LightningCLI):
             super()._parse_ckpt_path()
             return
         check_checkpoint_file(ckpt_path)
+        file = checkpoint_file(ckpt_path)  # a checkpoint directory (sharded roles): its meta file
+        section = self.config[self.config["subcommand"]]
+        section["ckpt_path"] = str(file)
         try:
             super()._parse_ckpt_path()
         except pickle.UnpicklingError as err:
-            raise not_weights_only(ckpt_path, err) from err
+            raise not_weights_only(file, err) from err
+        finally:
+            section["ckpt_path"] = ckpt_path
 
     def before_fit(self) -> None:
         """A PlacementTuner must see ``--ckpt_path`` before the models are built, to reuse the saved plan."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt_path and is_sharded_checkpoint(ckpt_path) and not isinstance(self.trainer.strategy, PlacementStrategy):
+            raise CheckpointError(f"Checkpoint {ckpt_path} is a directory with sharded roles, which only a placement "
+                                  f"strategy reads; this run uses {type(self.trainer.strategy).__name__}. Resume with "
+                                  "--trainer.strategy rlhf_flattening (or the strategy it was saved with).")
         for callback in self.trainer.callbacks:
             if isinstance(callback, PlacementTuner) and callback.ckpt_path is None:
                 callback.ckpt_path = ckpt_path

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -33,8 +36,68 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
             write(file)
             file.flush()
             os.fsync(file.fileno())  # the bytes are on disk before the rename makes them visible
-        os.replace(temporary, path)
+        if path.is_dir() and not path.is_symlink():  # a sharded checkpoint saved there before: swap it out
+            replace_atomically(temporary, path)
+        else:
+            os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             temporary.unlink()
         raise
+
+
+def replace_atomically(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Put ``source`` (a file or directory) in place of ``target``, whatever ``target`` is now (absent, a file, a
+    directory, a link), so that readers see the old one or the new one.
+
+    Where Linux can swap two paths in one step (``renameat2`` with ``RENAME_EXCHANGE``), the swap is atomic and the old
+    one is removed after. Elsewhere the old one first moves aside to a hidden sibling (``.<name>.old-<random>``), so
+    a crash between the two renames leaves it there, whole.
+    """
+    source, target = Path(source), Path(target)
+    if not os.path.lexists(target):
+        os.replace(source, target)
+    elif not _exchange(source, target):
+        aside = target.with_name(f".{target.name}.old-{secrets.token_hex(4)}")
+        os.replace(target, aside)
+        os.replace(source, target)
+        source = aside
+    remove_path(source)
+    _fsync_directory(target.parent)
+
+
+def remove_path(path: str | os.PathLike[str]) -> None:
+    """Remove a file, a link (not what it points to) or a directory tree. A directory is first renamed to a hidden
+    sibling, so a crash mid-removal never leaves a partial directory under its checkpoint name."""
+    path = Path(path)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        doomed = path
+        if not path.name.startswith("."):
+            doomed = path.with_name(f".{path.name}.removing-{secrets.token_hex(4)}")
+            os.replace(path, doomed)
+        shutil.rmtree(doomed)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's ``renameat2(RENAME_EXCHANGE)``; False where it is not available."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

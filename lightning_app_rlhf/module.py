@@ -512,16 +512,17 @@ def save_hf_model(model: nn.Module, path: Path, state_dict: dict[str, torch.Tens
     """What ``model.save_pretrained(path)`` writes (config, generation config, ``model.safetensors``), from any
     rank: under torch.distributed, transformers writes the weights only on global rank 0, which under Separation
     does not hold the trained actor."""
-    from safetensors.torch import save_file, save_model
+    from safetensors.torch import save_file
 
     model.config.save_pretrained(path)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)
-    if state_dict is None:
-        save_model(model, str(path / "model.safetensors"), metadata={"format": "pt"})  # drops tied duplicates
-    else:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path / "model.safetensors"),
-                  metadata={"format": "pt"})
+    if state_dict is None:  # tied weights once (named_parameters dedups them); copies, as a flat buffer's views
+        keys = set(model.state_dict())
+        state_dict = {name: tensor for name, tensor in (*model.named_parameters(), *model.named_buffers())
+                      if name in keys}
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _no_closure() -> None:

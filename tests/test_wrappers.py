@@ -154,7 +154,13 @@ def _cells():
 def test_every_wrapper_logs_the_one_process_trajectory(tmp_path, one_process, wrapper, placement, devices):
     """Actor and critic under ``wrapper`` log the one-process (DDP-equivalent) values step by step; under
     Separation, the shadows hold the trained weights bit for bit after every update (sharded ones gathered);
-    micro-batches of 4 change nothing; the exported actor (gathered when sharded) equals the one-process one."""
+    micro-batches of 4 change nothing; the exported actor (gathered when sharded) equals the one-process one;
+    the per-rank parameter, gradient and optimizer bytes logged are the planner's prediction, exactly."""
+    from test_planner import demo_workload
+
+    from lightning_app_rlhf.plan import interleaving_plan
+    from lightning_app_rlhf.planner import CostModel, parse_cluster
+
     digests = tmp_path / "digests.json"
     extra = ["--model.ppo.micro_batch_size", "4"] if wrapper == "zero3" else []
     if placement == "separation":
@@ -170,6 +176,13 @@ def test_every_wrapper_logs_the_one_process_trajectory(tmp_path, one_process, wr
             assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (step, metric)
     for key, value in _exported(tmp_path).items():
         torch.testing.assert_close(value, exported[key], rtol=1e-3, atol=1e-4, msg=key)
+    plan = {"flattening": flattening_plan, "interleaving": interleaving_plan,
+            "separation": separation_plan}[placement](devices, wrapper=wrapper)
+    predicted = CostModel(parse_cluster(f"1x{devices}xcpu"), demo_workload(wrappers=(wrapper,))).static_memory(plan)
+    memory = next(r for r in rows if "memory/param_bytes_rank0" in r)
+    for rank, row in enumerate(predicted):
+        logged_bytes = [memory[f"memory/{kind}_bytes_rank{rank}"] for kind in ("param", "grad", "optimizer")]
+        assert logged_bytes == [row.weights, row.grads, row.optimizer], rank
     if placement == "separation":
         records = json.loads(digests.read_text())
         assert len(records) == 3

@@ -167,10 +167,11 @@ class PlacementTuner(Callback):
         path = self.ckpt_path or trainer.ckpt_path
         if path is None:
             return None
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) and not os.path.isdir(path):
             raise ValueError(f"PlacementTuner reuses the plan saved in the checkpoint it resumes from, and needs "
-                             f"that file's path; got {path!r}. Pass the checkpoint file itself.")
-        checkpoint = load_checkpoint_file(path)  # weights-only: a crafted file cannot run code here
+                             f"that checkpoint's path (a file, or a directory with sharded roles); got {path!r}. "
+                             "Pass the checkpoint itself.")
+        checkpoint = load_checkpoint_file(path)  # weights-only (a directory: its meta file); runs no code from it
         return checkpoint.get("callbacks", {}).get(self.state_key)
 
     @override

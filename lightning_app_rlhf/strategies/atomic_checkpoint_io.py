@@ -9,14 +9,17 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_app_rlhf.files import write_atomically
+from lightning_app_rlhf.files import remove_path, write_atomically
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes local checkpoints with :func:`~lightning_app_rlhf.files.write_atomically`: ``torch.save`` streams to
     a temporary file in the checkpoint's directory (no copy of the whole file in memory), renamed over the target. Lightning's own writer first
     serialises the whole file into memory and stages it in the system's temporary directory, where an interrupted
-    save leaves it. Remote paths (``s3://`` and the like) go through Lightning's writer."""
+    save leaves it. Remote paths (``s3://`` and the like) go through Lightning's writer.
+
+    Removing a checkpoint removes a file, a link (``ModelCheckpoint(save_last="link")``) or a checkpoint directory
+    (sharded roles), the directory renamed away first so that no partial one is left under its name."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
@@ -27,3 +30,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options for local files; got "
                             f"{storage_options!r}. Drop them, or pass your own checkpoint_io to the strategy.")
         write_atomically(path, lambda file: torch.save(checkpoint, file))
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        if "://" in str(path):
+            super().remove_checkpoint(path)
+            return
+        remove_path(path)

@@ -277,9 +277,11 @@ class PlacementStrategy(ParallelStrategy):
             mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
             checkpoint.update({key: value for key, value in mine.items() if value is not None})
             return checkpoint
-        modes = restore_modes(checkpoint, plan, checkpoint_path)
-        if is_sharded_checkpoint(checkpoint_path):
+        sharded = is_sharded_checkpoint(checkpoint_path)
+        if sharded:
             verify(checkpoint, file)  # the meta file first: its list of shard files is what the shards are checked by
+        modes = restore_modes(checkpoint, plan, checkpoint_path)
+        if sharded:
             check_shards(self, checkpoint, Path(checkpoint_path))
             checkpoint[SHARDS_LOADER_KEY] = True
         self._pending_restore = PendingRestore(Path(str(checkpoint_path)), modes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -17,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from lightning_app_rlhf.wrappers.base import RoleWrapper
-from lightning_app_rlhf.wrappers.sharded_io import DEEPSPEED_TAG, weights_only_deepspeed
+from lightning_app_rlhf.wrappers.base import RoleWrapper, optimizer_slots
+from lightning_app_rlhf.wrappers.sharded_io import DEEPSPEED_TAG, deepspeed_load, weights_only_deepspeed
 
 ALIGNMENT = 2
 """ZeRO-1/2 pad a role's flat parameter buffer to a multiple of ``ALIGNMENT x ranks`` elements (DeepSpeed's
@@ -124,6 +125,11 @@ class ZeroWrapper(RoleWrapper):
         ``directory/zero/``. DeepSpeed always writes the partitions, so ``optimizer`` changes nothing here."""
         if self.engine is None:
             return super().save_sharded(directory, optimizer)
+        if self.optimizer is None:  # a frozen role's engine has no checkpoint engine: this rank's partitions
+            path = self._frozen_file(directory)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(_frozen_state(self.module), path)
+            return
         with self.running():
             self.engine.save_checkpoint(os.fspath(directory), tag=DEEPSPEED_TAG, client_state={}, save_latest=False)
 
@@ -133,12 +139,18 @@ class ZeroWrapper(RoleWrapper):
         refuses another number when it reads optimizer state)."""
         if self.engine is None:
             return super().load_sharded(directory, optimizer)
+        if self.optimizer is None:
+            _load_frozen_state(self.module, deepspeed_load(os.fspath(self._frozen_file(directory))))
+            return
         with self.running(), weights_only_deepspeed(self.engine):
             path, _ = self.engine.load_checkpoint(os.fspath(directory), tag=DEEPSPEED_TAG,
                                                   load_optimizer_states=self.optimizer is not None,
                                                   load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"No DeepSpeed checkpoint of this role in {directory}/{DEEPSPEED_TAG}.")
+
+    def _frozen_file(self, directory: str | os.PathLike[str]) -> Path:
+        return Path(directory) / DEEPSPEED_TAG / f"frozen_rank_{self.group_rank}_of_{self.group_size}.pt"
 
     @override
     def memory_bytes(self) -> tuple[int, int, int]:
@@ -149,13 +161,15 @@ class ZeroWrapper(RoleWrapper):
         held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
         if self.optimizer is None:
             return held * size, 0, 0
-        zero = self.engine.optimizer
-        partition = sum(t.numel() for t in _master_partitions(zero))
-        states = sum(t.numel() * t.element_size() for state in zero.optimizer.state.values()
-                     for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        flat = getattr(self.engine.optimizer, "bit16_groups_flat", None)
+        if flat:  # ZeRO-1/2: the trainable parameters are views into flat buffers, padded to ALIGNMENT x ranks
+            held = sum(t.numel() for t in flat) + sum(p.numel() for p in params if not p.requires_grad)
+        partition = sum(t.numel() for t in _master_partitions(self.engine.optimizer))
         trainable = sum(p.numel() for p in params if p.requires_grad)
         grads = trainable if self.stage == 1 else partition  # stage 1 reduces whole gradients
-        return held * size, grads * size, partition * 4 + states  # fp32 master copy + optimizer state
+        # The fp32 master partition and the optimizer's slots over it (counted by slots, as for DDP: at fit start
+        # the optimizer has not allocated them yet).
+        return held * size, grads * size, partition * 4 * (1 + optimizer_slots(self.optimizer))
 
     @classmethod
     @override
@@ -175,6 +189,8 @@ class ZeroWrapper(RoleWrapper):
             total = sum(n for n, t in zip(numels, trainable) if t)
             align = ALIGNMENT * group_size
             partition = -(-total // align) * align // group_size
+            if trains:  # the trainable parameters move into DeepSpeed's flat buffer, padded like the partitions
+                held += partition * group_size - total
         if not trains:
             return held * element_size, 0, 0
         full = sum(n for n, t in zip(numels, trainable) if t)
@@ -217,6 +233,11 @@ def import_deepspeed(device: torch.device) -> Any:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import deepspeed.comm.comm as ds_comm
+
+    if device.type == "cpu" and "__compatible_ops__" not in vars(deepspeed.ops):
+        # The engines here use the role's torch optimizer and none of DeepSpeed's compiled ops; without this,
+        # its CPU backend probes compilers and JIT-builds a shared-memory collective (~40 s, needs a C++ compiler).
+        vars(deepspeed.ops)["__compatible_ops__"] = {}
 
     if ds_comm.cdb is None:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
@@ -304,6 +325,20 @@ class _GroupMPU:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
+
+
+def _frozen_state(module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """A frozen ZeRO-3 module's partitions on this rank (``ds_tensor``), and its buffers, by name."""
+    params = {name: getattr(p, "ds_tensor", p).detach().clone() for name, p in module.named_parameters()}
+    return {"params": params, "buffers": {name: b.detach().clone() for name, b in module.named_buffers()}}
+
+
+def _load_frozen_state(module: nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            getattr(p, "ds_tensor", p).copy_(state["params"][name])
+        for name, b in module.named_buffers():
+            b.copy_(state["buffers"][name])
 
 
 def _master_partitions(zero: Any) -> list[torch.Tensor]:

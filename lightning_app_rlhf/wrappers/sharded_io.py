@@ -4,8 +4,8 @@ both read weights-only. Plain PyTorch, no Lightning.
 Neither format reads weights-only by itself: DCP unpickles its ``.metadata`` file and ``torch.load``\\ s its
 non-tensor items with ``weights_only=False``, and DeepSpeed's checkpoint engine loads every file with
 ``weights_only=False``. A crafted shard could then run code, which this package's checkpoints never allow. The
-readers here use torch's weights-only unpickler instead, with the few plain classes each format stores allowed
-by name.
+readers here are weights-only instead: torch's weights-only ``torch.load`` (DeepSpeed's files, DCP's items), and
+for DCP's metadata a ``pickle.Unpickler`` that can reach no global but the plain classes that file holds.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import io
 import os
 import pickle
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -27,27 +27,43 @@ DEEPSPEED_TAG = "zero"
 """The tag (subdirectory) of a role's DeepSpeed checkpoint."""
 
 
-def _dcp_classes() -> list[Any]:
-    from torch.distributed.checkpoint import metadata
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+def _dcp_globals() -> dict[tuple[str, str], Any]:
+    """What DCP's ``.metadata`` pickle may name: its own plain dataclasses, and torch's sizes, dtypes and layouts."""
+    from torch.distributed.checkpoint import filesystem, metadata
 
-    return [metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
-            metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex, metadata.StorageMeta,
-            _StorageInfo, torch.Size, collections.OrderedDict]
+    allowed: dict[tuple[str, str], Any] = {
+        (cls.__module__, cls.__qualname__): cls
+        for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+                    metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
+                    metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo)
+    }
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = PurePosixPath  # the checkpoint id, a path: kept as a plain path
+    allowed[("pathlib", "WindowsPath")] = PureWindowsPath
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
+    return allowed
 
 
 class WeightsOnlyUnpicklingError(pickle.UnpicklingError):
     """A shard file holds objects outside the weights-only allow-list."""
 
 
-def _weights_only_load(file: Any, classes: list[Any], name: str) -> Any:
-    from torch import _weights_only_unpickler
+class _RestrictedUnpickler(pickle.Unpickler):
+    """``pickle``'s unpickler, which can reach no global but the allowed ones (so it calls no other code)."""
 
-    with torch.serialization.safe_globals(classes):
-        try:
-            return _weights_only_unpickler.load(file, encoding="utf-8")
-        except pickle.UnpicklingError as err:
-            raise WeightsOnlyUnpicklingError(f"{name}: {err}") from err
+    def __init__(self, file: Any, allowed: dict[tuple[str, str], Any], name: str) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+        self._name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._allowed:
+            return self._allowed[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise WeightsOnlyUnpicklingError(f"{self._name} names {module}.{name}, which a checkpoint of this package "
+                                         "never holds")
 
 
 def dcp_reader(directory: str | os.PathLike[str]) -> Any:
@@ -59,7 +75,7 @@ def dcp_reader(directory: str | os.PathLike[str]) -> Any:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(path, "rb") as file:
-                metadata = _weights_only_load(file, _dcp_classes(), str(path))
+                metadata = _RestrictedUnpickler(file, _dcp_globals(), str(path)).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -124,12 +140,6 @@ def load_dcp(module: nn.Module, optimizer: torch.optim.Optimizer | None, directo
         set_optimizer_state_dict(module, optimizer, state["optimizer"])
 
 
-def dcp_keys(directory: str | os.PathLike[str]) -> set[str]:
-    """The top-level entries a DCP checkpoint holds (``model``, and ``optimizer`` when it was saved)."""
-    metadata = dcp_reader(directory).read_metadata()
-    return {key.split(".")[0] for key in metadata.state_dict_metadata}
-
-
 def _deepspeed_classes() -> list[Any]:
     classes: list[Any] = [torch.Size, collections.OrderedDict, collections.defaultdict, set, frozenset]
     with contextlib.suppress(ImportError):
@@ -149,12 +159,11 @@ def _deepspeed_classes() -> list[Any]:
 
 def deepspeed_load(path: str, map_location: Any = None) -> Any:
     """DeepSpeed's ``checkpoint_engine.load``, weights-only."""
-    with open(path, "rb") as file:
-        with torch.serialization.safe_globals(_deepspeed_classes()):
-            try:
-                return torch.load(file, map_location=map_location, weights_only=True)
-            except pickle.UnpicklingError as err:
-                raise WeightsOnlyUnpicklingError(f"{path}: {err}") from err
+    with open(path, "rb") as file, torch.serialization.safe_globals(_deepspeed_classes()):
+        try:
+            return torch.load(file, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise WeightsOnlyUnpicklingError(f"{path}: {err}") from err
 
 
 @contextlib.contextmanager
@@ -169,6 +178,27 @@ def weights_only_deepspeed(engine: Any) -> Iterator[None]:
         checkpoint_engine.load = original
 
 
-def deepspeed_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The files of a role's DeepSpeed checkpoint."""
-    return sorted(p for p in (Path(directory) / DEEPSPEED_TAG).glob("*.pt"))
+def load_full(module: nn.Module, optimizer: torch.optim.Optimizer | None, state_dict: dict[str, torch.Tensor],
+              optimizer_state: dict[str, Any] | None) -> None:
+    """Load a whole role (its full weights, and its ``torch.optim`` state dict keyed by parameter index) into
+    ``module`` and ``optimizer`` as they are sharded now (FSDP2: each rank keeps its shard of every tensor)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(module, state_dict, options=options)
+    if optimizer is None or optimizer_state is None:
+        return
+    names = {id(p): name for name, p in module.named_parameters()}
+    by_index = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved_order = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    fqn = dict(zip(saved_order, by_index, strict=True))
+    converted = {
+        "state": {fqn[i]: state for i, state in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [fqn[i] for i in group["params"]]}
+                         for group in optimizer_state["param_groups"]],
+    }
+    set_optimizer_state_dict(module, optimizer, converted, options=options)
