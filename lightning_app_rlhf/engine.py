@@ -84,7 +84,6 @@ class RLHFEngine:
         return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
 
     def _generate(self, batch: dict[str, Any], rows: slice, iteration: int) -> Rollout:
-        call = ACTOR.call("generate")
         return generate(
             self.modules(ACTOR.name),
             batch["input_ids"][rows],

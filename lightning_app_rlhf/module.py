@@ -37,7 +37,6 @@ from lightning_app_rlhf.memory import RoleMemory
 from lightning_app_rlhf.placement import Placement
 from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, ROLES
-from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper
 from lightning_app_rlhf.roles import (
     AdapterDisabledReference,
     ModelSpec,
@@ -54,6 +53,7 @@ from lightning_app_rlhf.roles import (
     load_tokenizer,
     resolve_import,
 )
+from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper
 
 ModelSource = ModelSpec | dict[str, Any] | str
 

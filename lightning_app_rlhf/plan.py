@@ -26,8 +26,7 @@ from lightning_app_rlhf.role_table import (
     calls_of,
     role_of,
 )
-
-from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, WRAPPERS, wrapper_class
+from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, wrapper_class
 
 
 @dataclass(frozen=True)

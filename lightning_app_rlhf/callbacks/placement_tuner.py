@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +28,8 @@ class PlacementTuner(Callback):
     ``PlacementStrategy``): the tuned plan replaces the strategy's own. It plans the module's algorithm: its roles
     only (no critic calls for a critic-free algorithm such as ``grpo``) and its rollout of ``data.batch_size x
     generation.num_samples`` sequences. The planner keeps training on-policy
-    (it never turns on Separation's ``overlap``), and searches only DDP while checkpointing is on, since
-    checkpoints of FSDP2-sharded roles are not supported yet.
+    (it never turns on Separation's ``overlap``) and searches every wrapper this machine can run; the run uses
+    the chosen plan's generation batch and micro-batch (see :attr:`batch_sizes`).
 
     Args:
         search: ``both`` (APP grid + ReaLHF MCMC), ``app``, ``mcmc``, or ``presets`` (the three presets only).
@@ -137,8 +136,6 @@ class PlacementTuner(Callback):
             lengths = [len(ids) for ids in datamodule.dataset.input_ids]
             workload = workload_from_module(pl_module, datamodule.batch_size, _padded_prompt_length(
                 lengths, datamodule.batch_size))
-            if trainer.checkpoint_callbacks:
-                workload = dataclasses.replace(workload, wrappers=("ddp",))
             profile = None
             if self.profile:
                 profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,

@@ -6,7 +6,7 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
