@@ -604,8 +604,8 @@ def _state_of(plan: PlacementPlan, layout: _StateLayout, groups: list, wrappers:
 def _fastest_start(
     model: CostModel, layout: _StateLayout, groups: list, wrappers: list[str], estimate: Any
 ) -> tuple:
-    """Each call on the group where it alone runs fastest, with the least-sharding wrapper that fits there (the
-    reference held whole before the reward model is sharded)."""
+    """Each call on the group where it alone runs fastest, with the first wrapper in registry order that fits
+    there (the reference held whole before the reward model is sharded)."""
     n = model.cluster.world_size
     everyone = flattening_plan(n, wrappers[0], roles=model.workload.roles)
     state = []
