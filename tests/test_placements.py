@@ -36,7 +36,8 @@ def run_demo(
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
 
 
-@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
+# The default run covers PPO placements through tests/test_wrappers.py and GRPO ones below, on 2 and 4 processes.
+@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_placements_give_the_same_trajectory(tmp_path, devices):
     """Same seed and global batch: Flattening, Interleaving and Separation log the same values step by step."""
     logged = {s: run_demo(tmp_path, f"{s}_{devices}", "--trainer.devices", str(devices), "--trainer.strategy", s)

@@ -13,6 +13,7 @@ from test_placements import COMPARED, run_demo
 from lightning_app_rlhf import RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
 from lightning_app_rlhf.callbacks.placement_tuner import _check_saved_plan, _padded_prompt_length
+from lightning_app_rlhf.checkpoint import load_checkpoint_file
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import prompts, topic_reward
@@ -40,7 +41,7 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
     assert next(r for r in tuned if "placement_tuner/predicted_iteration_s" in r)[
         "placement_tuner/predicted_iteration_s"] > 0
     (step2,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
-    checkpoint = torch.load(step2, map_location="cpu", weights_only=False)
+    checkpoint = load_checkpoint_file(step2)  # a file, or the meta file of a sharded plan's directory
     state = checkpoint["callbacks"]["PlacementTuner"]
     chosen = PlacementPlan.from_dict(state["plan"])
     assert logged["placement_tuner/plan"].startswith(f"plan '{chosen.name}' on 4 ranks")
@@ -153,7 +154,7 @@ def test_tuner_on_two_processes_runs_a_critic_free_plan_and_checkpoints_it(tmp_p
                     *checkpoints, steps=2, config="demo_grpo_cpu.yaml")
     assert [r["step"] for r in rows if "reward/mean" in r] == [0, 1]
     (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
-    checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
+    checkpoint = load_checkpoint_file(saved)
     state = checkpoint["callbacks"]["PlacementTuner"]
     chosen = PlacementPlan.from_dict(state["plan"])
     assert state["algorithm"] == "grpo" and chosen.roles == ("actor", "reference", "reward")

@@ -28,8 +28,7 @@ COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipf
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
 PLACEMENTS = {"flattening": "FlatteningStrategy", "interleaving": "InterleavingStrategy",
               "separation": "SeparationStrategy"}
-DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("zero1", "flattening", 2),
-               ("fsdp2", "flattening", 4)}
+DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("fsdp2", "flattening", 4)}
 """The matrix cells the default test run covers; ``pytest -m slow`` runs the rest."""
 needs_deepspeed = pytest.mark.skipif(not is_available("zero1"), reason="deepspeed is not installed")
 
@@ -275,6 +274,8 @@ def test_the_planners_choice_with_each_wrapper_runs(tmp_path, tokenizer, wrapper
     assert {best.plan.wrappers[r] for r in best.plan.trainable_roles} == {wrapper}
     rlhf = module()
     rlhf.generation.batch_size, rlhf.ppo.micro_batch_size = best.choice.generation_batch, best.choice.micro_batch
+    if torch.distributed.is_initialized():  # an earlier in-process test's 1-rank group: forked children inherit it
+        torch.distributed.destroy_process_group()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tmp_path,

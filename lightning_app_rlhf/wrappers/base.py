@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -184,7 +185,7 @@ class RoleWrapper(ABC):
     @classmethod
     def local_numel(cls, shape: tuple[int, ...], group_size: int, group_rank: int) -> int:
         """Elements of one parameter that a rank keeps (all of them unless the wrapper shards parameters)."""
-        return _numel(shape)
+        return math.prod(shape)
 
 
 def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
@@ -195,13 +196,6 @@ def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
                 return 0
             return slots
     return 2
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ a role runs inside :func:`deepspeed_world`, which makes DeepSpeed's default grou
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -179,7 +180,7 @@ class ZeroWrapper(RoleWrapper):
     ) -> tuple[int, int, int]:
         if group_size == 1:
             return RoleWrapper.predicted_bytes.__func__(cls, shapes, trainable, element_size, 1, 0, slots, trains)
-        numels = [_numel(shape) for shape in shapes]
+        numels = [math.prod(shape) for shape in shapes]
         if cls.stage == 3:
             local = [-(-n // group_size) for n in numels]  # each parameter padded to a multiple of the ranks
             held = sum(local)
@@ -345,10 +346,3 @@ def _master_partitions(zero: Any) -> list[torch.Tensor]:
     """The fp32 master partitions that DeepSpeed's ZeRO optimizer steps (stage 1/2 and stage 3 name them apart)."""
     groups = getattr(zero, "single_partition_of_fp32_groups", None)
     return list(groups) if groups is not None else list(zero.fp32_partitioned_groups_flat)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -55,10 +56,7 @@ class FSDP2Wrapper(RoleWrapper):
         rows = shape[0] if shape else 1
         chunk = -(-rows // group_size)
         mine = max(0, min(chunk, rows - chunk * group_rank))
-        rest = 1
-        for d in shape[1:]:
-            rest *= d
-        return mine * rest
+        return mine * math.prod(shape[1:])
 
 
 @contextlib.contextmanager
