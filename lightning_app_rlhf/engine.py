@@ -2,9 +2,9 @@
 
 Each call runs on its group's ranks (the :class:`~lightning_app_rlhf.placement.Placement` decides which) and its
 outputs are gathered to every rank, so every rank goes through the same steps in the same order: generate, score,
-advantages (the algorithm's), train, reallocate. Each role runs through its :class:`~lightning_app_rlhf.wrappers.RoleWrapper` (backward, clipping, step, full
-parameters). The caller owns the loop and the optimizers: :class:`~lightning_app_rlhf.RLHFModule` binds it to
-Lightning's Trainer and Fabric.
+advantages (the algorithm's), train, reallocate. Each role runs through its
+:class:`~lightning_app_rlhf.wrappers.RoleWrapper` (backward, clipping, step, full parameters). The caller owns the
+loop and the optimizers: :class:`~lightning_app_rlhf.RLHFModule` binds it to Lightning's Trainer and Fabric.
 """
 
 from __future__ import annotations
