@@ -17,7 +17,8 @@ class GenerationConfig:
     """How the actor samples responses during a rollout."""
 
     max_new_tokens: int = 32
-    """Largest number of tokens generated per response. Generation stops earlier when every sequence hit EOS."""
+    """Largest number of tokens generated per response. Generation stops earlier when every sequence hit a stop
+    (EOS, a stop token id or a stop string)."""
     temperature: float = 1.0
     """Softmax temperature. Log-probabilities for PPO are computed at this temperature too."""
     top_k: int = 0
@@ -33,6 +34,17 @@ class GenerationConfig:
     (ranks of a sharded model use the largest shard of their group, so they run the same number of chunks). Chunks
     give the same tokens (sampling is keyed per sample) and the same scores within float tolerance; lower it when a
     large rollout does not fit in memory."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that also end a response, besides the tokenizer's EOS and the ids of the actor's
+    ``generation_config.eos_token_id`` (chat models often list several, e.g. Llama 3's ``<|eot_id|>``). The
+    stopping token is kept, with mask 1. None: no extra ids."""
+    stop_strings: list[str] | None = None
+    """Strings that end a response: a row stops at the token whose text completes one of them, also when the string
+    spans several tokens (transformers' ``StopStringCriteria``). That token is kept, with mask 1; the string is
+    matched within the response only, not the prompt. None: no stop strings."""
+    do_sample: bool = True
+    """False: greedy decoding, the most likely token at every step (top_k, top_p and the sampling keys are unused),
+    e.g. for evaluation. The behaviour log-probabilities are still taken at ``temperature``."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -55,6 +67,35 @@ class GenerationConfig:
                 f"generation.batch_size must be an integer >= 1 (rows per chunk), or None to process a rank's whole "
                 f"shard at once, got {self.batch_size!r}."
             )
+        if type(self.do_sample) is not bool:
+            raise ValueError(f"generation.do_sample must be True (sampling) or False (greedy), got {self.do_sample!r}.")
+        self._check_stop_token_ids()
+        self._check_stop_strings()
+
+    def _check_stop_token_ids(self) -> None:
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"generation.stop_token_ids must be a list of token ids or None, got "
+                             f"{self.stop_token_ids!r}; write e.g. stop_token_ids=[{self.stop_token_ids!r}].")
+        for value in self.stop_token_ids or []:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"generation.stop_token_ids must hold token ids (integers >= 0), got {value!r} in "
+                    f"{list(self.stop_token_ids)!r}. Use tokenizer.convert_tokens_to_ids(token) for the id of a token, "
+                    "or generation.stop_strings for text."
+                )
+
+    def _check_stop_strings(self) -> None:
+        if self.stop_strings is not None and (
+            isinstance(self.stop_strings, str) or not isinstance(self.stop_strings, (list, tuple))
+        ):
+            raise ValueError(f"generation.stop_strings must be a list of strings or None, got "
+                             f"{self.stop_strings!r}; write e.g. stop_strings=[{self.stop_strings!r}].")
+        for value in self.stop_strings or []:
+            if not isinstance(value, str) or not value:
+                raise ValueError(
+                    f"generation.stop_strings must hold non-empty strings, got {value!r} in "
+                    f"{list(self.stop_strings)!r}. Remove it, or give the text that should end a response."
+                )
 
 
 @dataclass

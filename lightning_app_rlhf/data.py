@@ -1,11 +1,12 @@
-"""Prompt data: a Python list, a JSONL file, a Hugging Face ``datasets`` dataset, or an import path."""
+"""Prompt data: a Python list, a JSONL file, a Hugging Face ``datasets`` dataset (or one split of a ``DatasetDict``,
+or a directory saved with ``save_to_disk``), or an import path."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -156,47 +157,112 @@ def collate_left_padded(items: list[dict[str, Any]], pad_token_id: int) -> dict[
     return {"input_ids": input_ids, "attention_mask": attention_mask, "index": index, "fields": fields}
 
 
-def read_prompts(source: Any, prompt_key: str) -> list[str | Messages]:
+def read_prompts(source: Any, prompt_key: str, split: str | None = None) -> list[str | Messages]:
     """Prompts from a list, a JSONL path, an import path ("pkg.module:name"), or a ``datasets`` dataset.
 
     Args:
         source: See :func:`read_rows`.
         prompt_key: Field or column that holds the prompt.
+        split: The split to read when ``source`` is a ``DatasetDict`` (see :func:`read_rows`).
 
     Returns:
         The prompts: strings, or chat message lists where the rows hold those.
     """
-    return read_rows(source, prompt_key)[0]
+    return read_rows(source, prompt_key, split)[0]
 
 
-def read_rows(source: Any, prompt_key: str) -> tuple[list[str | Messages], list[dict[str, Any]]]:
+def read_rows(
+    source: Any, prompt_key: str, split: str | None = None
+) -> tuple[list[str | Messages], list[dict[str, Any]]]:
     """Prompts plus each row's other fields, from any source :class:`PromptDataModule` accepts.
 
     Args:
         source: A list of strings, message lists, or dicts holding ``prompt_key``; a JSONL file path; a
-            ``datasets.Dataset``; or an import path ``"package.module:name"`` to one of those or to a function
-            returning one.
+            ``datasets.Dataset``; a ``datasets.DatasetDict`` (or any mapping of split name to one of these) with
+            ``split``; a directory written by ``save_to_disk``; or an import path ``"package.module:name"`` to one
+            of those or to a function returning one. Nothing is downloaded.
         prompt_key: Field or column that holds the prompt.
+        split: Which split of a ``DatasetDict`` to read; required for one, refused for any other source.
 
     Returns:
         ``(prompts, fields)``: per row, its prompt and a dict of its other fields (``{}`` for bare prompts).
     """
+    return _read_rows(source, prompt_key, split, "data.split")
+
+
+def _read_rows(
+    source: Any, prompt_key: str, split: str | None, split_setting: str
+) -> tuple[list[str | Messages], list[dict[str, Any]]]:
+    """:func:`read_rows`, whose errors name ``split_setting`` (``data.split``, ``data.val_split``, ...)."""
     if isinstance(source, str):
+        if os.path.isdir(source) and _is_saved_dataset(source):
+            return _read_rows(_load_from_disk(source), prompt_key, split, split_setting)
         if os.path.isfile(source):
+            _refuse_split(source, split, split_setting)
             with open(source, encoding="utf-8") as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             return _split_rows(rows, prompt_key, source)
         if os.path.exists(source):
-            raise ValueError(f"Prompt source {source!r} is not a file: give a .jsonl file with one object per line.")
+            raise ValueError(f"Prompt source {source!r} is not a file: give a .jsonl file with one object per line, "
+                             "or a directory written by a datasets Dataset's or DatasetDict's save_to_disk().")
         looks_like_path = os.sep in source or source.endswith((".jsonl", ".json", ".txt", ".csv")) or not any(c in source for c in ".:")
         if looks_like_path:
             raise FileNotFoundError(f"Prompt file {source!r} does not exist. Give a .jsonl file with one prompt "
                                     "per line, or an import path 'package.module:name'.")
         target = resolve_import(source)
-        return read_rows(target() if callable(target) else target, prompt_key)
+        return _read_rows(target() if callable(target) else target, prompt_key, split, split_setting)
+    if isinstance(source, Mapping):  # a datasets.DatasetDict (a dict subclass), or a plain dict of splits
+        return _read_rows(_pick_split(source, split, split_setting), prompt_key, None, split_setting)
+    _refuse_split(source, split, split_setting)
     if hasattr(source, "column_names"):  # a datasets.Dataset
         return _split_dataset(source, prompt_key)
     return _split_rows(source, prompt_key, "the prompt list")
+
+
+_PREFERRED_SPLITS = {
+    "data.split": ("train",),
+    "data.val_split": ("validation", "valid", "val", "test"),
+    "data.predict_split": ("test", "validation", "valid", "val"),
+}
+"""The split each setting's error suggests first, when the source has it."""
+
+
+def _pick_split(splits: Mapping[str, Any], split: str | None, split_setting: str) -> Any:
+    names = list(splits)
+    kind = type(splits).__name__
+    if not names:
+        raise ValueError(f"The prompt source is an empty {kind}: it has no splits to read. Give a non-empty "
+                         "dataset.")
+    if split is None:
+        suggestion = next((name for name in _PREFERRED_SPLITS.get(split_setting, ()) if name in names), names[0])
+        raise ValueError(f"The prompt source is a {kind} with splits {names}, but {split_setting} is not set, so "
+                         f"it is unclear which split to read. Set {split_setting}: {suggestion} (or another of "
+                         f"{names}), or give that split's dataset itself.")
+    if split not in splits:
+        raise ValueError(f"{split_setting}={split!r} is not a split of the prompt source ({kind}); its splits are "
+                         f"{names}. Set {split_setting} to one of them.")
+    return splits[split]
+
+
+def _refuse_split(source: Any, split: str | None, split_setting: str) -> None:
+    if split is not None:
+        raise ValueError(f"{split_setting}={split!r} is set, but the prompt source ({_describe(source)}) has no "
+                         f"splits: only a DatasetDict (or a dict of split name to prompts) has. Remove "
+                         f"{split_setting}.")
+
+
+def _is_saved_dataset(directory: str) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` (``state.json``) or ``DatasetDict.save_to_disk``."""
+    return any(os.path.isfile(os.path.join(directory, name)) for name in ("state.json", "dataset_dict.json"))
+
+
+def _load_from_disk(directory: str) -> Any:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(f"Prompt source {directory!r} is a saved Hugging Face dataset; reading it needs the "
+                          "`datasets` package: pip install 'lightning-app-rlhf[data]'.") from err
+    return datasets.load_from_disk(directory)
 
 
 def _split_dataset(dataset: Any, prompt_key: str) -> tuple[list[str | Messages], list[dict[str, Any]]]:
@@ -272,10 +338,18 @@ class PromptDataModule(pl.LightningDataModule):
     Rows may carry fields besides the prompt (e.g. ``{"prompt": "What is 2+3?", "answer": "5"}``); each batch
     holds them under ``batch["fields"]``, one list per field name aligned with the rows, for verifiable rewards.
 
+    Training draws full batches of ``prompts`` (see :class:`PromptSampler`). Validation and test go once through
+    the held-out ``val_prompts``, prediction through ``predict_prompts``, in dataset order, in batches of
+    ``val_batch_size`` (the last one may be smaller). Every rank reads the same global batches, as in training:
+    the placement shards rows inside the step, and the placement strategies keep Lightning from injecting a
+    ``DistributedSampler``. Without held-out prompts ``val_dataloader`` and ``test_dataloader`` are ``None``, so
+    Lightning sees no such loader and ``fit`` runs no validation.
+
     Args:
         prompts: A list of strings, chat message lists, or dicts with ``prompt_key``; a JSONL file path; a
-            ``datasets.Dataset``; or an import path ``"package.module:name"`` to such a list or to a function
-            returning one. Every row must have the same extra fields.
+            ``datasets.Dataset``; a ``datasets.DatasetDict`` (with ``split``); a directory written by
+            ``save_to_disk``; or an import path ``"package.module:name"`` to one of those or to a function
+            returning one. Every row must have the same extra fields. Nothing is downloaded.
         tokenizer: A tokenizer, a local tokenizer directory, or ``"package.module:function"`` building one.
         batch_size: Prompts per iteration (the rollout batch holds ``batch_size x generation.num_samples`` samples).
         prompt_key: Field or column that holds the prompt text.
@@ -286,6 +360,15 @@ class PromptDataModule(pl.LightningDataModule):
         chat_template: Whether to render prompts with the tokenizer's chat template (with the generation prompt
             appended). None: exactly the prompts that are chat message lists (``[{"role": ..., "content": ...}]``).
             True: also plain-text prompts, each as one user message. False: plain text only; message lists raise.
+        split: The split of ``prompts`` to train on when it is a ``DatasetDict`` (e.g. ``"train"``).
+        val_prompts: Held-out prompts for ``validate`` and ``test`` (and for ``fit``'s validation), from any
+            source ``prompts`` accepts. None: none, unless ``val_split`` names another split of ``prompts``.
+        val_split: The split of ``val_prompts`` when it is a ``DatasetDict`` (e.g. ``"test"``); without
+            ``val_prompts``, that split of ``prompts``.
+        val_batch_size: Prompts per validation, test and predict batch. Default: ``batch_size``.
+        predict_prompts: Prompts for ``predict``. Default: the held-out prompts if any, else ``prompts``.
+        predict_split: The split of the predict prompts when they are a ``DatasetDict``. Default: the split of the
+            source they default to.
     """
 
     def __init__(
@@ -299,10 +382,18 @@ class PromptDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int | None = None,
         chat_template: bool | None = None,
+        split: str | None = None,
+        val_prompts: Any = None,
+        val_split: str | None = None,
+        val_batch_size: int | None = None,
+        predict_prompts: Any = None,
+        predict_split: str | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}.")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise ValueError(f"data.val_batch_size must be >= 1 (or null for data.batch_size), got {val_batch_size}.")
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -312,14 +403,49 @@ class PromptDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.chat_template = chat_template
+        self.split = split
+        self.val_prompts = val_prompts
+        self.val_split = val_split
+        self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
+        self.predict_prompts = predict_prompts
+        self.predict_split = predict_split
         self.dataset: PromptDataset | None = None
+        """The training prompts, after ``setup("fit")``."""
+        self.val_dataset: PromptDataset | None = None
+        """The held-out prompts, after ``setup`` for ``fit`` (when there are any), ``validate`` or ``test``."""
+        self.predict_dataset: PromptDataset | None = None
+        """The prompts of ``predict``, after ``setup("predict")``."""
+        if not self.has_val_prompts:
+            # Lightning takes an overridden hook for a loader: fit would then warn that the module has no
+            # validation_step, or that the list is empty. A None hook reads as "no loader" (as from_datasets leaves
+            # the hooks of the datasets it is not given), and unlike a bound method it survives pickling.
+            self.val_dataloader = None  # type: ignore[assignment]
+            self.test_dataloader = None  # type: ignore[assignment]
+
+    @property
+    def has_val_prompts(self) -> bool:
+        """Whether held-out prompts were given: ``val_prompts``, or ``val_split`` of ``prompts``."""
+        return self.val_prompts is not None or self.val_split is not None
 
     @override
     def setup(self, stage: str) -> None:
-        if self.dataset is not None:
-            return
+        """Build the datasets ``stage`` reads (``fit``: training and any held-out prompts; ``validate`` and
+        ``test``: the held-out prompts; ``predict``: the predict prompts). A dataset already built is kept."""
+        if stage not in ("fit", "validate", "test", "predict"):
+            raise ValueError(f"Unknown stage {stage!r}: expected 'fit', 'validate', 'test' or 'predict'.")
         self.tokenizer = load_tokenizer(self.tokenizer)
-        prompts, fields = read_rows(self.prompts, self.prompt_key)
+        if stage == "fit" and self.dataset is None:
+            self.dataset = self._train_dataset()
+        if stage in ("validate", "test") and not self.has_val_prompts:
+            raise ValueError(f"trainer.{stage}() reads held-out prompts, but the datamodule has none. Set "
+                             "data.val_prompts (or data.val_split to evaluate another split of data.prompts).")
+        if stage in ("fit", "validate", "test") and self.has_val_prompts and self.val_dataset is None:
+            self.val_dataset = self._held_out_dataset()
+        if stage == "predict" and self.predict_dataset is None:
+            self.predict_dataset = self._predict_dataset()
+
+    def _train_dataset(self) -> PromptDataset:
+        prompts, fields = _read_rows(self.prompts, self.prompt_key, self.split, "data.split")
         if not prompts:
             raise ValueError(f"The prompt dataset is empty (source: {_describe(self.prompts)}). Give at least "
                              f"data.batch_size={self.batch_size} prompts.")
@@ -327,12 +453,40 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError(f"The prompt dataset has {len(prompts)} prompts, fewer than data.batch_size="
                              f"{self.batch_size}, so not one full batch can be drawn. Add prompts or lower "
                              "data.batch_size.")
-        self.dataset = PromptDataset(prompts, self.tokenizer, self.max_prompt_length, fields, self.chat_template)
+        return PromptDataset(prompts, self.tokenizer, self.max_prompt_length, fields, self.chat_template)
+
+    def _held_out_dataset(self) -> PromptDataset:
+        if self.val_prompts is not None:
+            return self._eval_dataset(self.val_prompts, self.val_split, "data.val_split", "data.val_prompts")
+        return self._eval_dataset(self.prompts, self.val_split, "data.val_split",
+                                  f"data.prompts (split {self.val_split!r})")
+
+    def _eval_dataset(self, source: Any, split: str | None, split_setting: str, what: str) -> PromptDataset:
+        prompts, fields = _read_rows(source, self.prompt_key, split, split_setting)
+        if not prompts:
+            raise ValueError(f"The prompts of {what} are empty (source: {_describe(source)}). Give at least one "
+                             "prompt.")
+        return PromptDataset(prompts, self.tokenizer, self.max_prompt_length, fields, self.chat_template)
+
+    def _predict_dataset(self) -> PromptDataset:
+        if self.predict_prompts is not None:
+            return self._eval_dataset(self.predict_prompts, self.predict_split, "data.predict_split",
+                                      "data.predict_prompts")
+        if self.has_val_prompts:  # default to the held-out prompts
+            source = self.val_prompts if self.val_prompts is not None else self.prompts
+            split, shared, what = self.val_split, self.val_dataset, "the held-out prompts"
+        else:
+            source, split, shared, what = self.prompts, self.split, self.dataset, "data.prompts"
+        if self.predict_split is not None and self.predict_split != split:
+            split, shared, what = self.predict_split, None, f"{what} (split {self.predict_split!r})"
+        # The same rows as the held-out (else the training) set: reuse that dataset when it is built.
+        return shared if shared is not None else self._eval_dataset(source, split, "data.predict_split", what)
 
     @override
     def train_dataloader(self) -> DataLoader:
         """Every rank gets the same global batches; a resumed run starts at the checkpoint's iteration."""
-        assert self.dataset is not None, "call setup() first"
+        if self.dataset is None:
+            raise RuntimeError("Call setup('fit') before train_dataloader().")
         seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
         sampler = PromptSampler(len(self.dataset), self.batch_size, self.shuffle, seed)
         if self.trainer is not None:
@@ -342,6 +496,33 @@ class PromptDataModule(pl.LightningDataModule):
             batch_size=self.batch_size,
             sampler=sampler,
             drop_last=True,  # every iteration sees a full batch
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(collate_left_padded, pad_token_id=self.tokenizer.pad_token_id),
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        """Every held-out prompt once, in order, in batches of ``val_batch_size`` (the last may be smaller)."""
+        return self._eval_dataloader(self.val_dataset, "validate")
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The held-out prompts, as :meth:`val_dataloader`."""
+        return self._eval_dataloader(self.val_dataset, "test")
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """Every predict prompt once, in order, in batches of ``val_batch_size`` (the last may be smaller)."""
+        return self._eval_dataloader(self.predict_dataset, "predict")
+
+    def _eval_dataloader(self, dataset: PromptDataset | None, stage: str) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError(f"Call setup({stage!r}) before the {stage} dataloader.")
+        return DataLoader(
+            dataset,
+            batch_size=self.val_batch_size,
+            shuffle=False,  # dataset order: metrics and predictions line up with the rows
+            drop_last=False,  # every prompt is evaluated once
             num_workers=self.num_workers,
             collate_fn=functools.partial(collate_left_padded, pad_token_id=self.tokenizer.pad_token_id),
         )

@@ -37,6 +37,13 @@ TEMPLATES = (
 )
 """Prompt templates; ``{example}`` is one word of the topic."""
 
+HELD_OUT_TEMPLATES = (
+    "which {topic} do you know:",
+    "say some {topic}:",
+    "{topic}, for example {example}:",
+)
+"""Templates no training prompt uses: the validation prompts of :func:`val_prompts`."""
+
 FILLER = ["the", "a", "an", "and", "or", "but", "of", "to", "in", "on", "at", "for", "with", "is", "are", "was", "were", "be", "it", "this", "that", "these", "those", "i", "you", "we", "they", "he", "she", "my", "your", "our", "their", "some", "many", "few", "more", "most", "very", "so", "too", "not", "no", "yes", "can", "will", "would", "should", "could", "like", "as", "from", "by", "about", "into", "over", "under", "after", "before", "then", "than", "when", "where", "what", "which", "who", "how", "why", "all", "any", "each", "every", "both", "other", "such", "only", "own", "same", "just", "also", "here", "there", "now", "today", "good", "bad", "big", "small", "new", "old", "long", "short", "high", "low", "first", "last", "great", "little", "right", "left", "best", "next", "few", "early", "young", "important", "public"]
 """Common words in the tokenizer's corpus, so responses can also be off-task."""
 
@@ -78,6 +85,17 @@ def prompts(num_prompts: int = 512, seed: int = 0) -> list[str]:
         template = TEMPLATES[(i // len(TOPICS)) % len(TEMPLATES)]
         out.append(template.format(topic=topic, example=rng.choice(TOPICS[topic])))
     rng.shuffle(out)
+    return out
+
+
+def val_prompts(num_prompts: int = 32, seed: int = 1) -> list[str]:
+    """Held-out demo prompts: every topic in templates the training prompts never use."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_prompts):
+        topic = list(TOPICS)[i % len(TOPICS)]
+        template = HELD_OUT_TEMPLATES[(i // len(TOPICS)) % len(HELD_OUT_TEMPLATES)]
+        out.append(template.format(topic=topic, example=rng.choice(TOPICS[topic])))
     return out
 
 

@@ -30,7 +30,7 @@ from lightning_app_rlhf.calls import (
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.experience import RewardShaping, make_experience
-from lightning_app_rlhf.generation import Rollout, generate, sample_keys
+from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, sample_keys
 from lightning_app_rlhf.memory import RoleMemory, role_memory
 from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.ppo import LossScale
@@ -81,18 +81,23 @@ class RLHFEngine:
         rows = self.placement.shard(call, batch["input_ids"].shape[0])
         with self._running(ACTOR.name):
             part = self._generate(batch, rows, iteration)
-        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs}
+        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
+                "stopped": part.stopped.to(torch.uint8)}
 
     def _generate(self, batch: dict[str, Any], rows: slice, iteration: int) -> Rollout:
+        """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
+        generation config, ``generation.stop_token_ids`` or ``generation.stop_strings``."""
+        actor = self.modules(ACTOR.name)
         return generate(
-            self.modules(ACTOR.name),
+            actor,
             batch["input_ids"][rows],
             batch["attention_mask"][rows],
             self.generation,
             sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=[self.tokenizer.eos_token_id, *model_eos_token_ids(actor)],
             pad_token_id=self.tokenizer.pad_token_id,
             lockstep_group=self._lockstep_group(ACTOR.name),
+            tokenizer=self.tokenizer,
         )
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
@@ -101,6 +106,7 @@ class RLHFEngine:
             "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
             "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
             "logprobs": TensorSpec(torch.float32, 2),
+            "stopped": TensorSpec(torch.uint8, 1),
         }
         out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs)
         return Rollout(
@@ -109,15 +115,16 @@ class RLHFEngine:
             response_mask=out["response_mask"],
             logprobs=out["logprobs"],
             prompt_length=batch["input_ids"].shape[1],
+            stopped=out["stopped"].bool(),
         )
 
     # ---- forward calls, then the algorithm's advantages ----
 
     def score_rollout(
         self, rollout: Rollout, iteration: int, row_fields: dict[str, list[Any]] | None = None
-    ) -> tuple[Experience, dict[str, torch.Tensor]]:
+    ) -> tuple[Experience, dict[str, torch.Tensor], torch.Tensor]:
         """The forward calls of the algorithm's roles, each on its group's ranks, gathered to every rank; then the
-        algorithm's advantages on every rank (cheap, and it saves a broadcast)."""
+        algorithm's advantages on every rank (cheap, and it saves a broadcast). Also returns the raw scores [B]."""
         roles = [role for role in FORWARD_OUTPUTS if role in self.algorithm.roles]
         # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
         parts = {role: self.forward_shard(role, rollout, row_fields) for role in roles}
@@ -127,8 +134,19 @@ class RLHFEngine:
             name, ndim = FORWARD_OUTPUTS[role]
             out = self.placement.gather_to_world(role + ".forward", parts[role], {name: TensorSpec(torch.float32, ndim)})
             gathered[role] = out[name][:, :length] if ndim == 2 else out[name]
-        return make_experience(rollout, gathered[REFERENCE.name], gathered[REWARD.name], gathered.get(CRITIC.name),
-                               self.algorithm, self.shaping, iteration)
+        experience, stats = make_experience(rollout, gathered[REFERENCE.name], gathered[REWARD.name],
+                                            gathered.get(CRITIC.name), self.algorithm, self.shaping, iteration)
+        return experience, stats, gathered[REWARD.name]
+
+    def sample_and_score(
+        self, batch: dict[str, Any], iteration: int
+    ) -> tuple[Rollout, torch.Tensor]:
+        """Evaluation: ``actor.generate`` and ``reward.forward`` only, each on its group, gathered to every rank.
+        Returns the whole rollout and its raw scores [B]."""
+        rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration))
+        part = self.forward_shard(REWARD.name, rollout, batch.get("fields"))
+        scores = self.placement.gather_to_world(REWARD.call("forward"), part, {"scores": TensorSpec(torch.float32, 1)})
+        return rollout, scores["scores"]
 
     def forward_shard(
         self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None

@@ -7,13 +7,14 @@ a prompt even when its samples were generated and scored on different ranks.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
 from lightning_app_rlhf.calls import Experience, describe_nonfinite
-from lightning_app_rlhf.config import PPOConfig
+from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import Rollout
 from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments, kl_penalty
 
@@ -24,18 +25,39 @@ class RewardShaping:
 
     Args:
         config: The update's settings.
-        eos_token_id: The token whose absence ``missing_eos_penalty`` punishes.
+        eos_token_id: The token id, or ids, that end a response properly; ``missing_eos_penalty`` punishes
+            responses cut at ``generation.max_new_tokens`` without one (see :meth:`missing_eos`).
     """
 
-    def __init__(self, config: PPOConfig, eos_token_id: int) -> None:
+    def __init__(self, config: PPOConfig, eos_token_id: int | Sequence[int]) -> None:
         self.config = config
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = list(eos_token_id) if isinstance(eos_token_id, Sequence) else [eos_token_id]
         self.kl_controller = (
             AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
             if config.kl_target is not None
             else FixedKLController(config.kl_coef)
         )
         self.reward_moments = RunningMoments()
+
+    def missing_eos(self, rollout: Rollout, generation: GenerationConfig | None = None) -> torch.Tensor:
+        """[B] True for responses that did not end properly: cut at ``max_new_tokens`` without a stop.
+
+        Exact from ``rollout.stopped`` when the rollout carries it. Otherwise decided from the rollout itself: the
+        sampler ends a row early only at a stop, so a response shorter than ``generation.max_new_tokens`` ended
+        properly (whatever stopped it: EOS, the actor's other end ids, a stop id or a stop string); one of full
+        length did when its last token is EOS or one of ``generation.stop_token_ids``. A full-length response
+        ended by an id known only to the actor's generation config, or by a stop string, cannot be told from a cut
+        one here and counts as cut. Without ``generation``, only the last token counts.
+        """
+        if rollout.stopped is not None:
+            return ~rollout.stopped.to(rollout.response_mask.device)
+        lengths = rollout.response_mask.sum(1)
+        last = rollout.responses.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        ids = [*self.eos_token_ids, *((generation.stop_token_ids or []) if generation is not None else [])]
+        ended = torch.isin(last, torch.tensor(ids, dtype=last.dtype, device=last.device))
+        if generation is not None:
+            ended = ended | (lengths < generation.max_new_tokens)
+        return ~ended
 
     def finite(self, scores: torch.Tensor) -> torch.Tensor:
         """[B] which scores are finite; non-finite ones raise, or warn and are skipped (``nonfinite_rewards``)."""
@@ -49,12 +71,13 @@ class RewardShaping:
         warnings.warn(f"{message}; these samples are left out of this update (ppo.nonfinite_rewards='skip').")
         return finite
 
-    def shape(self, scores: torch.Tensor, finite: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        """EOS penalty, running normalisation and clipping; skipped samples score 0."""
+    def shape(
+        self, scores: torch.Tensor, finite: torch.Tensor, rollout: Rollout, generation: GenerationConfig | None = None
+    ) -> torch.Tensor:
+        """EOS penalty (see :meth:`missing_eos`), running normalisation and clipping; skipped samples score 0."""
         scores = torch.where(finite, scores, torch.zeros_like(scores))
         if self.config.missing_eos_penalty is not None:
-            last = rollout.responses.gather(1, (rollout.response_mask.sum(1, keepdim=True) - 1).clamp(min=0))
-            scores = scores - self.config.missing_eos_penalty * (last.squeeze(1) != self.eos_token_id)
+            scores = scores - self.config.missing_eos_penalty * self.missing_eos(rollout, generation)
         if self.config.reward_norm:
             self.reward_moments.update(scores[finite])
             scores = (scores - self.reward_moments.mean) / (self.reward_moments.std + 1e-8)
@@ -84,7 +107,7 @@ def make_experience(
     finite = shaping.finite(scores)
     mask = rollout.response_mask * finite.unsqueeze(1).to(rollout.response_mask.dtype)
     raw_scores = scores[finite]
-    shaped = shaping.shape(scores, finite, rollout)
+    shaped = shaping.shape(scores, finite, rollout, algorithm.generation)
     kl = kl_penalty(rollout.logprobs, ref_logprobs, shaping.config.kl_estimator) * mask
     scored = ScoredRollout(
         scores=shaped, kl=kl, kl_coef=shaping.kl_controller.value, response_mask=mask, valid=finite,

@@ -3,19 +3,28 @@
 Every random draw is keyed by a per-sample integer (derived from the seed, the iteration and the sample's
 global index), never by the batch it happens to sit in. A prompt therefore gets the same response whether
 it is generated alone, in a batch of 32, or on any rank of a placement.
+
+A row ends at the first of its stop tokens (EOS, the actor's other end ids, ``generation.stop_token_ids``) or at
+the token that completes one of ``generation.stop_strings``; that token is kept, with mask 1. With
+``generation.do_sample=False`` the most likely token is taken instead of a keyed draw (greedy decoding).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_app_rlhf.config import GenerationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from transformers.generation.stopping_criteria import StopStringCriteria
 
 _MASK64 = (1 << 63) - 1
 
@@ -34,6 +43,9 @@ class Rollout:
     """[B, T] behaviour log-probabilities of the sampled tokens at the sampling temperature (no top-k/top-p)."""
     prompt_length: int
     """P, the padded prompt length."""
+    stopped: torch.Tensor | None = None
+    """[B] True where the response ended at a stop token or stop string (its last masked token), False where it
+    was cut at ``max_new_tokens``. None when unknown, e.g. a rollout rebuilt from gathered tensors."""
 
     @property
     def responses(self) -> torch.Tensor:
@@ -42,7 +54,8 @@ class Rollout:
     def select(self, rows: slice) -> Rollout:
         """The rollout of a subset of rows."""
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
-                       self.logprobs[rows], self.prompt_length)
+                       self.logprobs[rows], self.prompt_length,
+                       self.stopped[rows] if self.stopped is not None else None)
 
 
 def sample_keys(
@@ -131,6 +144,66 @@ def check_context_length(model: torch.nn.Module, prompt_length: int, max_new_tok
         )
 
 
+def model_eos_token_ids(model: torch.nn.Module) -> list[int]:
+    """The ids in the model's ``generation_config.eos_token_id`` (an int or a list: chat models such as Llama 3
+    and Qwen list several end tokens); none when the model has no generation config."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if ids is None else [int(i) for i in torch.as_tensor(ids).reshape(-1).tolist()]
+
+
+@dataclass
+class StopCondition:
+    """What ends a row: one of ``token_ids``, or a token that completes one of the stop strings."""
+
+    token_ids: torch.Tensor
+    """[S] int64 stop ids, on the tokens' device."""
+    strings: StopStringCriteria | None = None
+    """transformers' matcher of ``generation.stop_strings`` (strings that span tokens too); None: no strings."""
+
+    def ended(self, tokens: list[torch.Tensor]) -> torch.Tensor:
+        """[B] whether each row's latest token (``tokens[-1]``; ``tokens`` are the response's columns so far) ends
+        it. Stop strings are matched within the response only, never reaching back into the prompt."""
+        hit = torch.isin(tokens[-1], self.token_ids)
+        if self.strings is not None:
+            # A string spans at most one token per byte (character): the latest columns are enough.
+            recent = torch.stack(tokens[-self.strings.maximum_token_len :], dim=1)
+            hit = hit | self.strings(recent, None).to(hit.device)
+        return hit
+
+
+def stop_string_criteria(
+    tokenizer: PreTrainedTokenizerBase | None, stop_strings: Sequence[str]
+) -> StopStringCriteria:
+    """transformers' ``StopStringCriteria`` for ``stop_strings``, with a clear error when it cannot be built."""
+    if tokenizer is None:
+        raise ValueError(
+            f"generation.stop_strings={list(stop_strings)!r} needs the tokenizer to match text: pass "
+            "generate(..., tokenizer=tokenizer), or set generation.stop_strings=None."
+        )
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    try:
+        return StopStringCriteria(tokenizer, list(stop_strings))
+    except ValueError as error:  # e.g. characters no token of the vocabulary can produce
+        raise ValueError(
+            f"generation.stop_strings={list(stop_strings)!r} cannot be matched with this tokenizer: {error} "
+            "Change or remove the strings it cannot produce."
+        ) from error
+
+
+def stop_condition(
+    config: GenerationConfig,
+    eos_token_id: int | Sequence[int],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    device: torch.device | str | None = None,
+) -> StopCondition:
+    """The stop ids (``eos_token_id`` plus ``config.stop_token_ids``) and ``config.stop_strings``'s matcher."""
+    ids = list(eos_token_id) if isinstance(eos_token_id, Sequence) else [eos_token_id]
+    ids = list(dict.fromkeys([*map(int, ids), *(config.stop_token_ids or [])]))
+    strings = stop_string_criteria(tokenizer, config.stop_strings) if config.stop_strings else None
+    return StopCondition(torch.tensor(ids, dtype=torch.int64, device=device), strings)
+
+
 def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     if group is None:
         return bool(done.all())
@@ -178,11 +251,17 @@ def generate(
     attention_mask: torch.Tensor,
     config: GenerationConfig,
     keys: torch.Tensor,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     lockstep_group: dist.ProcessGroup | None = None,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Rollout:
-    """Sample responses for left-padded prompts with a KV cache, stopping each row at EOS.
+    """Sample responses for left-padded prompts with a KV cache, stopping each row at its first stop.
+
+    A row stops at a token of ``eos_token_id`` or ``config.stop_token_ids``, or at the token that completes one of
+    ``config.stop_strings`` (matched within the response); the stopping token is kept, with mask 1, and pad follows.
+    ``config.do_sample=False`` takes the most likely token at every step instead of a keyed draw.
 
     With ``config.batch_size`` set, the rows run in consecutive chunks of at most that many rows (see
     :func:`row_chunks`), each a separate prefill and decode loop that stops when its rows are done; the chunks'
@@ -195,48 +274,71 @@ def generate(
             wrapping one; its adapters run unmerged.
         input_ids: [B, P] left-padded prompt tokens.
         attention_mask: [B, P] 1 for real prompt tokens.
-        config: Sampling settings.
+        config: Sampling settings, with the extra stop ids and stop strings.
         keys: [B] per-sample keys from :func:`sample_keys`; they fix every random draw of that row.
-        eos_token_id: Token that ends a response (it is kept, with mask 1).
-        pad_token_id: Token written after EOS.
+        eos_token_id: Token id, or ids, that end a response besides ``config.stop_token_ids``: the tokenizer's
+            EOS, plus the actor's other end ids (:func:`model_eos_token_ids`).
+        pad_token_id: Token written after a row's stop.
         lockstep_group: Ranks whose model is sharded (FSDP2): they must run the same number of forwards, so every
             rank of the group runs the same number of chunks (from the group's largest shard), and a chunk's
             generation stops only when every rank of the group is done with it. A rank without rows in a chunk
             runs its forwards on a stand-in row that is done from the start.
+        tokenizer: Needed only for ``config.stop_strings``, to match text.
     """
     num_rows, prompt_length = input_ids.shape
     check_context_length(model, prompt_length, config.max_new_tokens)
+    stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
     chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
     if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
-        return _generate_chunk(model, input_ids, attention_mask, config, keys, eos_token_id, pad_token_id,
-                               lockstep_group)
+        return _generate_chunk(model, input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
     parts = []
     for rows in chunks:
         if rows.stop > rows.start:
-            parts.append(_generate_chunk(model, input_ids[rows], attention_mask[rows], config, keys[rows],
-                                         eos_token_id, pad_token_id, lockstep_group))
+            parts.append(_generate_chunk(model, input_ids[rows], attention_mask[rows], config, keys[rows], stops,
+                                         pad_token_id, lockstep_group))
         else:  # only with a lockstep group: take part in the group's forwards, keep nothing
             if num_rows:
                 stand_in, stand_in_mask = input_ids[:1], attention_mask[:1]
             else:
                 stand_in = torch.full((1, prompt_length), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
                 stand_in_mask = torch.ones_like(stand_in, dtype=attention_mask.dtype)
-            _generate_chunk(model, stand_in, stand_in_mask, config, torch.zeros(1, dtype=torch.int64), eos_token_id,
+            _generate_chunk(model, stand_in, stand_in_mask, config, torch.zeros(1, dtype=torch.int64), stops,
                             pad_token_id, lockstep_group, active=False)
+    return _concat_chunks(parts, input_ids, attention_mask, pad_token_id)
+
+
+def _concat_chunks(
+    parts: list[Rollout], input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int
+) -> Rollout:
+    """The chunks' rollouts as one, responses padded to the longest chunk's (pad token; mask and log-probs 0)."""
     width = max((part.response_mask.shape[1] for part in parts), default=0)
-    responses = torch.cat([_pad_columns(part.responses, width, pad_token_id) for part in parts]) if parts \
-        else input_ids.new_zeros(0, 0)
-    response_mask = torch.cat([_pad_columns(part.response_mask, width, 0) for part in parts]) if parts \
-        else attention_mask.new_zeros(0, 0)
-    logprobs = torch.cat([_pad_columns(part.logprobs, width, 0.0) for part in parts]) if parts \
-        else torch.zeros(0, 0, device=input_ids.device)
+    if parts:
+        responses = torch.cat([_pad_columns(part.responses, width, pad_token_id) for part in parts])
+        response_mask = torch.cat([_pad_columns(part.response_mask, width, 0) for part in parts])
+        logprobs = torch.cat([_pad_columns(part.logprobs, width, 0.0) for part in parts])
+        stopped = torch.cat([part.stopped for part in parts])
+    else:
+        responses, response_mask = input_ids.new_zeros(0, 0), attention_mask.new_zeros(0, 0)
+        logprobs = torch.zeros(0, 0, device=input_ids.device)
+        stopped = torch.zeros(0, dtype=torch.bool, device=input_ids.device)
     return Rollout(
         sequences=torch.cat([input_ids, responses], dim=1),
         attention_mask=torch.cat([attention_mask, response_mask], dim=1),
         response_mask=response_mask,
         logprobs=logprobs,
-        prompt_length=prompt_length,
+        prompt_length=input_ids.shape[1],
+        stopped=stopped,
     )
+
+
+def _next_token(
+    log_probs: torch.Tensor, config: GenerationConfig, uniforms: torch.Tensor | None, step: int
+) -> torch.Tensor:
+    """[B] each row's next token: the most likely one (greedy), or a keyed draw from the filtered distribution."""
+    if not config.do_sample:
+        return log_probs.argmax(-1)
+    probs = filter_probs(log_probs.exp(), config.top_k, config.top_p)
+    return inverse_cdf_sample(probs, uniforms[:, step])
 
 
 def _generate_chunk(
@@ -245,7 +347,7 @@ def _generate_chunk(
     attention_mask: torch.Tensor,
     config: GenerationConfig,
     keys: torch.Tensor,
-    eos_token_id: int,
+    stops: StopCondition,
     pad_token_id: int,
     lockstep_group: dist.ProcessGroup | None,
     active: bool = True,
@@ -253,7 +355,7 @@ def _generate_chunk(
     """One prefill and decode loop over all of its (non-empty) rows; ``active=False``: the rows are done from the
     start (a stand-in that only keeps a lockstep group's forwards paired)."""
     batch_size, prompt_length = input_ids.shape
-    uniforms = keyed_uniforms(keys, config.max_new_tokens)
+    uniforms = keyed_uniforms(keys, config.max_new_tokens) if config.do_sample else None  # greedy draws nothing
     position_ids = position_ids_from_mask(attention_mask)
     # Only the last prompt position's logits are needed: with a large vocabulary the LM head dominates a prefill.
     out = model(
@@ -265,13 +367,13 @@ def _generate_chunk(
     for step in range(config.max_new_tokens):
         logits = out.logits[:, -1, :].float() / config.temperature
         log_probs = F.log_softmax(logits, dim=-1)
-        probs = filter_probs(log_probs.exp(), config.top_k, config.top_p)
-        token = inverse_cdf_sample(probs, uniforms[:, step])
+        token = _next_token(log_probs, config, uniforms, step)
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         masks.append(~done)
         logprobs.append(log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done))
         tokens.append(token)
-        done = done | (token == eos_token_id)
+        # Each rank detects its own stops (ids and strings) before the group's all-done check, so ranks stay paired.
+        done = done | stops.ended(tokens)
         if _all_done(done, lockstep_group) or step == config.max_new_tokens - 1:  # no forward for unsampled tokens
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -290,4 +392,5 @@ def _generate_chunk(
         response_mask=response_mask,
         logprobs=torch.stack(logprobs, dim=1),
         prompt_length=prompt_length,
+        stopped=done,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import time
 import warnings
@@ -14,6 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, LearningRateMonitor
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -25,6 +27,7 @@ from lightning_app_rlhf.checkpoint import (
     OPTIMIZERS_KEY,
     CheckpointError,
     check_checkpoint_file,
+    checkpoint_file,
     rank_state,
     seal,
     verify,
@@ -32,7 +35,7 @@ from lightning_app_rlhf.checkpoint import (
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.engine import RLHFEngine, micro_batch_count
 from lightning_app_rlhf.experience import RewardShaping
-from lightning_app_rlhf.generation import repeat_samples
+from lightning_app_rlhf.generation import Rollout, repeat_samples
 from lightning_app_rlhf.memory import RoleMemory
 from lightning_app_rlhf.placement import Placement
 from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments
@@ -52,10 +55,15 @@ from lightning_app_rlhf.roles import (
     is_lora,
     load_tokenizer,
     resolve_import,
+    tokenizer_files,
 )
 from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper
 
 ModelSource = ModelSpec | dict[str, Any] | str
+
+EPOCH_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
+"""Also logged as ``{name}_epoch``: the mean over the epoch's iterations, for ``ModelCheckpoint`` and
+``EarlyStopping`` to judge the epoch rather than its last batch."""
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -86,6 +94,8 @@ class RLHFModule(pl.LightningModule):
         actor_scheduler: Builds the actor's LR scheduler; stepped once per iteration.
         critic_scheduler: Builds the critic's LR scheduler; stepped once per iteration.
         seed: Keys sampling noise and minibatch order. Default: the seed of ``seed_everything``, else 0.
+        eval_generation: Sampling settings of ``validate``, ``test`` and ``predict`` (one response per prompt).
+            Default: ``generation``'s, greedy (``do_sample=False``).
     """
 
     def __init__(
@@ -96,24 +106,30 @@ class RLHFModule(pl.LightningModule):
         reference: ModelSource | None = None,
         reward_model: ModelSource | None = None,
         reward_fn: Callable[..., Any] | str | None = None,
-        generation: GenerationConfig = GenerationConfig(),
-        ppo: PPOConfig = PPOConfig(),
+        generation: GenerationConfig | dict[str, Any] = GenerationConfig(),
+        ppo: PPOConfig | dict[str, Any] = PPOConfig(),
         actor_optimizer: OptimizerCallable | None = None,
         critic_optimizer: OptimizerCallable | None = None,
         actor_scheduler: LRSchedulerCallable | None = None,
         critic_scheduler: LRSchedulerCallable | None = None,
         seed: int | None = None,
         algorithm: str = "ppo",
+        eval_generation: GenerationConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self._save_plain_hyperparameters(locals())
         if (reward_model is None) == (reward_fn is None):
             raise ValueError(
                 "Give exactly one reward: `reward_model` (a sequence classifier) or `reward_fn` (a function "
-                f"`(prompts, responses) -> scores`). Got reward_model={reward_model!r}, reward_fn={reward_fn!r}."
+                f"`(prompts, responses) -> scores`). Got reward_model={reward_model!r}, reward_fn={reward_fn!r}. "
+                "Checkpoints keep a reward function only as its import path: with "
+                "`RLHFModule.load_from_checkpoint(path, reward_fn=...)` pass a function object again."
             )
         self.automatic_optimization = False
-        self.generation = dataclasses.replace(generation)  # a copy: the default instance is shared
-        self.ppo = dataclasses.replace(ppo)
+        self.generation = _as_config(GenerationConfig, generation)
+        self.eval_generation = dataclasses.replace(_as_config(GenerationConfig, eval_generation or generation),
+                                                   num_samples=1, **({} if eval_generation else {"do_sample": False}))
+        self.ppo = _as_config(PPOConfig, ppo)
         self.algorithm = build_algorithm(algorithm, self.ppo, self.generation)
         self._check_critic_arguments(critic, critic_optimizer, critic_scheduler)
         self.actor_spec = as_model_spec(actor)
@@ -148,6 +164,27 @@ class RLHFModule(pl.LightningModule):
         self.role_wrappers: dict[str, RoleWrapper] = {}
         """Role -> its wrapper on this rank (the roles it trains, and frozen roles the plan shards here); set by
         the strategy. A plain dict, so wrapped modules are not registered as submodules."""
+        self.learning_rates: dict[str, float] = {}
+        """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role's first parameter group, on
+        every rank whichever ranks hold the optimizers; refreshed at the start of fit and after every iteration."""
+        self._latest: tuple[Rollout, torch.Tensor] | None = None
+
+    def _save_plain_hyperparameters(self, arguments: dict[str, Any]) -> None:
+        """Save the arguments as plain data (specs and configs as dicts; no objects, so a weights-only load reads
+        them). A tokenizer object is embedded in checkpoints (see :meth:`on_save_checkpoint`); callables (a reward
+        function, optimizer and scheduler builders) are saved only as import paths."""
+        plain = {}
+        for name, value in arguments.items():
+            if name in ("self", "__class__"):
+                continue
+            if dataclasses.is_dataclass(value):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, PreTrainedTokenizerBase):
+                value = f"<{type(value).__name__}: embedded in checkpoints>"
+            elif callable(value):
+                value = None
+            plain[name] = value
+        self.save_hyperparameters(plain)
 
     @property
     def has_critic(self) -> bool:
@@ -221,6 +258,7 @@ class RLHFModule(pl.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
+        self._refuse_tuner_callbacks()
         precision = str(getattr(self.trainer, "precision", "32-true")) if self._trainer is not None else "32-true"
         if precision.startswith("16"):
             raise ValueError(f"precision={precision!r} needs a gradient scaler, which the update does not use. "
@@ -232,6 +270,21 @@ class RLHFModule(pl.LightningModule):
         path = self.trainer.ckpt_path if self._trainer is not None else None
         if stage == "fit" and path is not None and "://" not in str(path):
             check_checkpoint_file(path)  # before any model is built; a bare EOFError would name no file
+
+    def _refuse_tuner_callbacks(self) -> None:
+        if self._trainer is None:
+            return
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, LearningRateFinder):
+                raise ValueError("lr_find / LearningRateFinder does not apply to RLHF: its loss-vs-lr sweep needs "
+                                 "a loss that depends on the lr alone, and an RLHF step's loss depends on its own "
+                                 "rollouts. Set the actor and critic lr in the optimizers (model.actor_optimizer, "
+                                 "model.critic_optimizer) and watch reward/mean and kl/mean.")
+            if isinstance(callback, BatchSizeFinder):
+                raise ValueError("scale_batch_size / BatchSizeFinder does not apply to RLHF: the rollout batch "
+                                 "size is an algorithm setting, not a memory limit. Use the PlacementTuner "
+                                 "callback (lightning_app_rlhf.callbacks.PlacementTuner): it picks the generation "
+                                 "batch and the micro-batch size that fit memory under each placement.")
 
     def _check_minibatches(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration, times ``generation.num_samples``,
@@ -297,8 +350,15 @@ class RLHFModule(pl.LightningModule):
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
         from lightning_app_rlhf.callbacks.placement_summary import PlacementSummary
+        from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 
-        return [PlacementSummary()]
+        callbacks: list[pl.Callback] = [PlacementSummary()]
+        # A user's LearningRateMonitor sees only this rank's optimizers, named by class; Lightning replaces a
+        # callback with a subclass of it returned here.
+        monitor = next((c for c in self.trainer.callbacks if type(c) is LearningRateMonitor), None)
+        if monitor is not None:
+            callbacks.append(RoleLearningRateMonitor.like(monitor))
+        return callbacks
 
     def attach_optimizers(self, optimizers: list[Any]) -> None:
         """Give each trained role's wrapper its optimizer (in :meth:`trained_roles` order), with this module's
@@ -347,7 +407,8 @@ class RLHFModule(pl.LightningModule):
             train_stats, trained_on = self._train(engine, self.pending_experience)
             times["trained"] = _now(self.device)
         rollout = engine.gather_rollout(batch, local)
-        experience, stats = engine.score_rollout(rollout, iteration, batch.get("fields"))
+        experience, stats, scores = engine.score_rollout(rollout, iteration, batch.get("fields"))
+        self._latest = (rollout, scores)
         times["scored"] = _now(self.device)
         if overlap:
             self.pending_experience = experience
@@ -364,7 +425,85 @@ class RLHFModule(pl.LightningModule):
         self._step_schedulers()
         self._count_one_optimizer_step()
         stats.update(_timings(times, overlap, samples, rollout.response_mask.sum().item()))
+        if self._fabric is not None:
+            stats.update(self.learning_rates)  # the lr of this iteration (no LearningRateMonitor under Fabric)
         self._log_stats(stats, samples)
+        self.refresh_learning_rates()
+
+    @override
+    def on_train_start(self) -> None:
+        self.refresh_learning_rates()
+
+    def refresh_learning_rates(self) -> None:
+        """Fill :attr:`learning_rates` on every rank from the ranks that hold each trained role's optimizer
+        (a collective: call it on every rank)."""
+        if self._fabric is None and self._trainer is not None and self.trainer.state.fn != "fit":
+            return
+        placement, rates = self._placement(), {}
+        for role in self.algorithm.trainable_roles:
+            names = [f"lr-{role}", f"lr-{role}-momentum", f"lr-{role}-weight_decay"]
+            mine = None
+            if placement.runs(f"{role}.train"):
+                group = self._wrappers()[role].optimizer.param_groups[0]
+                momentum = group.get("momentum", group.get("betas", (0.0,))[0])
+                values = (group.get("lr", 0.0), momentum, group.get("weight_decay", 0.0))
+                mine = {name: torch.tensor(float(v), device=self.device) for name, v in zip(names, values)}
+            stats = placement.broadcast_stats(f"{role}.train", mine, names)
+            rates.update({name: float(value) for name, value in stats.items()})
+        self.learning_rates = rates
+
+    def latest_completions(self, max_rows: int | None = None) -> list[dict[str, Any]]:
+        """Prompt, completion and raw reward of the last training iteration's rollout (every rank has it), at most
+        ``max_rows`` rows; empty before the first iteration."""
+        if self._latest is None:
+            return []
+        rollout, scores = self._latest
+        rows = slice(0, max_rows)
+        return [{"prompt": prompt, "completion": completion, "reward": float(score)}
+                for prompt, completion, score in zip(*self._decode(rollout.select(rows)), scores[rows].tolist())]
+
+    def _decode(self, rollout: Rollout) -> tuple[list[str], list[str]]:
+        """Prompt texts (padding dropped) and completion texts (up to and including the stop token)."""
+        prompt_mask = rollout.attention_mask[:, : rollout.prompt_length].bool()
+        prompts = [self.tokenizer.decode(ids[mask]) for ids, mask in
+                   zip(rollout.sequences[:, : rollout.prompt_length], prompt_mask)]
+        completions = [self.tokenizer.decode(ids[mask]) for ids, mask in
+                       zip(rollout.responses, rollout.response_mask.bool())]
+        return prompts, completions
+
+    # ---- evaluation: validate, test, predict ----
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    @override
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
+        """Completions of a batch of prompts with ``eval_generation``: per prompt, its text, the completion's text
+        and token ids (up to and including the stop token), and the reward's score."""
+        rollout, scores = self._sample_and_score(batch)
+        prompts, completions = self._decode(rollout)
+        ids = [response[mask.bool()].tolist() for response, mask in zip(rollout.responses, rollout.response_mask)]
+        return [{"prompt": p, "completion": c, "completion_ids": i, "reward": float(r), "index": int(index)}
+                for p, c, i, r, index in zip(prompts, completions, ids, scores.tolist(), batch["index"].tolist())]
+
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+        rollout, scores = self._sample_and_score(batch)
+        size = len(scores)
+        # Every rank holds the whole batch's results (gathered), so no sync_dist: the means are already global.
+        self.log(f"{stage}/reward/mean", scores.float().mean(), on_epoch=True, batch_size=size, prog_bar=True)
+        self.log(f"{stage}/response/length_mean", rollout.response_mask.sum(1).float().mean(), on_epoch=True,
+                 batch_size=size)
+
+    def _sample_and_score(self, batch: dict[str, Any]) -> tuple[Rollout, torch.Tensor]:
+        """``actor.generate`` (with ``eval_generation``) and ``reward.forward`` on a batch, on their groups."""
+        engine = RLHFEngine(self._placement(), self.algorithm, self.eval_generation, self.ppo, self.tokenizer,
+                            self.shaping, self.role_module, self.role_wrappers, self.reward_fn, self.seed)
+        return engine.sample_and_score(repeat_samples(batch, 1), self.iteration)
 
     def _train(
         self, engine: RLHFEngine, experience: Experience | None
@@ -468,11 +607,33 @@ class RLHFModule(pl.LightningModule):
         progress_bar = {"reward/mean", "kl/mean"}
         self.log_dict({k: v for k, v in values.items() if k in progress_bar}, prog_bar=True, batch_size=batch_size)
         self.log_dict({k: v for k, v in values.items() if k not in progress_bar}, batch_size=batch_size)
+        epoch = {f"{k}_epoch": values[k] for k in EPOCH_METRICS if k in values and not math.isnan(values[k])}
+        self.log_dict(epoch, on_step=False, on_epoch=True, batch_size=batch_size)
 
     # ---- checkpoint state beyond weights and optimizers ----
 
+    @classmethod
+    @override
+    def load_from_checkpoint(  # type: ignore[override]
+        cls, checkpoint_path: str | os.PathLike[str], map_location: Any = None, hparams_file: Any = None,
+        strict: bool | None = None, **kwargs: Any,
+    ) -> RLHFModule:
+        """Lightning's ``load_from_checkpoint``, weights-only (a crafted file cannot run code), with the file checked
+        first. The saved hyperparameters rebuild the module; keyword arguments override them (e.g. ``reward_fn``,
+        which is saved only as an import path)."""
+        if kwargs.pop("weights_only", True) is False:
+            raise ValueError("RLHFModule checkpoints load with weights_only=True only: drop weights_only=False.")
+        check_checkpoint_file(checkpoint_path)
+        path = checkpoint_file(checkpoint_path)
+        return super().load_from_checkpoint(path, map_location=map_location, hparams_file=hparams_file,
+                                            strict=strict, weights_only=True, **kwargs)
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        hparams = checkpoint.get(self.CHECKPOINT_HYPER_PARAMS_KEY)
+        if hparams is not None and str(hparams.get("tokenizer", "")).startswith("<"):
+            # A tokenizer object: its files, so load_from_checkpoint rebuilds it without the original.
+            checkpoint[self.CHECKPOINT_HYPER_PARAMS_KEY] = {**hparams, "tokenizer": tokenizer_files(self.tokenizer)}
         checkpoint["rlhf"] = {
             # Plain tensors and ints, so weights-only loading accepts the checkpoint.
             "pending_experience": vars(self.pending_experience) if self.pending_experience is not None else None,
@@ -523,6 +684,12 @@ def save_hf_model(model: nn.Module, path: Path, state_dict: dict[str, torch.Tens
                       if name in keys}
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _as_config(cls: type[Any], value: Any) -> Any:
+    """A copy of a config dataclass (a default instance is shared), or one built from its fields as a dict (how
+    hyperparameters are saved)."""
+    return cls(**value) if isinstance(value, dict) else dataclasses.replace(value)
 
 
 def _no_closure() -> None:

@@ -16,8 +16,10 @@ import copy
 import importlib
 import importlib.util
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -273,10 +275,13 @@ def resolve_import(target: str) -> Any:
         raise ValueError(f"Cannot import {target!r}: {err}. Write it as 'package.module:name'.") from err
 
 
-def load_tokenizer(spec: str | PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """A tokenizer from a local directory, or from ``"package.module:function"`` that builds one."""
+def load_tokenizer(spec: str | PreTrainedTokenizerBase | dict[str, str]) -> PreTrainedTokenizerBase:
+    """A tokenizer from a local directory, from ``"package.module:function"`` that builds one, or from the files of
+    :func:`tokenizer_files` (how a checkpoint embeds a tokenizer that was passed as an object)."""
     if isinstance(spec, PreTrainedTokenizerBase):
         tokenizer = spec
+    elif isinstance(spec, dict):
+        tokenizer = _tokenizer_from_files(spec)
     elif os.path.isdir(spec):
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     else:
@@ -286,6 +291,25 @@ def load_tokenizer(spec: str | PreTrainedTokenizerBase) -> PreTrainedTokenizerBa
             raise TypeError(f"{spec!r} gave a {type(tokenizer).__name__}, not a Hugging Face tokenizer.")
     check_tokenizer(tokenizer)
     return tokenizer
+
+
+def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
+    """The text files ``tokenizer.save_pretrained`` writes, by name: plain strings, so a weights-only checkpoint can
+    hold them and :func:`load_tokenizer` can rebuild the tokenizer."""
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer.save_pretrained(directory)
+        return {path.name: path.read_text(encoding="utf-8") for path in sorted(Path(directory).iterdir())
+                if path.is_file()}
+
+
+def _tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
+    if not files or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ValueError("A tokenizer given as a dict must map file names to their text (as `tokenizer_files` "
+                         "returns); give a tokenizer, a local directory or 'package.module:function' instead.")
+    with tempfile.TemporaryDirectory() as directory:
+        for name, text in files.items():
+            (Path(directory) / Path(name).name).write_text(text, encoding="utf-8")  # names only: no path escapes
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:

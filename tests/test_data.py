@@ -1,11 +1,14 @@
 """Tests for ``lightning_app_rlhf.data``: prompt sources, left-padded batches, indices, truncation, row fields,
-chat prompts."""
+chat prompts, held-out (validation, test, predict) loaders, DatasetDict splits."""
 
 import json
+import warnings
 
 import datasets
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_app_rlhf import demo
 from lightning_app_rlhf.data import (
@@ -374,3 +377,225 @@ def test_chat_template_from_yaml():
         cfg = parser.parse_string(f"data:\n  prompts: p.jsonl\n  tokenizer: tok\n  chat_template: {text}\n")
         assert cfg.data.chat_template is value
     assert parser.parse_string("data:\n  prompts: p.jsonl\n  tokenizer: tok\n").data.chat_template is None
+
+
+# ---- held-out prompts: validation, test, predict ----
+
+VAL_PROMPTS = ["blue", "list some fruit:", "cat dog", "weather:", "red sky"]
+
+
+def test_val_loader_every_prompt_in_order_last_batch_kept(tokenizer):
+    """The val and test loaders go once through the held-out prompts in dataset order, keep the last partial
+    batch, and left-pad and collate as training does (input ids, mask, index, fields)."""
+    rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(VAL_PROMPTS)]
+    dm = setup_dm(PROMPTS, tokenizer, batch_size=4, shuffle=True, val_prompts=rows, val_batch_size=2)
+    for loader in (dm.val_dataloader(), dm.test_dataloader()):
+        batches = list(loader)
+        assert [b["index"].tolist() for b in batches] == [[0, 1], [2, 3], [4]]
+        assert [b["fields"] for b in batches] == [{"answer": ["0", "1"]}, {"answer": ["2", "3"]}, {"answer": ["4"]}]
+        for batch in batches:
+            width = batch["input_ids"].shape[1]
+            for row, index in enumerate(batch["index"].tolist()):
+                ids = encode(tokenizer, VAL_PROMPTS[index])
+                assert batch["input_ids"][row].tolist() == [tokenizer.pad_token_id] * (width - len(ids)) + ids
+                assert batch["attention_mask"][row].tolist() == [0] * (width - len(ids)) + [1] * len(ids)
+    assert [len(b["index"]) for b in dm.train_dataloader()] == [4]  # training still drops the last partial batch
+
+
+def test_val_batch_size_defaults_to_batch_size(tokenizer):
+    """Without val_batch_size the eval loaders batch like training: 5 prompts in batches of 2 give 2, 2, 1."""
+    dm = setup_dm(PROMPTS, tokenizer, batch_size=2, val_prompts=VAL_PROMPTS)
+    assert dm.val_batch_size == 2
+    assert [len(b["index"]) for b in dm.val_dataloader()] == [2, 2, 1]
+    with pytest.raises(ValueError, match="data.val_batch_size must be >= 1"):
+        PromptDataModule(PROMPTS, tokenizer, val_prompts=VAL_PROMPTS, val_batch_size=0)
+
+
+def test_predict_loader_defaults(tokenizer):
+    """predict reads predict_prompts, else the held-out prompts, else the training prompts; in order, all of them."""
+    def predicted(**kwargs):
+        dm = PromptDataModule(tokenizer=tokenizer, batch_size=2, val_batch_size=3, **kwargs)
+        dm.setup("predict")
+        assert dm.dataset is None and dm.val_dataset is None  # predict builds only its own prompts
+        batches = list(dm.predict_dataloader())
+        return dm.predict_dataset.prompts, [b["index"].tolist() for b in batches]
+
+    assert predicted(prompts=PROMPTS) == (PROMPTS, [[0, 1, 2], [3, 4]])
+    assert predicted(prompts=PROMPTS, val_prompts=VAL_PROMPTS[:4]) == (VAL_PROMPTS[:4], [[0, 1, 2], [3]])
+    assert predicted(prompts=PROMPTS, val_prompts=VAL_PROMPTS, predict_prompts=["red"]) == (["red"], [[0]])
+
+
+def test_setup_builds_only_what_the_stage_reads(tokenizer):
+    """fit builds training and held-out prompts, validate/test only the held-out ones, predict only its own;
+    a repeated setup keeps every dataset already built, and predict reuses the held-out one."""
+    dm = PromptDataModule(PROMPTS, tokenizer, batch_size=2, val_prompts=VAL_PROMPTS)
+    dm.setup("validate")
+    assert dm.dataset is None and dm.val_dataset.prompts == VAL_PROMPTS and dm.predict_dataset is None
+    val = dm.val_dataset
+    dm.setup("test")
+    dm.setup("fit")
+    assert dm.val_dataset is val and dm.dataset.prompts == PROMPTS
+    train = dm.dataset
+    dm.setup("fit")
+    dm.setup("predict")
+    assert dm.dataset is train and dm.val_dataset is val and dm.predict_dataset is val
+    with pytest.raises(ValueError, match="Unknown stage 'train'"):
+        dm.setup("train")
+
+
+def test_no_val_prompts_means_no_val_loader(tokenizer):
+    """Without held-out prompts the val/test hooks are absent to Lightning (so fit skips validation) and
+    validate/test raise naming data.val_prompts."""
+    dm = PromptDataModule(PROMPTS, tokenizer, batch_size=2)
+    assert dm.val_dataloader is None and dm.test_dataloader is None
+    assert not is_overridden("val_dataloader", dm) and not is_overridden("test_dataloader", dm)
+    assert is_overridden("predict_dataloader", dm)
+    with_val = PromptDataModule(PROMPTS, tokenizer, batch_size=2, val_prompts=VAL_PROMPTS)
+    assert is_overridden("val_dataloader", with_val) and is_overridden("test_dataloader", with_val)
+    for stage in ("validate", "test"):
+        with pytest.raises(ValueError, match=rf"trainer.{stage}\(\) reads held-out prompts.*Set data.val_prompts"):
+            dm.setup(stage)
+    dm.setup("fit")
+    assert dm.val_dataset is None
+
+
+def test_empty_val_prompts_raise(tokenizer):
+    """An empty held-out set raises naming the setting; a val set smaller than a batch is fine."""
+    with pytest.raises(ValueError, match=r"The prompts of data.val_prompts are empty.*at least one prompt"):
+        setup_dm(PROMPTS, tokenizer, val_prompts=[])
+    dm = setup_dm(PROMPTS, tokenizer, batch_size=4, val_prompts=["red"])
+    assert [b["index"].tolist() for b in dm.val_dataloader()] == [[0]]
+
+
+class _Recorder(pl.LightningModule):
+    """Records the index of every batch each stage reads; learns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: dict[str, list[list[int]]] = {"train": [], "val": [], "test": [], "predict": []}
+
+    def training_step(self, batch, batch_idx):
+        self.seen["train"].append(batch["index"].tolist())
+        return self.weight.sum() * 0
+
+    def predict_step(self, batch, batch_idx):
+        self.seen["predict"].append(batch["index"].tolist())
+        return batch["index"]
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _ValRecorder(_Recorder):
+    def validation_step(self, batch, batch_idx):
+        self.seen["val"].append(batch["index"].tolist())
+
+    def test_step(self, batch, batch_idx):
+        self.seen["test"].append(batch["index"].tolist())
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def test_trainer_reads_held_out_loaders(tokenizer):
+    """Under a Trainer, fit validates on every held-out prompt in order, and validate, test and predict read
+    them all once, the last batch partial."""
+    dm = PromptDataModule(PROMPTS, tokenizer, batch_size=2, val_prompts=VAL_PROMPTS, val_batch_size=2)
+    module = _ValRecorder()
+    _trainer().fit(module, dm)
+    assert len(module.seen["train"]) == 2 and module.seen["val"] == [[0, 1], [2, 3], [4]]
+    _trainer().validate(module, dm, verbose=False)
+    _trainer().test(module, dm, verbose=False)
+    _trainer().predict(module, dm)
+    assert module.seen["val"] == [[0, 1], [2, 3], [4]] * 2
+    assert module.seen["test"] == module.seen["predict"] == [[0, 1], [2, 3], [4]]
+
+
+def test_fit_without_val_prompts_is_quiet(tokenizer):
+    """Without held-out prompts fit runs no validation and Lightning says nothing about a val loader, whether or
+    not the module has a validation_step (with one, only Lightning's own note that it skips the val loop)."""
+    for module in (_Recorder(), _ValRecorder()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _trainer().fit(module, PromptDataModule(PROMPTS, tokenizer, batch_size=2))
+        assert module.seen["val"] == [] and len(module.seen["train"]) == 2
+        about_val = ("val_dataloader", "validation", "val loop", "length of")  # "length of": an empty list
+        messages = [str(w.message) for w in caught if any(word in str(w.message) for word in about_val)]
+        expected = ["You defined a `validation_step` but have no `val_dataloader`. Skipping val loop."]
+        assert messages == (expected if isinstance(module, _ValRecorder) else []), messages
+    with pytest.raises(ValueError, match="Set data.val_prompts"):
+        _trainer().validate(_ValRecorder(), PromptDataModule(PROMPTS, tokenizer, batch_size=2))
+
+
+# ---- DatasetDict splits ----
+
+
+@pytest.fixture
+def dataset_dict():
+    return datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"prompt": PROMPTS, "answer": ANSWERS}),
+        "test": datasets.Dataset.from_dict({"prompt": VAL_PROMPTS[:3], "answer": ["x", "y", "z"]}),
+    })
+
+
+def test_dataset_dict_with_split(tokenizer, dataset_dict):
+    """A DatasetDict is read through data.split; val_split picks the held-out split of the same DatasetDict, or
+    of a DatasetDict given as val_prompts."""
+    dm = setup_dm(dataset_dict, tokenizer, split="train", val_split="test")
+    assert dm.dataset.prompts == PROMPTS and dm.dataset.fields[0] == {"answer": "apple"}
+    assert dm.val_dataset.prompts == VAL_PROMPTS[:3]
+    assert [b["fields"]["answer"] for b in dm.val_dataloader()] == [["x", "y"], ["z"]]
+    dm = setup_dm(PROMPTS, tokenizer, val_prompts=dataset_dict, val_split="test")
+    assert dm.dataset.prompts == PROMPTS and dm.val_dataset.prompts == VAL_PROMPTS[:3]
+    assert read_rows(dataset_dict, "prompt", split="test")[0] == VAL_PROMPTS[:3]
+    assert read_prompts({"train": PROMPTS[:2]}, "prompt", split="train") == PROMPTS[:2]  # a dict of splits too
+
+
+def test_dataset_dict_without_split_names_the_splits(tokenizer, dataset_dict):
+    """A DatasetDict without a split raises naming its splits and the setting to add, not data.prompt_key."""
+    with pytest.raises(ValueError, match=r"DatasetDict with splits \['train', 'test'\], but data.split is not set.*"
+                                         r"Set data.split: train") as info:
+        setup_dm(dataset_dict, tokenizer)
+    assert "prompt_key" not in str(info.value)
+    with pytest.raises(ValueError, match=r"splits \['train', 'test'\], but data.val_split is not set.*"
+                                         r"Set data.val_split: test"):
+        setup_dm(PROMPTS, tokenizer, val_prompts=dataset_dict)
+    with pytest.raises(ValueError, match=r"data.predict_split is not set.*Set data.predict_split: test"):
+        PromptDataModule(PROMPTS, tokenizer, predict_prompts=dataset_dict).setup("predict")
+
+
+def test_wrong_split_names_the_fix(tokenizer, dataset_dict):
+    """An unknown split lists the real ones; a split on a source without splits says to remove it."""
+    with pytest.raises(ValueError, match=r"data.split='validation' is not a split.*its splits are \['train', "
+                                         r"'test'\]. Set data.split to one of them"):
+        setup_dm(dataset_dict, tokenizer, split="validation")
+    with pytest.raises(ValueError, match=r"data.split='train' is set, but the prompt source \(list\) has no "
+                                         r"splits.*Remove data.split"):
+        setup_dm(PROMPTS, tokenizer, split="train")
+    with pytest.raises(ValueError, match=r"data.val_split='test' is set.*Remove data.val_split"):
+        setup_dm(PROMPTS, tokenizer, val_split="test")
+
+
+def test_dataset_dict_saved_to_disk(tokenizer, dataset_dict, tmp_path):
+    """A directory written by save_to_disk (a DatasetDict, or one Dataset) is read locally, split by split."""
+    dataset_dict.save_to_disk(tmp_path / "dd")
+    dataset_dict["test"].save_to_disk(tmp_path / "test")
+    dm = setup_dm(str(tmp_path / "dd"), tokenizer, split="train", val_prompts=str(tmp_path / "test"))
+    assert dm.dataset.prompts == PROMPTS and dm.val_dataset.prompts == VAL_PROMPTS[:3]
+    with pytest.raises(ValueError, match=r"splits \['train', 'test'\], but data.split is not set"):
+        setup_dm(str(tmp_path / "dd"), tokenizer)
+
+
+def test_split_settings_from_yaml():
+    """jsonargparse (as LightningCLI) reads the held-out and split settings from YAML."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(PromptDataModule, "data")
+    cfg = parser.parse_string("data:\n  prompts: p.jsonl\n  tokenizer: tok\n  split: train\n  val_prompts: v.jsonl\n"
+                              "  val_split: test\n  val_batch_size: 4\n  predict_prompts: q.jsonl\n")
+    assert (cfg.data.split, cfg.data.val_prompts, cfg.data.val_split) == ("train", "v.jsonl", "test")
+    assert (cfg.data.val_batch_size, cfg.data.predict_prompts, cfg.data.predict_split) == (4, "q.jsonl", None)

@@ -14,15 +14,20 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_app_rlhf import ppo
+from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.calls import critic_forward, reference_forward, response_logits, reward_forward
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import collate_left_padded
+from lightning_app_rlhf.engine import RLHFEngine
+from lightning_app_rlhf.experience import RewardShaping, make_experience
 from lightning_app_rlhf.generation import (
+    Rollout,
     check_context_length,
     filter_probs,
     generate,
     inverse_cdf_sample,
     keyed_uniforms,
+    model_eos_token_ids,
     position_ids_from_mask,
     row_chunks,
     sample_keys,
@@ -48,9 +53,10 @@ class ScriptedLM(nn.Module):
     log(4**(1/tau) / (4**(1/tau) + VOCAB - 1)), a number we know in advance. Every call is recorded.
     """
 
-    def __init__(self, script: list[list[int]]) -> None:
+    def __init__(self, script: list[list[int]], vocab: int = VOCAB) -> None:
         super().__init__()
         self.script = script
+        self.vocab = vocab
         self.calls: list[dict[str, torch.Tensor]] = []
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, **kwargs):
@@ -62,7 +68,7 @@ class ScriptedLM(nn.Module):
             "use_cache": use_cache,
         })
         batch, length = input_ids.shape
-        logits = torch.zeros(batch, length, VOCAB)
+        logits = torch.zeros(batch, length, self.vocab)
         for row in range(batch):
             logits[row, -1, self.script[row][step]] = LOG4
         return SimpleNamespace(logits=logits, past_key_values=FakeCache(step + 1))
@@ -116,6 +122,11 @@ def encode_batch(tokenizer, prompts: list[str], indices: list[int]) -> dict[str,
 def run(model, batch, config, seed=0, iteration=0):
     keys = sample_keys(seed, iteration, batch["index"])
     return generate(model, batch["input_ids"], batch["attention_mask"], config, keys, EOS, PAD)
+
+
+def run_with_tokenizer(model, batch, config, tokenizer, seed=1):
+    keys = sample_keys(seed, 0, batch["index"])
+    return generate(model, batch["input_ids"], batch["attention_mask"], config, keys, EOS, PAD, tokenizer=tokenizer)
 
 
 # ---- exact masks with a scripted model ----
@@ -567,3 +578,236 @@ def test_generation_batch_size_must_be_a_positive_integer(bad):
         GenerationConfig(batch_size=bad)
     assert GenerationConfig(batch_size=1).batch_size == 1
     assert GenerationConfig().batch_size is None
+
+
+# ---- stop tokens, stop strings and greedy decoding ----
+
+
+def _rollout(responses: list[list[int]], mask: list[list[int]], stopped: list[bool] | None = None) -> Rollout:
+    """A hand-built rollout after a one-token prompt."""
+    responses_t, mask_t = torch.tensor(responses), torch.tensor(mask)
+    prompt = torch.full((len(responses), 1), 3)
+    return Rollout(
+        sequences=torch.cat([prompt, responses_t], 1),
+        attention_mask=torch.cat([torch.ones_like(prompt), mask_t], 1),
+        response_mask=mask_t,
+        logprobs=torch.zeros(mask_t.shape),
+        prompt_length=1,
+        stopped=torch.tensor(stopped) if stopped is not None else None,
+    )
+
+
+def test_model_eos_token_ids_int_list_or_none(gpt2):
+    """The actor's generation_config.eos_token_id as a list: an int, a list, None, or no generation config."""
+    assert model_eos_token_ids(gpt2) == [EOS]  # built from a config with eos_token_id=2
+    assert model_eos_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 6]))) == [2, 6]
+    assert model_eos_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == []
+    assert model_eos_token_ids(ScriptedLM([[1]])) == []
+
+
+def test_scripted_stops_at_any_stop_id():
+    """Several EOS ids plus generation.stop_token_ids: each row stops at its first stop id (kept, mask 1), pad
+    after; a row without one runs to max_new_tokens and is not marked stopped."""
+    prompts = torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    model = ScriptedLM([[5, 6, EOS, 3, 3], [4, 4, 7, 6, 3], [4, 3, 3, 3, 3]])
+    config = GenerationConfig(max_new_tokens=5, top_k=1, stop_token_ids=[7])
+    rollout = generate(model, prompts, prompt_mask, config, sample_keys(0, 0, torch.arange(3)), [EOS, 6], PAD)
+
+    assert rollout.responses.tolist() == [[5, 6, PAD, PAD, PAD], [4, 4, 7, PAD, PAD], [4, 3, 3, 3, 3]]
+    assert rollout.response_mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert rollout.stopped.tolist() == [True, True, False]
+    lp = scripted_logprob(1.0)
+    assert_close(rollout.logprobs, torch.tensor([[lp, lp, 0, 0, 0], [lp, lp, lp, 0, 0], [lp] * 5]), rtol=0, atol=1e-6)
+    # Without the extra ids only EOS stops them: row 0 at step 2, row 1 never.
+    plain = generate(model, prompts, prompt_mask, GenerationConfig(max_new_tokens=5, top_k=1),
+                     sample_keys(0, 0, torch.arange(3)), EOS, PAD)
+    assert plain.response_mask.sum(1).tolist() == [3, 5, 5]
+
+
+def test_engine_generate_stops_at_generation_config_ids(tokenizer):
+    """The engine's actor.generate stops at the tokenizer's EOS, every id of the actor's
+    generation_config.eos_token_id and generation.stop_token_ids; all rows done before the limit ends the loop."""
+    model = ScriptedLM([[5, 6, 3, 3, 3], [4, EOS, 3, 3, 3], [4, 3, 7, 3, 3]], vocab=16)
+    model.generation_config = SimpleNamespace(eos_token_id=[EOS, 6])  # as Llama 3 / Qwen list several
+    engine = RLHFEngine(placement=None, algorithm=None, generation=GenerationConfig(max_new_tokens=5, top_k=1,
+                        stop_token_ids=[7]), config=None, tokenizer=tokenizer, shaping=None,
+                        modules=lambda role: model, wrappers={}, reward_fn=None, seed=0)
+    batch = {"input_ids": torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]]),
+             "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]]),
+             "index": torch.arange(3), "sample": torch.zeros(3, dtype=torch.long)}
+    rollout = engine._generate(batch, slice(0, 3), iteration=0)
+    assert rollout.responses.tolist() == [[5, 6, PAD], [4, EOS, PAD], [4, 3, 7]]
+    assert rollout.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
+    assert len(model.calls) == 3  # stopped after step 3 of 5
+
+
+@pytest.fixture
+def fruit_ids(tokenizer):
+    """'list some fruit' in the demo tokenizer: li|st| some| fr|u|i|t."""
+    ids = tokenizer("list some fruit", add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["li", "st", "Ġsome", "Ġfr", "u", "i", "t"]
+    return ids
+
+
+def test_stop_strings_stop_at_the_completing_token(tokenizer, fruit_ids):
+    """A row stops at the token that completes a stop string, kept with mask 1: a string spanning two tokens
+    ('me f' over ' some' and ' fr') and one spanning four ('fruit'); no match runs to the limit."""
+    prompts = torch.tensor([[3, 4, 5]] * 3)
+    prompt_mask = torch.ones_like(prompts)
+    other = tokenizer("a b c d e f g", add_special_tokens=False)["input_ids"]
+    model = ScriptedLM([fruit_ids, fruit_ids[3:] + [5, 5, 5], other], vocab=len(tokenizer))
+    config = GenerationConfig(max_new_tokens=7, top_k=1, stop_strings=["me f", "fruit"])
+    rollout = generate(model, prompts, prompt_mask, config, sample_keys(0, 0, torch.arange(3)), EOS, PAD,
+                       tokenizer=tokenizer)
+
+    assert rollout.response_mask.sum(1).tolist() == [4, 4, 7]
+    assert rollout.responses[0].tolist() == fruit_ids[:4] + [PAD] * 3  # stops at ' fr', which completes 'me f'
+    assert rollout.responses[1].tolist() == fruit_ids[3:] + [PAD] * 3  # stops at 't', which completes 'fruit'
+    assert rollout.responses[2].tolist() == other[:7]
+    assert rollout.stopped.tolist() == [True, True, False]
+    for row, string in ((0, "me f"), (1, "fruit")):
+        ids = rollout.responses[row, : rollout.response_mask[row].sum()].tolist()
+        assert string in tokenizer.decode(ids) and string not in tokenizer.decode(ids[:-1])
+
+
+def test_stop_strings_match_within_the_response_only(tokenizer, fruit_ids):
+    """A stop string that starts in the prompt does not stop the row; one completed by the last allowed token
+    marks the row stopped (no missing-EOS penalty)."""
+    prompt = torch.tensor([fruit_ids[:3]] * 2)  # 'list some' ...
+    model = ScriptedLM([fruit_ids[3:], [5] * 3 + fruit_ids[3:]], vocab=len(tokenizer))  # ... ' fruit'
+    config = GenerationConfig(max_new_tokens=4, top_k=1, stop_strings=["me f", "fruit"])
+    rollout = generate(model, prompt, torch.ones_like(prompt), config, sample_keys(0, 0, torch.arange(2)), EOS, PAD,
+                       tokenizer=tokenizer)
+    assert rollout.responses.tolist() == [fruit_ids[3:], [5, 5, 5, fruit_ids[3]]]
+    assert rollout.response_mask.tolist() == [[1, 1, 1, 1]] * 2
+    assert rollout.stopped.tolist() == [True, False]  # 'fruit' at the 4th token; 'me f' would need the prompt
+    shaping = RewardShaping(PPOConfig(missing_eos_penalty=1.0), EOS)
+    assert shaping.shape(torch.zeros(2), torch.ones(2, dtype=torch.bool), rollout, config).tolist() == [0.0, -1.0]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_chunked_generation_with_stops_equals_whole(gpt2, chunk_batch, tokenizer, batch_size):
+    """Stop strings and extra stop ids stop the same rows at the same tokens whether the rows run in chunks or not."""
+    model = EOSBiased(gpt2, bias=2.0)
+    stops = {"stop_strings": ["e"], "stop_token_ids": [5]}
+    whole = run_with_tokenizer(model, chunk_batch, GenerationConfig(max_new_tokens=8, **stops), tokenizer)
+    chunked = run_with_tokenizer(model, chunk_batch, GenerationConfig(max_new_tokens=8, batch_size=batch_size,
+                                                                      **stops), tokenizer)
+    plain = run(model, chunk_batch, GenerationConfig(max_new_tokens=8), seed=1)
+    lengths = whole.response_mask.sum(1)
+    assert (lengths < plain.response_mask.sum(1)).any()  # the stops cut some rows short ...
+    assert lengths.min() < lengths.max() == 8  # ... at different steps, and one runs to the limit
+    assert torch.equal(chunked.sequences, whole.sequences)
+    assert torch.equal(chunked.response_mask, whole.response_mask)
+    assert torch.equal(chunked.stopped, whole.stopped)
+    for row, length in enumerate(lengths.tolist()):  # each row stops at its first stop, and only there
+        ids = whole.responses[row, :length].tolist()
+        ends = lambda ids: ids[-1] in (EOS, 5) or "e" in tokenizer.decode(ids)
+        assert not any(ends(ids[:n]) for n in range(1, length))
+        assert bool(whole.stopped[row]) == ends(ids) and (ends(ids) or length == 8)
+    assert_close(chunked.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+
+
+def test_stop_strings_need_the_tokenizer(fruit_ids):
+    """Stop strings without a tokenizer raise, naming the argument to pass."""
+    prompt = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match=r"generation\.stop_strings=\['fruit'\] needs the tokenizer.*tokenizer="):
+        generate(ScriptedLM([fruit_ids]), prompt, torch.ones_like(prompt),
+                 GenerationConfig(max_new_tokens=2, stop_strings=["fruit"]), sample_keys(0, 0, torch.arange(1)), EOS,
+                 PAD)
+
+
+def _greedy_reference(model, input_ids, attention_mask, max_new_tokens: int, temperature: float):
+    """Row by row, without padding or KV cache: the argmax token of a full forward at every step, until EOS."""
+    tokens, logprobs = [], []
+    for ids, mask in zip(input_ids, attention_mask):
+        sequence, row_tokens, row_logprobs = ids[mask.bool()].tolist(), [], []
+        for _ in range(max_new_tokens):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([sequence])).logits[0, -1].float()
+            token = int(logits.argmax())
+            row_tokens.append(token)
+            row_logprobs.append(float(torch.log_softmax(logits / temperature, -1)[token]))
+            sequence.append(token)
+            if token == EOS:
+                break
+        tokens.append(row_tokens)
+        logprobs.append(row_logprobs)
+    return tokens, logprobs
+
+
+def test_greedy_equals_step_by_step_argmax(gpt2, chunk_batch):
+    """do_sample=False: each token is the argmax of a no-cache forward (top-k/top-p and keys play no part), and the
+    behaviour log-probs are log_softmax(logits / temperature) of it."""
+    model = EOSBiased(gpt2, bias=0.5)
+    temperature, max_new = 0.7, 8
+    expected_tokens, expected_logprobs = _greedy_reference(
+        model, chunk_batch["input_ids"], chunk_batch["attention_mask"], max_new, temperature)
+    lengths = [len(row) for row in expected_tokens]
+    assert min(lengths) < max_new  # the interesting case: some rows end at EOS ...
+    assert len({tuple(row) for row in expected_tokens}) > 1  # ... and the rows differ
+    for config, seed in ((GenerationConfig(max_new_tokens=max_new, temperature=temperature, do_sample=False), 0),
+                         (GenerationConfig(max_new_tokens=max_new, temperature=temperature, do_sample=False, top_k=2,
+                                           top_p=0.3, batch_size=3), 5)):
+        rollout = run(model, chunk_batch, config, seed=seed)
+        assert rollout.response_mask.sum(1).tolist() == lengths
+        for row, (tokens, logprobs) in enumerate(zip(expected_tokens, expected_logprobs)):
+            assert rollout.responses[row, : len(tokens)].tolist() == tokens
+            assert_close(rollout.logprobs[row, : len(tokens)], torch.tensor(logprobs), rtol=0, atol=1e-4)
+
+
+def test_missing_eos_penalty_any_stop_hand_computed():
+    """missing_eos_penalty: only a response cut at max_new_tokens without a stop pays it. A shorter response ended
+    at a stop (any id, or a stop string); a full-length one ends properly when its last token is EOS or a
+    generation.stop_token_ids id; rollout.stopped, when generation recorded it, decides exactly."""
+    rollout = _rollout(
+        [[5, 6, PAD, PAD], [5, 3, 3, 3], [4, 4, 4, 7], [4, 4, 4, EOS], [5, 6, 3, 3]],
+        [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]],
+    )
+    shaping = RewardShaping(PPOConfig(missing_eos_penalty=2.0), EOS)
+    generation = GenerationConfig(max_new_tokens=4, stop_token_ids=[7])
+    scores, finite = torch.tensor([1.0, 1.0, 0.5, 0.25, 0.0]), torch.ones(5, dtype=torch.bool)
+    assert shaping.shape(scores, finite, rollout, generation).tolist() == [1.0, -1.0, 0.5, 0.25, -2.0]
+    # Without the generation settings only the last token counts (EOS alone, as before stop ids existed).
+    assert shaping.shape(scores, finite, rollout).tolist() == [-1.0, -1.0, -1.5, 0.25, -2.0]
+    # Several EOS ids given to RewardShaping count too.
+    several = RewardShaping(PPOConfig(missing_eos_penalty=2.0), [EOS, 7])
+    assert several.shape(scores, finite, rollout).tolist() == [-1.0, -1.0, 0.5, 0.25, -2.0]
+    # rollout.stopped from generate() is exact: row 4 ended at a stop string completed by its last token.
+    stopped = _rollout(rollout.responses.tolist(), rollout.response_mask.tolist(), [True, False, True, True, True])
+    assert shaping.shape(scores, finite, stopped, generation).tolist() == [1.0, -1.0, 0.5, 0.25, 0.0]
+    assert stopped.select(slice(1, 3)).stopped.tolist() == [False, True]
+
+
+def test_make_experience_penalises_only_cut_responses():
+    """Through make_experience (RLOO, groups of 2, no KL): a response ended by an extra stop id or before the limit
+    is not penalised; RLOO's advantages are of the penalised scores [1, -1] and [0.5, 0.25]."""
+    generation = GenerationConfig(max_new_tokens=4, num_samples=2, stop_token_ids=[7])
+    config = PPOConfig(missing_eos_penalty=2.0, kl_coef=0.0)
+    algorithm = build_algorithm("rloo", config, generation)
+    rollout = _rollout([[5, 6, PAD, PAD], [5, 3, 3, 3], [4, 4, 4, 7], [4, 4, 4, EOS]],
+                       [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
+    experience, _ = make_experience(rollout, torch.zeros(4, 4), torch.tensor([1.0, 1.0, 0.5, 0.25]), None,
+                                    algorithm, RewardShaping(config, EOS), iteration=0)
+    expected = torch.tensor([2.0, -2.0, 0.25, -0.25]).unsqueeze(1) * rollout.response_mask
+    assert_close(experience.advantages, expected)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"stop_strings": ["ok", ""]}, r"generation\.stop_strings must hold non-empty strings, got ''"),
+    ({"stop_strings": [3]}, r"generation\.stop_strings must hold non-empty strings, got 3"),
+    ({"stop_strings": "</s>"}, r"generation\.stop_strings must be a list.*stop_strings=\['</s>'\]"),
+    ({"stop_token_ids": [5, -1]}, r"generation\.stop_token_ids must hold token ids \(integers >= 0\), got -1"),
+    ({"stop_token_ids": [True]}, r"generation\.stop_token_ids must hold token ids"),
+    ({"stop_token_ids": 7}, r"generation\.stop_token_ids must be a list.*stop_token_ids=\[7\]"),
+    ({"do_sample": "no"}, r"generation\.do_sample must be True \(sampling\) or False \(greedy\)"),
+])
+def test_stop_settings_validation_names_the_fix(kwargs, match):
+    """Bad stop strings, stop ids or do_sample fail on construction, saying what to write instead."""
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**kwargs)
+    config = GenerationConfig(stop_strings=["\n\n"], stop_token_ids=[0, 7], do_sample=False)
+    assert (config.stop_strings, config.stop_token_ids, config.do_sample) == (["\n\n"], [0, 7], False)
+    assert (GenerationConfig().stop_strings, GenerationConfig().stop_token_ids, GenerationConfig().do_sample) == (
+        None, None, True)

@@ -1,8 +1,9 @@
 """Lightning callbacks for RLHF runs."""
 
 from lightning_app_rlhf.callbacks.export_actor import ExportActor
+from lightning_app_rlhf.callbacks.log_completions import LogCompletions
 from lightning_app_rlhf.callbacks.placement_summary import PlacementSummary
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
 from lightning_app_rlhf.callbacks.run_summary import RLHFRunSummary
 
-__all__ = ["ExportActor", "PlacementSummary", "PlacementTuner", "RLHFRunSummary"]
+__all__ = ["ExportActor", "LogCompletions", "PlacementSummary", "PlacementTuner", "RLHFRunSummary"]

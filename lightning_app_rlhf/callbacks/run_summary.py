@@ -16,7 +16,8 @@ class RLHFRunSummary(Callback):
     """Records reward and KL at every iteration and prints start vs end when fit finishes.
 
     Args:
-        window: Iterations averaged at each end (start = the first ``window``, end = the last ``window``).
+        window: Iterations averaged at each end (start = the first ``window``, end = the last ``window``). A run
+            shorter than ``2 x window`` averages its halves instead; the title names the window used.
         metrics: Logged metric names to report.
     """
 
@@ -34,13 +35,32 @@ class RLHFRunSummary(Callback):
             if value is not None:
                 self.history[name].append(float(value))
 
+    def window_used(self, count: int) -> int:
+        """Values averaged at each end of ``count`` recorded ones: ``window``, or each half of a run shorter than
+        two windows (so start and end never overlap), and at least the one value of a one-iteration run."""
+        return min(self.window, max(1, count // 2))
+
     def start_end(self, name: str) -> tuple[float, float]:
-        """Mean of the first and of the last ``window`` recorded values of a metric."""
+        """Mean of the first and of the last :meth:`window_used` recorded values of a metric."""
         values = self.history[name]
         if not values:
             raise ValueError(f"No values of {name!r} were recorded.")
-        window = min(self.window, max(1, len(values) // 2))
+        window = self.window_used(len(values))
         return sum(values[:window]) / window, sum(values[-window:]) / window
+
+    def title(self, iterations: int, algorithm: str) -> str:
+        """The table's title, naming the window actually averaged."""
+        plural = "" if iterations == 1 else "s"
+        return f"RLHF run summary: {iterations} {algorithm} iteration{plural} ({self._means(iterations)})"
+
+    def _means(self, count: int) -> str:
+        window = self.window_used(count)
+        if count == 1:
+            return "start and end are its one value"
+        if window < self.window:
+            return (f"means of first/last {window} of {count}: halves, as the run is shorter than "
+                    f"2 x window={self.window}")
+        return f"means of first/last {window}"
 
     @override
     @rank_zero_only
@@ -48,15 +68,19 @@ class RLHFRunSummary(Callback):
         recorded = [name for name in self.metrics if self.history[name]]
         if not recorded:
             return
-        iterations = len(self.history[recorded[0]])
+        counts = {name: len(self.history[name]) for name in recorded}
+        iterations = max(counts.values())
         algorithm = getattr(getattr(pl_module, "algorithm", None), "name", "rlhf").upper()
-        title = f"RLHF run summary: {iterations} {algorithm} iterations (means of first/last {self.window})"
-        table = Table(title=title)
-        for column in ("metric", "start", "end", "change"):
+        table = Table(title=self.title(iterations, algorithm))
+        # The title's window is the longest history's; a metric recorded fewer times may average fewer values.
+        uneven = len(set(counts.values())) > 1
+        columns = ("metric", "start", "end", "change") + (("window",) if uneven else ())
+        for column in columns:
             table.add_column(column, justify="left" if column == "metric" else "right")
         for name in recorded:
             start, end = self.start_end(name)
-            table.add_row(name, f"{start:.3f}", f"{end:.3f}", f"{end - start:+.3f}")
+            extra = (f"{self.window_used(counts[name])} of {counts[name]}",) if uneven else ()
+            table.add_row(name, f"{start:.3f}", f"{end:.3f}", f"{end - start:+.3f}", *extra)
         console = Console()
         console.print(table)
         if "reward/mean" in recorded:
