@@ -1,9 +1,12 @@
 """The demo task under Lightning Fabric with a placement strategy.
 
-    python examples/fabric_demo.py --strategy rlhf_interleaving --devices 4 --steps 50
+    python examples/fabric_demo.py --strategy rlhf_interleaving --devices 4 --steps 50 --save last.ckpt
+    python examples/fabric_demo.py --strategy rlhf_interleaving --devices 4 --steps 80 --resume last.ckpt
 
 Fabric runs the same RLHFModule as the Trainer: `fabric.strategy.setup_rlhf` builds the roles this rank holds
 and wraps each trainable role on its own group; one `training_step` is one PPO iteration.
+`fabric.save(path, {"model": module})` writes what a Trainer checkpoint holds (every role's weights, optimizer and
+scheduler state, taken from the ranks that hold them, and the iteration); `fabric.load` resumes from it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="PPO iterations")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--log-dir", default="runs")
+    parser.add_argument("--save", help="write a checkpoint here after the last iteration")
+    parser.add_argument("--resume", help="continue from this checkpoint (saved with the same --strategy, --devices)")
     args = parser.parse_args()
 
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy,
@@ -44,15 +49,21 @@ def main() -> None:
         critic_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
     )
     module = fabric.strategy.setup_rlhf(fabric, module)
+    if args.resume:
+        fabric.load(args.resume, {"model": module})
     data = PromptDataModule(demo.prompts(), tokenizer, batch_size=32)
     data.setup("fit")
+    loader = data.train_dataloader()
+    loader.sampler.start_batch = module.iteration  # a resumed run reads the prompts the saved run would have read
     rewards = []
     while module.iteration < args.steps:
-        for batch in data.train_dataloader():  # every rank reads the same global batch
+        for batch in loader:  # every rank reads the same global batch; each pass is the next epoch
             module.training_step(fabric.to_device(batch), module.iteration)
             rewards.append(float(fabric.logger.experiment.metrics[-1]["reward/mean"]) if fabric.is_global_zero else 0.0)
             if module.iteration >= args.steps:
                 break
+    if args.save:
+        fabric.save(args.save, {"model": module})
     fabric.logger.finalize("success")
     if fabric.is_global_zero:
         window = min(10, len(rewards) // 2 or 1)

@@ -415,12 +415,6 @@ class PromptDataModule(pl.LightningDataModule):
         """The held-out prompts, after ``setup`` for ``fit`` (when there are any), ``validate`` or ``test``."""
         self.predict_dataset: PromptDataset | None = None
         """The prompts of ``predict``, after ``setup("predict")``."""
-        if not self.has_val_prompts:
-            # Lightning takes an overridden hook for a loader: fit would then warn that the module has no
-            # validation_step, or that the list is empty. A None hook reads as "no loader" (as from_datasets leaves
-            # the hooks of the datasets it is not given), and unlike a bound method it survives pickling.
-            self.val_dataloader = None  # type: ignore[assignment]
-            self.test_dataloader = None  # type: ignore[assignment]
 
     @property
     def has_val_prompts(self) -> bool:
@@ -502,7 +496,10 @@ class PromptDataModule(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        """Every held-out prompt once, in order, in batches of ``val_batch_size`` (the last may be smaller)."""
+        """Every held-out prompt once, in order, in batches of ``val_batch_size`` (the last may be smaller); no
+        batches without held-out prompts (``RLHFModule`` then turns validation off: ``limit_val_batches=0``)."""
+        if not self.has_val_prompts:
+            return []  # type: ignore[return-value]
         return self._eval_dataloader(self.val_dataset, "validate")
 
     @override

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -181,8 +181,8 @@ class RLHFModule(pl.LightningModule):
                 value = dataclasses.asdict(value)
             elif isinstance(value, PreTrainedTokenizerBase):
                 value = f"<{type(value).__name__}: embedded in checkpoints>"
-            elif callable(value):
-                value = None
+            elif callable(value):  # a reward function by its import path; builders of optimizers are not saved
+                value = _import_path(value) if name == "reward_fn" else None
             plain[name] = value
         self.save_hyperparameters(plain)
 
@@ -267,6 +267,8 @@ class RLHFModule(pl.LightningModule):
         batch_size = getattr(datamodule, "batch_size", None)
         if stage == "fit" and batch_size is not None:
             self._check_minibatches(batch_size)
+        if stage == "fit" and getattr(datamodule, "has_val_prompts", True) is False:
+            self.trainer.limit_val_batches = 0  # no held-out prompts: no validation, and no warning about it
         path = self.trainer.ckpt_path if self._trainer is not None else None
         if stage == "fit" and path is not None and "://" not in str(path):
             check_checkpoint_file(path)  # before any model is built; a bare EOFError would name no file
@@ -276,15 +278,12 @@ class RLHFModule(pl.LightningModule):
             return
         for callback in self.trainer.callbacks:
             if isinstance(callback, LearningRateFinder):
-                raise ValueError("lr_find / LearningRateFinder does not apply to RLHF: its loss-vs-lr sweep needs "
-                                 "a loss that depends on the lr alone, and an RLHF step's loss depends on its own "
-                                 "rollouts. Set the actor and critic lr in the optimizers (model.actor_optimizer, "
-                                 "model.critic_optimizer) and watch reward/mean and kl/mean.")
-            if isinstance(callback, BatchSizeFinder):
-                raise ValueError("scale_batch_size / BatchSizeFinder does not apply to RLHF: the rollout batch "
-                                 "size is an algorithm setting, not a memory limit. Use the PlacementTuner "
-                                 "callback (lightning_app_rlhf.callbacks.PlacementTuner): it picks the generation "
-                                 "batch and the micro-batch size that fit memory under each placement.")
+                raise ValueError("lr_find / LearningRateFinder does not apply to RLHF: its sweep reads the lr off "
+                                 "a loss curve, and an RLHF loss is measured on rollouts the policy itself keeps "
+                                 "changing, so its minimum says nothing about the lr. Set the lr in the optimizers "
+                                 "(model.actor_optimizer, model.critic_optimizer) and watch reward/mean and "
+                                 "kl/mean. For batch sizes, Tuner.scale_batch_size scales data.batch_size, and the "
+                                 "PlacementTuner callback picks the generation and micro-batch sizes per placement.")
 
     def _check_minibatches(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration, times ``generation.num_samples``,
@@ -684,6 +683,15 @@ def save_hf_model(model: nn.Module, path: Path, state_dict: dict[str, torch.Tens
                       if name in keys}
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _import_path(function: Any) -> str | None:
+    """``"package.module.name"`` when that path imports back to ``function`` (not a lambda, closure or partial)."""
+    path = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    try:
+        return path if resolve_import(path) is function else None
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def _as_config(cls: type[Any], value: Any) -> Any:

@@ -8,7 +8,7 @@ import datasets
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_app_rlhf import GenerationConfig, RLHFModule
 
 from lightning_app_rlhf import demo
 from lightning_app_rlhf.data import (
@@ -443,20 +443,16 @@ def test_setup_builds_only_what_the_stage_reads(tokenizer):
         dm.setup("train")
 
 
-def test_no_val_prompts_means_no_val_loader(tokenizer):
-    """Without held-out prompts the val/test hooks are absent to Lightning (so fit skips validation) and
+def test_no_val_prompts_means_no_val_batches(tokenizer):
+    """Without held-out prompts the val loader has no batches (RLHFModule then sets limit_val_batches=0) and
     validate/test raise naming data.val_prompts."""
     dm = PromptDataModule(PROMPTS, tokenizer, batch_size=2)
-    assert dm.val_dataloader is None and dm.test_dataloader is None
-    assert not is_overridden("val_dataloader", dm) and not is_overridden("test_dataloader", dm)
-    assert is_overridden("predict_dataloader", dm)
-    with_val = PromptDataModule(PROMPTS, tokenizer, batch_size=2, val_prompts=VAL_PROMPTS)
-    assert is_overridden("val_dataloader", with_val) and is_overridden("test_dataloader", with_val)
+    assert not dm.has_val_prompts
     for stage in ("validate", "test"):
         with pytest.raises(ValueError, match=rf"trainer.{stage}\(\) reads held-out prompts.*Set data.val_prompts"):
             dm.setup(stage)
     dm.setup("fit")
-    assert dm.val_dataset is None
+    assert dm.val_dataset is None and dm.val_dataloader() == []
 
 
 def test_empty_val_prompts_raise(tokenizer):
@@ -514,18 +510,18 @@ def test_trainer_reads_held_out_loaders(tokenizer):
     assert module.seen["test"] == module.seen["predict"] == [[0, 1], [2, 3], [4]]
 
 
-def test_fit_without_val_prompts_is_quiet(tokenizer):
-    """Without held-out prompts fit runs no validation and Lightning says nothing about a val loader, whether or
-    not the module has a validation_step (with one, only Lightning's own note that it skips the val loop)."""
-    for module in (_Recorder(), _ValRecorder()):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            _trainer().fit(module, PromptDataModule(PROMPTS, tokenizer, batch_size=2))
-        assert module.seen["val"] == [] and len(module.seen["train"]) == 2
-        about_val = ("val_dataloader", "validation", "val loop", "length of")  # "length of": an empty list
-        messages = [str(w.message) for w in caught if any(word in str(w.message) for word in about_val)]
-        expected = ["You defined a `validation_step` but have no `val_dataloader`. Skipping val loop."]
-        assert messages == (expected if isinstance(module, _ValRecorder) else []), messages
+def test_fit_without_val_prompts_is_quiet(tokenizer, tiny_gpt2_config):
+    """Without held-out prompts RLHFModule's fit runs no validation and Lightning says nothing about a val loader."""
+    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer,
+                        reward_fn=lambda prompts, responses: [0.0] * len(prompts),
+                        generation=GenerationConfig(max_new_tokens=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer()
+        trainer.fit(module, PromptDataModule(PROMPTS, tokenizer, batch_size=2))
+    assert trainer.limit_val_batches == 0 and trainer.global_step == 2
+    about_val = ("val_dataloader", "validation", "val loop", "length of")  # "length of": an empty list
+    assert [str(w.message) for w in caught if any(word in str(w.message) for word in about_val)] == []
     with pytest.raises(ValueError, match="Set data.val_prompts"):
         _trainer().validate(_ValRecorder(), PromptDataModule(PROMPTS, tokenizer, batch_size=2))
 

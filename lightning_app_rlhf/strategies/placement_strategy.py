@@ -194,42 +194,9 @@ class PlacementStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """One file for the whole job, written by rank 0, with one copy of each role taken from its owner rank
-        (:func:`~lightning_app_rlhf.checkpoint.role_owner`). Only the roles that rank 0 does not own travel to it,
-        one owner at a time, so a save holds at most one extra copy of those roles, never every rank's state.
-
-        A role that its wrapper shards (FSDP2, ZeRO over more than one rank) is never gathered: each rank of its
-        group writes its own shard, and the checkpoint becomes a directory (see
-        :mod:`~lightning_app_rlhf.strategies.sharded_checkpoint`), put in place of ``filepath`` in one rename."""
-        module = self.lightning_module
-        plan = self.placement_plan
-        sharded = sharded_roles(plan)
-        staging = staging_directory(self, filepath) if sharded else None
-        if staging is not None:
-            save_shards(module, sharded, staging, optimizer="optimizer_states" in checkpoint)
-        owners = {role: role_owner(plan, role) for role in module.algorithm.roles}
-        mine = owned_state(checkpoint, [r for r, owner in owners.items() if owner == self.global_rank],
-                           module.trained_roles(), module.scheduled_roles(), sharded)
-        senders = sorted({owner for owner in owners.values() if owner != 0})
-        if not self.is_global_zero:
-            if self.global_rank in senders:
-                send_state(mine, dst=0)
-            if staging is not None:
-                checksum_shards(self, staging, sharded)
-            return
-        parts = dict(mine)
-        for rank in senders:
-            parts.update(recv_state(rank, self.root_device))
-        checkpoint = assemble(checkpoint, parts)
-        checkpoint["rlhf_plan"] = {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls,
-                                   "wrappers": dict(plan.wrappers)}
-        checkpoint[LAYOUT_KEY] = role_layout(plan)
-        if staging is None:
-            seal(checkpoint)
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        checkpoint["rlhf_files"] = checksum_shards(self, staging, sharded)
-        publish(self, checkpoint, staging, filepath, seal)
+        """One checkpoint for the whole job: see :func:`save_placed_checkpoint`."""
+        save_placed_checkpoint(self, self.lightning_module, self.placement_plan, checkpoint, filepath,
+                               storage_options)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -243,48 +210,11 @@ class PlacementStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read the checkpoint weights-only (a crafted file cannot run code); the module then checks its checksum
-        and weights and takes the roles this rank holds.
-
-        Any plan that places the saved roles can resume: whole roles load from their one copy wherever this plan
-        holds them, FSDP2 shards reshard to this run's groups, ZeRO shards need the saved stage and number of ranks
-        (:func:`~lightning_app_rlhf.checkpoint.restore_modes` names the fix otherwise). A checkpoint directory's
-        shard files are checked against the CRC-32 values its meta file lists, by every rank, before anything loads.
-        """
-        if weights_only is False:
-            raise ValueError(f"{type(self).__name__} loads checkpoints with weights_only=True only: unpickling "
-                             "arbitrary objects would run code from the file. Drop weights_only=False; checkpoints "
-                             "written by this package load weights-only.")
+        """Read the checkpoint weights-only and check that this plan can resume it (:func:`read_placed_checkpoint`);
+        the module then checks its checksum and weights and takes the roles this rank holds."""
         self._pending_restore = None
-        local = isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path)
-        if local:
-            check_checkpoint_file(checkpoint_path)
-        file = checkpoint_file(checkpoint_path) if local else checkpoint_path
-        try:
-            checkpoint = self.checkpoint_io.load_checkpoint(file, weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise not_weights_only(file, err) from err
-        saved = checkpoint.get("rlhf_plan")
-        if saved is None:
-            return checkpoint  # saved without a placement: one process held every role
-        plan = self.placement_plan
-        if "rlhf_ranks" in checkpoint:  # the per-rank layout of earlier versions: this rank's entry
-            if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
-                raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} "
-                                 f"ranks, in the per-rank layout of earlier versions; this run uses {plan.name!r} on "
-                                 f"{plan.world_size}. Resume with the same strategy, its arguments and "
-                                 "--trainer.devices.")
-            mine = checkpoint.pop("rlhf_ranks")[self.global_rank]
-            checkpoint.update({key: value for key, value in mine.items() if value is not None})
-            return checkpoint
-        sharded = is_sharded_checkpoint(checkpoint_path)
-        if sharded:
-            verify(checkpoint, file)  # the meta file first: its list of shard files is what the shards are checked by
-        modes = restore_modes(checkpoint, plan, checkpoint_path)
-        if sharded:
-            check_shards(self, checkpoint, Path(checkpoint_path))
-            checkpoint[SHARDS_LOADER_KEY] = True
-        self._pending_restore = PendingRestore(Path(str(checkpoint_path)), modes)
+        checkpoint, self._pending_restore = read_placed_checkpoint(self, checkpoint_path, self.placement_plan,
+                                                                   weights_only)
         return checkpoint
 
     @property
@@ -337,3 +267,107 @@ class PlacementStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+
+def save_placed_checkpoint(
+    strategy: Any, module: Any, plan: PlacementPlan, checkpoint: dict[str, Any], filepath: Any,
+    storage_options: Any | None = None,
+) -> None:
+    """Write one file for the whole job from this rank's ``checkpoint`` (Lightning's layout: its ``state_dict``,
+    ``optimizer_states`` and ``lr_schedulers`` cover the roles this rank holds and trains). Collective: every rank
+    calls it; rank 0 writes, with one copy of each role taken from its owner rank
+    (:func:`~lightning_app_rlhf.checkpoint.role_owner`). Only the roles that rank 0 does not own travel to it, one
+    owner at a time, so a save holds at most one extra copy of those roles, never every rank's state.
+
+    A role that its wrapper shards (FSDP2, ZeRO over more than one rank) is never gathered: each rank of its group
+    writes its own shard, and the checkpoint becomes a directory (see
+    :mod:`~lightning_app_rlhf.strategies.sharded_checkpoint`), put in place of ``filepath`` in one rename.
+
+    Args:
+        strategy: The Trainer or Fabric placement strategy (its ranks, device, ``checkpoint_io`` and collectives).
+        module: The RLHFModule.
+        plan: The plan the roles are placed by.
+        checkpoint: This rank's checkpoint.
+        filepath: Where the checkpoint goes.
+        storage_options: For ``strategy.checkpoint_io``.
+    """
+    sharded = sharded_roles(plan)
+    staging = staging_directory(strategy, filepath) if sharded else None
+    if staging is not None:
+        save_shards(module, sharded, staging, optimizer="optimizer_states" in checkpoint)
+    owners = {role: role_owner(plan, role) for role in module.algorithm.roles}
+    mine = owned_state(checkpoint, [r for r, owner in owners.items() if owner == strategy.global_rank],
+                       module.trained_roles(), module.scheduled_roles(), sharded)
+    senders = sorted({owner for owner in owners.values() if owner != 0})
+    if not strategy.is_global_zero:
+        if strategy.global_rank in senders:
+            send_state(mine, dst=0)
+        if staging is not None:
+            checksum_shards(strategy, staging, sharded)
+        return
+    parts = dict(mine)
+    for rank in senders:
+        parts.update(recv_state(rank, strategy.root_device))
+    checkpoint = assemble(checkpoint, parts)
+    checkpoint["rlhf_plan"] = {"name": plan.name, "world_size": plan.world_size, "calls": plan.calls,
+                               "wrappers": dict(plan.wrappers)}
+    checkpoint[LAYOUT_KEY] = role_layout(plan)
+    if staging is None:
+        seal(checkpoint)
+        strategy.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        return
+    checkpoint["rlhf_files"] = checksum_shards(strategy, staging, sharded)
+    publish(strategy, checkpoint, staging, filepath, seal)
+
+
+def read_placed_checkpoint(
+    strategy: Any, checkpoint_path: Any, plan: PlacementPlan, weights_only: bool | None = None
+) -> tuple[dict[str, Any], PendingRestore | None]:
+    """Read a checkpoint weights-only (a crafted file cannot run code) and check that ``plan`` can resume it.
+    Collective when the checkpoint is a directory: every rank checks a slice of its shard files.
+
+    Any plan that places the saved roles can resume: whole roles load from their one copy wherever this plan
+    holds them, FSDP2 shards reshard to this run's groups, ZeRO shards need the saved stage and number of ranks
+    (:func:`~lightning_app_rlhf.checkpoint.restore_modes` names the fix otherwise). A checkpoint directory's
+    shard files are checked against the CRC-32 values its meta file lists, by every rank, before anything loads.
+
+    Returns:
+        The checkpoint, and how each role restores (None for a checkpoint saved without a placement, or in the
+        per-rank layout of earlier versions, whose entry for this rank it returns).
+    """
+    refuse_unsafe_loading(strategy, weights_only)
+    local = isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path)
+    if local:
+        check_checkpoint_file(checkpoint_path)
+    file = checkpoint_file(checkpoint_path) if local else checkpoint_path
+    try:
+        checkpoint = strategy.checkpoint_io.load_checkpoint(file, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise not_weights_only(file, err) from err
+    saved = checkpoint.get("rlhf_plan")
+    if saved is None:
+        return checkpoint, None  # saved without a placement: one process held every role
+    if "rlhf_ranks" in checkpoint:  # the per-rank layout of earlier versions: this rank's entry
+        if saved["world_size"] != plan.world_size or dict(saved["calls"]) != plan.calls:
+            raise ValueError(f"The checkpoint was saved under the {saved['name']!r} plan on {saved['world_size']} "
+                             f"ranks, in the per-rank layout of earlier versions; this run uses {plan.name!r} on "
+                             f"{plan.world_size}. Resume with the same strategy, its arguments and "
+                             "--trainer.devices.")
+        mine = checkpoint.pop("rlhf_ranks")[strategy.global_rank]
+        checkpoint.update({key: value for key, value in mine.items() if value is not None})
+        return checkpoint, None
+    sharded = is_sharded_checkpoint(checkpoint_path)
+    if sharded:
+        verify(checkpoint, file)  # the meta file first: its list of shard files is what the shards are checked by
+    modes = restore_modes(checkpoint, plan, checkpoint_path)
+    if sharded:
+        check_shards(strategy, checkpoint, Path(checkpoint_path))
+        checkpoint[SHARDS_LOADER_KEY] = True
+    return checkpoint, PendingRestore(Path(str(checkpoint_path)), modes)
+
+
+def refuse_unsafe_loading(strategy: Any, weights_only: bool | None) -> None:
+    """Raise a ``ValueError`` naming the fix when a load asks for ``weights_only=False``."""
+    if weights_only is False:
+        raise ValueError(f"{type(strategy).__name__} loads checkpoints with weights_only=True only: unpickling "
+                         "arbitrary objects would run code from the file. Drop weights_only=False; checkpoints "
+                         "written by this package load weights-only.")
