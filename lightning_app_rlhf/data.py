@@ -342,8 +342,8 @@ class PromptDataModule(pl.LightningDataModule):
     the held-out ``val_prompts``, prediction through ``predict_prompts``, in dataset order, in batches of
     ``val_batch_size`` (the last one may be smaller). Every rank reads the same global batches, as in training:
     the placement shards rows inside the step, and the placement strategies keep Lightning from injecting a
-    ``DistributedSampler``. Without held-out prompts ``val_dataloader`` and ``test_dataloader`` are ``None``, so
-    Lightning sees no such loader and ``fit`` runs no validation.
+    ``DistributedSampler``. Without held-out prompts ``val_dataloader`` has no batches and ``RLHFModule`` runs no
+    validation (``limit_val_batches=0``); ``validate`` and ``test`` raise naming ``val_prompts``.
 
     Args:
         prompts: A list of strings, chat message lists, or dicts with ``prompt_key``; a JSONL file path; a

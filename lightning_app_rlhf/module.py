@@ -351,10 +351,12 @@ class RLHFModule(pl.LightningModule):
         from lightning_app_rlhf.callbacks.placement_summary import PlacementSummary
         from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 
-        callbacks: list[pl.Callback] = [PlacementSummary()]
+        have = self.trainer.callbacks
+        # Once per trainer: validate and predict after fit would otherwise replace it, with a note saying so.
+        callbacks: list[pl.Callback] = [] if any(isinstance(c, PlacementSummary) for c in have) else [PlacementSummary()]
         # A user's LearningRateMonitor sees only this rank's optimizers, named by class; Lightning replaces a
         # callback with a subclass of it returned here.
-        monitor = next((c for c in self.trainer.callbacks if type(c) is LearningRateMonitor), None)
+        monitor = next((c for c in have if type(c) is LearningRateMonitor), None)
         if monitor is not None:
             callbacks.append(RoleLearningRateMonitor.like(monitor))
         return callbacks
