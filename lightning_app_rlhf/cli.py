@@ -1,56 +1,178 @@
 """The command line, built on LightningCLI: ``python -m lightning_app_rlhf fit --config CONFIG.yaml``.
 
-``python -m lightning_app_rlhf plan ...`` is a dry run of the placement planner (see ``planner/command.py``); it
-never reaches LightningCLI.
+Besides the Trainer's ``fit``, ``validate``, ``test`` and ``predict``, ``plan`` predicts and searches placements for
+the same config without training (``plan --config CONFIG.yaml --cluster 1x4xcpu``), or for named model sizes
+(``plan --cluster 1x8xA100-80GB --actor llama-7b``). Its flags and printing live in ``planner/command.py``; this
+module only reads the parsed config into a :class:`~lightning_app_rlhf.planner.command.TrainingRun`.
 """
 
 from __future__ import annotations
 
-import pickle
+import functools
+import inspect
 import sys
+from collections.abc import Callable
+from dataclasses import fields, replace
+from typing import Any
 
-from jsonargparse import set_parsing_settings
+import docstring_parser
+import torch
+from jsonargparse import ActionYesNo, Namespace, set_parsing_settings
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
-from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
+from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner, _padded_prompt_length
 from lightning_app_rlhf.checkpoint import (
     CheckpointError,
-    check_checkpoint_file,
-    checkpoint_file,
     is_sharded_checkpoint,
-    not_weights_only,
+    load_checkpoint_file,
 )
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
+from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.planner.cluster import known_devices
+from lightning_app_rlhf.planner.command import (
+    PlanOptions,
+    TrainingRun,
+    report_error,
+    run_plan_command,
+    workload_name,
+)
+from lightning_app_rlhf.planner.workload import workload_from_module
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+
+PLAN = "plan"
+"""The subcommand that runs the planner instead of a Trainer method."""
+PLAN_HELP = "Predict and search placements for the configured run, or for named model sizes (a dry run: no training)."
+DESCRIPTION = ("RLHF with placement strategies: train (fit), evaluate (validate, test, predict), or plan the placement "
+               "of the model calls (plan).")
 
 
 class RLHFCLI(LightningCLI):
     """LightningCLI for :class:`RLHFModule` and :class:`PromptDataModule`; the model's tokenizer feeds the data."""
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """LightningCLI's Trainer subcommands, and ``plan``."""
+        return {**LightningCLI.subcommands(), PLAN: set()}
+
+    @override
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """LightningCLI's subcommand parsers, each Trainer method's from its signature; ``plan`` is no Trainer
+        method, so its parser comes from :meth:`_prepare_plan_parser`."""
+        self._subcommand_parsers: dict[str, LightningArgumentParser] = {}
+        subcommands = parser.add_subcommands()
+        for name in self.subcommands():
+            subparser_kwargs = kwargs.get(name, {})
+            if name == PLAN:
+                description = PLAN_HELP
+                subparser_kwargs.setdefault("description", description)
+                subparser = self._prepare_plan_parser(**subparser_kwargs)
+            else:
+                description = _first_sentence(getattr(self.trainer_class, name))
+                subparser_kwargs.setdefault("description", description)
+                subparser = self._prepare_subcommand_parser(self.trainer_class, name, **subparser_kwargs)
+            self._subcommand_parsers[name] = subparser
+            subcommands.add_subcommand(name, subparser, help=description)
+
+    def _prepare_plan_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """``--config``, ``--seed_everything``, ``--trainer.*``, ``--model.*`` and ``--data.*`` as for ``fit``, then the
+        flags of :class:`PlanOptions`. The model and the data are optional: without them ``plan`` plans named
+        sizes."""
+        parser = self.init_parser(**kwargs)
+        self.add_default_arguments_to_parser(parser)
+        parser.set_defaults(seed_everything=False)  # planning draws nothing at random (--seed seeds the chain)
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=True, required=False)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=True, required=False)
+        parser.link_arguments("model.init_args.tokenizer", "data.init_args.tokenizer")
+        switches = [f.name for f in fields(PlanOptions) if f.type == "bool"]
+        added = parser.add_class_arguments(PlanOptions, instantiate=False, skip=set(switches))
+        help_texts = {p.arg_name: p.description for p in docstring_parser.parse_from_object(PlanOptions).params}
+        for switch in switches:  # --json, --json true, --no_json
+            parser.add_argument(f"--{switch}", action=ActionYesNo, nargs="?", default=False, help=help_texts[switch])
+        self._subcommand_method_arguments[PLAN] = [*added, *switches]
+        return parser
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.tokenizer")
 
     @override
-    def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads --ckpt_path (weights-only) for saved hyper-parameters before anything else runs; an
-        # empty, truncated or crafted file must fail there with its name, not with a bare torch error.
-        ckpt_path = self.config.get(self.config.get("subcommand") or "", {}).get("ckpt_path")
-        if not ckpt_path or "://" in str(ckpt_path):
-            super()._parse_ckpt_path()
+    def instantiate_classes(self) -> None:
+        if self.subcommand != PLAN:
+            super().instantiate_classes()
             return
-        check_checkpoint_file(ckpt_path)
-        file = checkpoint_file(ckpt_path)  # a checkpoint directory (sharded roles): its meta file
-        section = self.config[self.config["subcommand"]]
-        section["ckpt_path"] = str(file)
+        # No Trainer (the config's accelerator and devices need not exist on this machine) and no models:
+        # RLHFModule builds them in configure_model, which planning never calls.
         try:
-            super()._parse_ckpt_path()
-        except pickle.UnpicklingError as err:
-            raise not_weights_only(file, err) from err
-        finally:
-            section["ckpt_path"] = ckpt_path
+            self.config_init = self.parser.instantiate_classes(self.config)
+        except (ValueError, FileNotFoundError) as err:  # the module's or the data's own message names the fix
+            sys.exit(report_error(err.__cause__ if isinstance(err.__cause__, (ValueError, OSError)) else err,
+                                  bool(self.config[PLAN].get("json"))))
+        self.model = self._get(self.config_init, "model")
+        self.datamodule = self._get(self.config_init, "data")
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        if subcommand == PLAN:
+            self.plan()
+        else:
+            super()._run_subcommand(subcommand)
+
+    def plan(self) -> None:
+        """Run ``plan``: print the plans of the configured run (or of the named sizes); exit 2 on bad input."""
+        config = self.config_init[PLAN]
+        options = PlanOptions(**{name: config[name] for name in self._subcommand_method_arguments[PLAN]})
+        configured = self.model is not None or self.datamodule is not None
+        training_run = functools.partial(self._training_run, options, config.trainer) if configured else None
+        status = run_plan_command(options, training_run)
+        if status:
+            sys.exit(status)
+
+    def _training_run(self, options: PlanOptions, trainer: Namespace) -> TrainingRun:
+        """What ``fit`` would run with this config: the workload (as ``PlacementTuner`` reads it), the cluster
+        (``--cluster``, or the trainer's cpu devices) and the strategy's plan."""
+        module, datamodule = self.model, self.datamodule
+        if module is None or datamodule is None:
+            missing = "model" if module is None else "data"
+            raise ValueError(f"The training config has no {missing} section: plan reads the run from both, as fit "
+                             f"does. Add {missing} (model.actor and model.tokenizer, or data.prompts), or give no "
+                             "training config to plan named sizes (--actor ...).")
+        datamodule.setup("fit")  # reads and tokenises the prompts (truncated at data.max_prompt_length); no model
+        lengths = [len(ids) for ids in datamodule.dataset.input_ids]
+        prompt_length = _padded_prompt_length(lengths, datamodule.batch_size)
+        workload = workload_from_module(module, datamodule.batch_size, prompt_length)
+        critic = workload.critic.name if workload.critic is not None else None
+        workload = replace(workload, name=workload_name(workload.actor.name, critic, workload.algorithm,
+                                                        workload.num_samples, workload.lora_rank))
+        cluster, processes, cluster_note = _cluster_of(options.cluster, trainer)
+        prompt_note = (f"Prompt length {prompt_length}: the mean longest tokenised prompt of a batch of data.batch_size "
+                       f"{datamodule.batch_size} prompts, as PlacementTuner reads it.")
+        strategy, strategy_plan = _strategy_plan(trainer.strategy)
+        return TrainingRun(
+            workload=workload,
+            cluster=cluster,
+            processes=processes,
+            strategy=strategy,
+            strategy_plan=strategy_plan,
+            generation_batch=module.generation.batch_size,
+            micro_batch=module.ppo.micro_batch_size,
+            tuner=any(isinstance(callback, PlacementTuner) for callback in trainer.callbacks or []),
+            notes=(cluster_note, prompt_note),
+        )
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` before anything else runs (weights-only, so an empty, truncated or crafted file
+        fails here with its name). Unlike LightningCLI, the checkpoint's saved hyperparameters do not override the
+        config: the config is the run's source of truth, and it holds what they cannot (optimizer builders)."""
+        ckpt_path = self.config.get(self.config.get("subcommand") or "", {}).get("ckpt_path")
+        if ckpt_path and "://" not in str(ckpt_path):
+            load_checkpoint_file(ckpt_path)
 
     def before_fit(self) -> None:
         """A PlacementTuner must see ``--ckpt_path`` before the models are built, to reuse the saved plan."""
@@ -64,13 +186,67 @@ class RLHFCLI(LightningCLI):
                 callback.ckpt_path = ckpt_path
 
 
-def main(args: list[str] | None = None) -> RLHFCLI | None:
-    """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script."""
-    argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["plan"]:
-        from lightning_app_rlhf.planner.command import main as plan_main
+def _first_sentence(method: Any) -> str:
+    """The first sentence of a method's docstring: its line in the top-level ``--help``."""
+    paragraph = (inspect.getdoc(method) or "").split("\n\n", 1)[0].replace("\n", " ")
+    return paragraph.split(". ", 1)[0].rstrip(".") + "."
 
-        sys.exit(plan_main(argv[1:]))
+
+def _cluster_of(cluster: str | None, trainer: Namespace) -> tuple[str, int | None, str]:
+    """The cluster to plan for, the processes the trainer config launches (None: the machine decides), and a note
+    saying where the cluster came from.
+
+    Args:
+        cluster: ``--cluster``; None derives it from the trainer's cpu devices.
+        trainer: The parsed ``trainer`` section.
+
+    Raises:
+        ValueError: Without ``--cluster`` the trainer's devices are GPUs (or other accelerators), whose type the
+            config does not say.
+    """
+    accelerator, devices, nodes = trainer.accelerator, trainer.devices, trainer.num_nodes
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    processes = None
+    if on_cpu:
+        try:
+            processes = nodes * (CPUAccelerator.auto_device_count() if devices == "auto" else
+                                 CPUAccelerator.parse_devices(devices))
+        except TypeError as err:
+            raise ValueError(f"trainer.devices={devices!r} on the cpu: {err} Set --trainer.devices to a number of "
+                             "processes, or pass --cluster NODESxDEVICESxcpu.") from err
+    elif isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()):
+        processes = nodes * int(devices)
+    if cluster is not None:
+        return cluster, processes, f"Cluster {cluster} from --cluster."
+    if not on_cpu:
+        count = devices if processes is not None else "DEVICES"
+        raise ValueError(f"The config trains on trainer.accelerator={accelerator!r}, whose device type the planner "
+                         f"needs: pass --cluster {nodes}x{count}xTYPE with TYPE one of {known_devices()}, e.g. "
+                         f"--cluster {nodes}x8xA100-80GB.")
+    derived = f"{nodes}x{processes // nodes}xcpu"
+    note = (f"Cluster {derived} from trainer.num_nodes {nodes} x trainer.devices {devices} on the cpu (pass --cluster "
+            "to plan for other devices).")
+    return derived, processes, note
+
+
+def _strategy_plan(strategy: Any) -> tuple[str, Callable[[int, tuple[str, ...]], PlacementPlan] | None]:
+    """``trainer.strategy`` by name, and its plan builder ``(world_size, roles) -> PlacementPlan`` when it is a
+    placement strategy (a registered name such as ``rlhf_separation``, or an instance); None otherwise."""
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        if issubclass(entry["strategy"], PlacementStrategy):
+            strategy = entry["strategy"](**entry["init_params"])  # stores its arguments; sets nothing up
+    return name, strategy.build_plan if isinstance(strategy, PlacementStrategy) else None
+
+
+def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
+    """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script.
+
+    Args:
+        args: The command line (default: ``sys.argv[1:]``).
+        prog: The program name in usage lines (default: the script's name).
+    """
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings in --help
     return RLHFCLI(
         RLHFModule,
@@ -78,4 +254,5 @@ def main(args: list[str] | None = None) -> RLHFCLI | None:
         args=args,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # the module builds its own two optimizers
+        parser_kwargs={"description": DESCRIPTION, **({"prog": prog} if prog else {})},
     )

@@ -106,15 +106,15 @@ class RLHFModule(pl.LightningModule):
         reference: ModelSource | None = None,
         reward_model: ModelSource | None = None,
         reward_fn: Callable[..., Any] | str | None = None,
-        generation: GenerationConfig | dict[str, Any] = GenerationConfig(),
-        ppo: PPOConfig | dict[str, Any] = PPOConfig(),
+        generation: GenerationConfig = GenerationConfig(),
+        ppo: PPOConfig = PPOConfig(),
         actor_optimizer: OptimizerCallable | None = None,
         critic_optimizer: OptimizerCallable | None = None,
         actor_scheduler: LRSchedulerCallable | None = None,
         critic_scheduler: LRSchedulerCallable | None = None,
         seed: int | None = None,
         algorithm: str = "ppo",
-        eval_generation: GenerationConfig | dict[str, Any] | None = None,
+        eval_generation: GenerationConfig | None = None,
     ) -> None:
         super().__init__()
         self._save_plain_hyperparameters(locals())

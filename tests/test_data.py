@@ -8,9 +8,8 @@ import datasets
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_app_rlhf import GenerationConfig, RLHFModule
 
-from lightning_app_rlhf import demo
+from lightning_app_rlhf import GenerationConfig, RLHFModule, demo
 from lightning_app_rlhf.data import (
     PromptDataModule,
     PromptDataset,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def test_bad_plan_fails_before_any_model_is_built(tmp_path):
         [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
          "--trainer.devices", "2", "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
          "--trainer.strategy.reference_ratio", "0.25", "--trainer.logger.init_args.save_dir", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
     )
     assert result.returncode != 0
     assert "reference ratio 0.25 on 2 ranks gives 0.5 ranks" in result.stderr
@@ -131,3 +132,114 @@ def test_a_plan_needs_every_call_of_its_roles():
         PlacementPlan(1, calls)
     with pytest.raises(ValueError, match=r"Wrappers name unknown roles \['critic'\], which the plan does not place"):
         PlacementPlan(1, flattening_plan(1, roles=CRITIC_FREE).calls, {"actor": "ddp", "critic": "ddp"})
+
+
+# ---------------------------------------------------------------- the `plan` command (a dry run of the planner)
+
+DEMO_CONFIG = str(ROOT / "examples/configs/demo_cpu.yaml")
+
+
+def run_cli(args: list[str]) -> int:
+    """``python -m lightning_app_rlhf ARGS`` in this process: its exit status (0 unless it exits)."""
+    from unittest import mock
+
+    from lightning_app_rlhf.cli import main
+
+    try:
+        with mock.patch.object(sys, "argv", ["lightning-app-rlhf"]):  # LightningCLI reads args, not pytest's argv
+            main(args)
+    except SystemExit as exit:
+        return exit.code
+    return 0
+
+
+def test_plan_prints_the_plan_of_the_training_config(capsys):
+    """`plan --config examples/configs/demo_cpu.yaml --cluster 1x4xcpu` plans what fit would run: the config's
+    PPO workload (batch 32, 24 new tokens, 2 epochs x 2 minibatches) on the cluster's 4 devices, every call by its
+    full name."""
+    assert run_cli(["plan", "--config", DEMO_CONFIG, "--cluster", "1x4xcpu"]) == 0
+    out = capsys.readouterr().out
+    assert "(ppo: actor, reference, reward, critic) on 1x4xcpu: batch 32, prompt" in out
+    assert "+ generation 24 tokens, 2 epoch(s) x 2 minibatches" in out
+    for call in ("actor.generate", "reference.forward", "reward.forward", "critic.forward", "actor.train",
+                 "critic.train"):
+        assert call in out
+    assert "0-3" in out and "best: #1 " in out  # flattening's calls span the 4 devices
+    assert "gen:" not in out and "trainA" not in out and "act.gen" not in out
+    assert "The config launches 1 process(es)" in out and "--trainer.devices 4" in out  # demo_cpu.yaml: devices 1
+
+
+def test_plan_json_of_the_config_beside_its_strategy(capsys):
+    """Without --cluster the trainer's cpu devices are the cluster; the configured strategy's plan is priced beside
+    the planner's choice."""
+    args = ["plan", "--config", DEMO_CONFIG, "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
+            "--search", "presets", "--json"]
+    assert run_cli(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"] == "1x2xcpu" and result["world_size"] == 2 and result["batch_size"] == 32
+    assert result["algorithm"] == "ppo" and result["num_samples"] == 1
+    assert result["configured_strategy"] == "rlhf_separation"
+    configured = result["configured"]
+    assert configured["source"] == "config" and configured["name"] == "separation"
+    assert configured["calls"] == {call: list(ranks) for call, ranks in separation_plan(2).calls.items()}
+    assert configured["wrappers"] == {"actor": "ddp", "critic": "ddp"}
+    assert set(result["best"]["calls"]) == set(CALLS)
+    assert any("from trainer.num_nodes 1 x trainer.devices 2 on the cpu" in note for note in result["notes"])
+
+
+def test_plan_reads_the_config_s_algorithm_and_callbacks(capsys):
+    """A critic-free algorithm from the config is planned without critic calls; a configured PlacementTuner is
+    named; a strategy that cannot run on the cluster says why."""
+    args = ["plan", "--config", DEMO_CONFIG, "--cluster", "1x4xcpu", "--model.algorithm", "grpo",
+            "--model.critic_optimizer", "null", "--model.generation.num_samples", "4", "--search", "presets",
+            "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
+            "--trainer.strategy.reference_ratio", "0.3",
+            "--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--json"]
+    assert run_cli(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["algorithm"] == "grpo" and result["num_samples"] == 4 and "critic" not in result["roles"]
+    assert not [call for call in result["best"]["calls"] if call.startswith("critic.")]
+    assert result["best"]["samples_per_s"] == pytest.approx(32 * 4 / result["best"]["iteration_s"])
+    assert result["configured"] is None
+    notes = " ".join(result["notes"])
+    assert "reference ratio 0.3 on 4 ranks gives 1.2 ranks" in notes and "PlacementTuner" in notes
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch_size", "8"], "--batch_size describes a named-size workload, but a training config"),
+    (["--batch_size", "8"], "set --data.batch_size instead"),
+    (["--sweep"], "drop --config"),
+    (["--trainer.accelerator", "gpu", "--trainer.devices", "4"], "pass --cluster 1x4xTYPE"),
+    (["--cluster", "1x8xTPU-v9"], "Unknown device type 'TPU-v9'"),
+    (["--data.prompts", "missing.jsonl"], "Prompt file 'missing.jsonl' does not exist"),
+    (["--model.algorithm", "grpo"], "error: Algorithm 'grpo'"),  # RLHFModule's own check, unwrapped
+    (["--cluster", "1x4xcpu", "--data.batch_size", "31"], "is not divisible by num_minibatches"),
+])
+def test_plan_errors_name_the_fix(capsys, args, message):
+    """Bad input stops `plan` with exit status 2 and one line that says what to change, no traceback."""
+    assert run_cli(["plan", "--config", DEMO_CONFIG, "--search", "presets", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_plan_named_sizes_still_work(capsys, monkeypatch):
+    """Without a training config the named-size flags describe the workload, as in docs/planner.md."""
+    args = ["plan", "--cluster", "1x8xA100-80GB", "--actor", "llama-7b", "--critic", "llama-7b", "--search",
+            "presets"]
+    assert run_cli([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"] == "llama-7b+llama-7b" and result["world_size"] == 8 and result["batch_size"] == 512
+    assert set(result["presets"]) == {"flattening", "interleaving", "separation"}
+    assert result["configured"] is None and set(result["best"]["calls"]) == set(CALLS)
+    assert run_cli(args) == 0
+    table = capsys.readouterr().out
+    assert "llama-7b+llama-7b (ppo: actor, reference, reward, critic) on 1x8xA100-80GB: batch 512" in table
+    assert "actor.generate" in table and "critic.train" in table and "0-7" in table
+
+    from lightning_app_rlhf.planner import command
+
+    monkeypatch.setattr(command, "SWEEP_MODELS", ("llama-7b",))
+    monkeypatch.setattr(command, "SWEEP_CLUSTERS", ("1x8xA100-80GB",))
+    assert run_cli(["plan", "--sweep", "--search", "presets"]) == 0
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.startswith("| llama-7b | 1x8xA100-80GB | ") and "actor.generate 0-7" in row and "actor:" in row

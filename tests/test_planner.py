@@ -29,7 +29,6 @@ from lightning_app_rlhf.planner import (
     simulate,
     workload_from_module,
 )
-from lightning_app_rlhf.planner.command import main as plan_main
 from lightning_app_rlhf.planner.cost_model import forward_flops
 from lightning_app_rlhf.planner.profiler import (
     Profile,
@@ -315,7 +314,7 @@ def test_plan_command_json(tmp_path):
             "--critic",
             "llama-7b",
             "--json",
-            "--time-budget",
+            "--time_budget",
             "1",
         ],
         capture_output=True,
@@ -342,28 +341,35 @@ def test_plan_command_json(tmp_path):
     assert all("rejected" in c and "iteration_s" in c for c in result["candidates"])
 
 
+def plan_main(args: list[str]) -> int:
+    """``python -m lightning_app_rlhf plan ARGS`` in this process: its exit status."""
+    from unittest import mock
+
+    from lightning_app_rlhf.cli import main
+
+    try:
+        with mock.patch.object(sys, "argv", ["lightning-app-rlhf"]):  # LightningCLI reads args, not pytest's argv
+            main(["plan", *args])
+    except SystemExit as exit:
+        return exit.code
+    return 0
+
+
+def plan_help() -> str:
+    """``plan --help``."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert plan_main(["--help"]) == 0
+    return out.getvalue()
+
+
 def test_plan_command_table_and_errors(capsys):
-    assert (
-        plan_main(
-            [
-                "--cluster",
-                "1x4xcpu",
-                "--actor",
-                "gpt2-tiny",
-                "--reward",
-                "function",
-                "--batch-size",
-                "32",
-                "--prompt-length",
-                "8",
-                "--generation-length",
-                "24",
-                "--num-minibatches",
-                "2",
-            ]
-        )
-        == 0
-    )
+    args = ["--cluster", "1x4xcpu", "--actor", "gpt2-tiny", "--reward", "function", "--batch_size", "32",
+            "--prompt_length", "8", "--generation_length", "24", "--num_minibatches", "2", "--time_budget", "1"]
+    assert plan_main(args) == 0
     table = capsys.readouterr().out
     assert "flattening" in table and "separation" in table and "samples/s" in table
     assert plan_main(["--cluster", "1x8xTPU-v9", "--actor", "llama-7b"]) == 2
@@ -378,11 +384,10 @@ def test_the_search_space_is_the_registry_less_what_is_not_installed(monkeypatch
     accepted: ``--wrappers`` naming one fails with the install command."""
     import lightning_app_rlhf.wrappers as registry
     from lightning_app_rlhf.planner import installed_wrappers
-    from lightning_app_rlhf.planner.command import build_parser
     from lightning_app_rlhf.planner.search import _frozen_choices, _wrappers
 
     assert installed_wrappers() == registry.available_wrappers()
-    assert all(name in build_parser().format_help() for name in registry.WRAPPERS)
+    assert all(name in plan_help() for name in registry.WRAPPERS)
     everything = demo_workload(wrappers=installed_wrappers())
     model = CostModel(parse_cluster("1x2xcpu"), everything)
     assert _wrappers(model) == list(installed_wrappers())
@@ -402,8 +407,8 @@ def test_the_search_space_is_the_registry_less_what_is_not_installed(monkeypatch
     assert {w for c in result.candidates for w in c.plan.wrappers.values()} <= {"ddp", "fsdp2"}
     with pytest.raises(ValueError, match=r"needs deepspeed.*pip install 'lightning-app-rlhf\[deepspeed\]'"):
         demo_workload(wrappers=("ddp", "zero2"))
-    args = ["--cluster", "1x2xcpu", "--actor", "gpt2-tiny", "--reward", "function", "--batch-size", "8",
-            "--prompt-length", "8", "--generation-length", "8", "--num-minibatches", "2"]
+    args = ["--cluster", "1x2xcpu", "--actor", "gpt2-tiny", "--reward", "function", "--batch_size", "8",
+            "--prompt_length", "8", "--generation_length", "8", "--num_minibatches", "2"]
     assert plan_main([*args, "--wrappers", "ddp,zero3"]) == 2
     assert "pip install 'lightning-app-rlhf[deepspeed]'" in capsys.readouterr().err
     assert plan_main([*args, "--wrappers", "ddp,zero0"]) == 2
@@ -642,7 +647,7 @@ def test_frozen_roles_sharded_with_fsdp2_hold_a_shard_per_rank():
         assert split.state_bytes == whole.state_bytes
     split = model.memory(PlanChoice(sharded))[0]
     assert split.roles["reference"] == "frozen shard 1/4 fsdp2"
-    assert "ref:fsdp2 rew:fsdp2" in PlanChoice(sharded).label
+    assert "reference:fsdp2 reward:fsdp2" in PlanChoice(sharded).label
 
 
 def test_llama_33b_and_65b_with_lora_are_plannable_on_one_node():
@@ -762,9 +767,9 @@ def test_a_critic_free_llama_workload_needs_less_memory_than_ppo():
 
 
 def test_plan_command_plans_critic_free_algorithms(capsys):
-    args = ["--cluster", "1x4xcpu", "--actor", "gpt2-tiny", "--reward", "function", "--batch-size", "16",
-            "--prompt-length", "8", "--generation-length", "24", "--num-minibatches", "2", "--time-budget", "1"]
-    assert plan_main([*args, "--algorithm", "grpo", "--num-samples", "4", "--json"]) == 0
+    args = ["--cluster", "1x4xcpu", "--actor", "gpt2-tiny", "--reward", "function", "--batch_size", "16",
+            "--prompt_length", "8", "--generation_length", "24", "--num_minibatches", "2", "--time_budget", "1"]
+    assert plan_main([*args, "--algorithm", "grpo", "--num_samples", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["algorithm"] == "grpo" and result["num_samples"] == 4 and "critic" not in result["roles"]
     for candidate in [result["best"], *result["presets"].values(), *result["candidates"]]:
@@ -772,13 +777,13 @@ def test_plan_command_plans_critic_free_algorithms(capsys):
         assert "critic" not in candidate["wrappers"]
     best = result["best"]
     assert best["samples_per_s"] == pytest.approx(16 * 4 / best["iteration_s"])  # sequences, not prompts
-    assert plan_main([*args, "--algorithm", "grpo", "--num-samples", "4"]) == 0
+    assert plan_main([*args, "--algorithm", "grpo", "--num_samples", "4"]) == 0
     table = capsys.readouterr().out
-    assert "trainA" in table and "val:" not in table and "trainC" not in table
-    assert plan_main([*args, "--algorithm", "grpo", "--num-samples", "4", "--critic", "gpt2-tiny"]) == 2
+    assert "actor.train" in table and "critic." not in table
+    assert plan_main([*args, "--algorithm", "grpo", "--num_samples", "4", "--critic", "gpt2-tiny"]) == 2
     assert "algorithm 'grpo' has no critic. Remove --critic" in capsys.readouterr().err
     assert plan_main([*args, "--algorithm", "grpo"]) == 2
-    assert "Pass --num-samples 4" in capsys.readouterr().err
+    assert "Pass --num_samples 4" in capsys.readouterr().err
 
 
 def test_workload_from_a_critic_free_module_and_its_profile(tmp_path):

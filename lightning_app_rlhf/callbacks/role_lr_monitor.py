@@ -42,9 +42,9 @@ class RoleLearningRateMonitor(LearningRateMonitor):
             return {}
         stats = self._role_rates(trainer)
         for name in list(stats):
-            if name.endswith("-momentum") and not self.log_momentum:
-                del stats[name]
-            elif name.endswith("-weight_decay") and not self.log_weight_decay:
+            unwanted = (name.endswith("-momentum") and not self.log_momentum) or (
+                name.endswith("-weight_decay") and not self.log_weight_decay)
+            if unwanted:
                 del stats[name]
             elif name in self.lrs:
                 self.lrs[name].append(stats[name])

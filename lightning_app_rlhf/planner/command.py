@@ -1,279 +1,484 @@
-"""``python -m lightning_app_rlhf plan``: a dry run of the planner, no training.
+"""``python -m lightning_app_rlhf plan``: a dry run of the planner, no training. Plain Python (no Lightning).
 
-python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --critic llama-7b
-python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --algorithm grpo --num-samples 4
-python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch-size 32 --json
-python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
+``plan`` is a subcommand of the LightningCLI in ``lightning_app_rlhf/cli.py``: it reads a training config like
+``fit`` (``--config``, ``--model.*``, ``--data.*``, ``--trainer.*``) and plans what ``fit`` would run; without
+one, the named-size flags describe the workload. This module holds the command's own flags (:class:`PlanOptions`),
+the named-size workloads, the search, and the printing::
+
+    python -m lightning_app_rlhf plan --config examples/configs/demo_cpu.yaml --cluster 1x4xcpu
+    python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --critic llama-7b
+    python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --algorithm grpo --num_samples 4
+    python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch_size 32 --json
+    python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import json as json_module
 import sys
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from lightning_app_rlhf.algorithms import ALGORITHMS
-from lightning_app_rlhf.planner.cluster import parse_cluster
-from lightning_app_rlhf.planner.cost_model import gib
-from lightning_app_rlhf.planner.search import SEARCHES, PlannerError, PlannerResult, plan_placement
+from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.planner.cluster import Cluster, parse_cluster
+from lightning_app_rlhf.planner.cost_model import (
+    CostModel,
+    PlanChoice,
+    call_ranks,
+    gib,
+    ranks_text,
+    role_wrappers,
+)
+from lightning_app_rlhf.planner.search import Candidate, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
-from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, calls_of
-from lightning_app_rlhf.wrappers import WRAPPERS, wrapper_class
+from lightning_app_rlhf.role_table import CRITIC
+from lightning_app_rlhf.wrappers import wrapper_class
 
 SWEEP_MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
 SWEEP_CLUSTERS = ("1x8xA100-80GB", "2x8xA100-80GB", "4x8xA100-80GB", "8x8xA100-80GB")
+SWEEP_LORA_RANK = 128
+"""The sweep trains LoRA adapters of this rank unless ``--lora_rank`` says otherwise (as APP)."""
+DEFAULT_CLUSTER = "1x8xA100-80GB"
+"""The cluster of a named-size plan without ``--cluster``."""
+NAMED_SIZE_DEFAULTS: dict[str, Any] = {
+    "actor": "llama-7b",
+    "algorithm": "ppo",
+    "num_samples": 1,
+    "batch_size": 512,
+    "prompt_length": 256,
+    "generation_length": 480,
+    "ppo_epochs": 1,
+    "num_minibatches": 8,
+}
+"""What a named-size flag left unset means."""
+CONFIG_KEYS: dict[str, str] = {
+    "actor": "--model.actor",
+    "critic": "--model.critic",
+    "reference": "--model.reference",
+    "reward": "--model.reward_model (or --model.reward_fn)",
+    "algorithm": "--model.algorithm",
+    "num_samples": "--model.generation.num_samples",
+    "dtype": "the model specs' dtype (e.g. --model.actor.dtype bfloat16)",
+    "batch_size": "--data.batch_size",
+    "prompt_length": "--data.max_prompt_length (the configured prompts are tokenised)",
+    "generation_length": "--model.generation.max_new_tokens",
+    "ppo_epochs": "--model.ppo.ppo_epochs",
+    "num_minibatches": "--model.ppo.num_minibatches",
+    "lora_rank": "--model.actor.lora (peft LoraConfig fields, e.g. r)",
+}
+"""Each named-size flag, and what sets the same thing in a training config."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_app_rlhf plan",
-        description="Predict and search RLHF placements for a cluster (dry run).",
-    )
-    parser.add_argument(
-        "--cluster", default="1x8xA100-80GB", help="NODESxDEVICESxTYPE, e.g. 1x8xA100-80GB, 1x4xcpu"
-    )
-    parser.add_argument(
-        "--actor", default="llama-7b", help="named size, local model directory or config.json"
-    )
-    parser.add_argument(
-        "--algorithm",
-        choices=sorted(ALGORITHMS),
-        default="ppo",
-        help="the RL algorithm (RLHFModule(algorithm=...)); only ppo has a critic, the others are planned "
-        "without critic calls",
-    )
-    parser.add_argument(
-        "--num-samples",
-        type=int,
-        default=1,
-        help="responses sampled per prompt (generation.num_samples, the group size G of grpo/rloo): each "
-        "iteration generates, scores and trains on batch-size x num-samples sequences",
-    )
-    parser.add_argument("--critic", default=None, help="default: the actor's size (--algorithm ppo only)")
-    parser.add_argument("--reference", default=None, help="default: the actor's size")
-    parser.add_argument(
-        "--reward",
-        default=None,
-        help="default: the critic's size (the actor's without a critic); 'function' for a Python reward",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("bf16", "fp32"),
-        default=None,
-        help="default: bf16 on GPUs (mixed-precision AdamW), fp32 on cpu",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=512, help="prompts per iteration (each sampled --num-samples times)"
-    )
-    parser.add_argument("--prompt-length", type=int, default=256)
-    parser.add_argument("--generation-length", type=int, default=480)
-    parser.add_argument("--ppo-epochs", type=int, default=1)
-    parser.add_argument("--num-minibatches", type=int, default=8)
-    parser.add_argument(
-        "--wrappers",
-        default=",".join(installed_wrappers()),
-        help=f"comma-separated subset of the wrappers {','.join(WRAPPERS)}{_packages_note()}; default: those "
-        "installed here",
-    )
-    parser.add_argument(
-        "--lora-rank",
-        type=int,
-        default=None,
-        help="train LoRA adapters of this rank (reference = the actor's base); 0 = full fine-tuning. "
-        "Default: full fine-tuning, and 128 with --sweep (as APP)",
-    )
-    parser.add_argument("--search", choices=SEARCHES, default="both")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-budget", type=float, default=5.0, help="seconds for the MCMC chain")
-    parser.add_argument("--top-k", type=int, default=5)
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument(
-        "--sweep",
-        action="store_true",
-        help="LLaMA 7B-65B actor+critic (or actor alone for a critic-free --algorithm) on 1x8..8x8 A100-80GB: a "
-        "markdown table (docs/planner.md)",
-    )
-    return parser
+@dataclass(frozen=True)
+class PlanOptions:
+    """The plan command's own flags (the named-size ones describe a workload without a training config).
+
+    With a training config (``--config``, ``--model.*``, ``--data.*``, ``--trainer.*`` as for ``fit``) ``plan`` plans
+    what ``fit`` would run; without one, the named-size flags (``--actor``, ``--critic``, ``--batch_size``, ...)
+    describe the workload.
+    """
+
+    cluster: str | None = None
+    """Where it runs, NODESxDEVICESxTYPE: 1x8xA100-80GB, 8x8xH100-80GB, 1x4xcpu (device types: A100-40GB,
+    A100-80GB, H100-80GB, H200, cpu). Default: with a training config on the cpu, trainer.num_nodes x
+    trainer.devices x cpu; without one, 1x8xA100-80GB."""
+    wrappers: str | None = None
+    """Comma-separated wrappers the search may give the roles: a subset of ddp, fsdp2, zero1, zero2, zero3 (the zero
+    ones need deepspeed: pip install 'lightning-app-rlhf[deepspeed]'). Default: every one installed here."""
+    search: Literal["app", "mcmc", "both", "presets"] = "both"
+    """app (APP's prior rules and grid), mcmc (ReaLHF's Metropolis chain), both, or presets (the three presets
+    only)."""
+    seed: int = 0
+    """Seeds the MCMC chain."""
+    time_budget: float = 5.0
+    """Seconds the MCMC chain may run."""
+    top_k: int = 5
+    """Searched plans shown besides the presets."""
+    json: bool = False
+    """Print JSON instead of tables."""
+    sweep: bool = False
+    """Named sizes only: plan LLaMA 7B-65B actor + critic (the actor alone for a critic-free --algorithm) on 1x8 to
+    8x8 A100-80GB with LoRA rank 128 (unless --lora_rank), and print the markdown table of docs/planner.md."""
+    actor: str | None = None
+    """Named sizes: the actor's size, one of llama-7b, llama-13b, llama-33b, llama-65b, gpt2-tiny, gpt2-small, a
+    local model directory or a config.json (default: llama-7b)."""
+    critic: str | None = None
+    """Named sizes: the critic's size, --algorithm ppo only (default: the actor's)."""
+    reference: str | None = None
+    """Named sizes: the reference's size (default: the actor's)."""
+    reward: str | None = None
+    """Named sizes: the reward model's size, or 'function' for a Python reward (default: the critic's, the
+    actor's without a critic)."""
+    algorithm: str | None = None
+    """Named sizes: the RL algorithm, as RLHFModule(algorithm=...): ppo (default), grpo, dr_grpo, rloo,
+    reinforce_pp, reinforce_pp_baseline. Only ppo has a critic; the others are planned without critic calls."""
+    num_samples: int | None = None
+    """Named sizes: responses sampled per prompt (generation.num_samples, the group size G of grpo and rloo): each
+    iteration generates, scores and trains on batch_size x num_samples sequences (default: 1)."""
+    dtype: Literal["bf16", "fp32"] | None = None
+    """Named sizes: the models' dtype (default: bf16 on GPUs, with mixed-precision AdamW; fp32 on the cpu)."""
+    batch_size: int | None = None
+    """Named sizes: prompts per iteration, each sampled num_samples times (default: 512)."""
+    prompt_length: int | None = None
+    """Named sizes: padded prompt tokens (default: 256)."""
+    generation_length: int | None = None
+    """Named sizes: generated tokens per response (default: 480)."""
+    ppo_epochs: int | None = None
+    """Named sizes: passes of the train calls over the rollout (default: 1)."""
+    num_minibatches: int | None = None
+    """Named sizes: optimizer steps per epoch (default: 8)."""
+    lora_rank: int | None = None
+    """Named sizes: train LoRA adapters of this rank (the reference is then the actor's base); 0 = full
+    fine-tuning (default: full fine-tuning, and 128 with --sweep, as APP)."""
+
+    def named(self, flag: str) -> Any:
+        """A named-size flag's value, or its default (:data:`NAMED_SIZE_DEFAULTS`) when it was left unset."""
+        value = getattr(self, flag)
+        return NAMED_SIZE_DEFAULTS.get(flag) if value is None else value
 
 
-def _packages_note() -> str:
-    """`` (zero1, zero2, zero3 need deepspeed)``: the registry's wrappers that need a package beyond torch."""
-    needs: dict[str, list[str]] = {}
-    for name, cls in WRAPPERS.items():
-        if cls.package:
-            needs.setdefault(cls.package, []).append(name)
-    return "".join(
-        f" ({', '.join(names)} need{'s' * (len(names) == 1)} {package})" for package, names in needs.items()
-    )
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a training config runs, as ``plan`` reads it (``cli.py`` builds it from the parsed config)."""
+
+    workload: Workload
+    """The module's algorithm, model shapes, generation and PPO settings at the data's batch and prompt length."""
+    cluster: str
+    """The cluster to plan for: ``--cluster``, or the trainer's devices."""
+    processes: int | None = None
+    """Processes the config launches (``trainer.num_nodes x trainer.devices``); None where the machine decides."""
+    strategy: str = "auto"
+    """``trainer.strategy`` as configured."""
+    strategy_plan: Callable[[int, tuple[str, ...]], PlacementPlan] | None = None
+    """The configured placement strategy's plan for a world size and the algorithm's roles; None: not a placement
+    strategy."""
+    generation_batch: int | None = None
+    """``model.generation.batch_size`` (None: a rank's whole shard)."""
+    micro_batch: int | None = None
+    """``model.ppo.micro_batch_size`` (None: a rank's whole shard of a minibatch)."""
+    tuner: bool = False
+    """A ``PlacementTuner`` callback replaces the strategy's plan at fit start."""
+    notes: tuple[str, ...] = ()
+    """How the cluster and the workload were read."""
 
 
-def check_algorithm_args(args: argparse.Namespace) -> None:
-    """Raise a ``ValueError`` naming the fix when the flags do not fit ``--algorithm``."""
-    algorithm = ALGORITHMS[args.algorithm]
-    if args.critic is not None and CRITIC.name not in algorithm.roles:
+@dataclass
+class PlanReport:
+    """What ``plan`` prints: the planner's result, the configured run's plan priced alike, and notes."""
+
+    result: PlannerResult
+    configured: Candidate | None = None
+    """The plan the training config's strategy runs, priced by the same cost model (source ``config``)."""
+    configured_strategy: str | None = None
+    """``trainer.strategy`` of the training config."""
+    notes: list[str] = field(default_factory=list)
+    """Lines printed under the table."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The planner's result as JSON (:meth:`PlannerResult.to_dict`), with the config's plan and the notes."""
+        return {
+            **self.result.to_dict(),
+            "configured_strategy": self.configured_strategy,
+            "configured": self.configured.to_dict() if self.configured is not None else None,
+            "notes": self.notes,
+        }
+
+
+# ---------------------------------------------------------------- the workload
+
+
+def check_algorithm_options(options: PlanOptions) -> None:
+    """Raise a ``ValueError`` naming the fix when the named-size flags do not fit ``--algorithm``."""
+    name = options.named("algorithm")
+    if name not in ALGORITHMS:
+        raise ValueError(f"Unknown --algorithm {name!r}: choose one of {sorted(ALGORITHMS)}.")
+    algorithm = ALGORITHMS[name]
+    if options.critic is not None and CRITIC.name not in algorithm.roles:
         raise ValueError(
-            f"--critic {args.critic} sets the critic's size, but algorithm {args.algorithm!r} has no critic. "
-            "Remove --critic (use --reward to size the reward model), or use --algorithm ppo."
+            f"--critic {options.critic} sets the critic's size, but algorithm {name!r} has no critic. Remove "
+            "--critic (use --reward to size the reward model), or use --algorithm ppo."
         )
-    if algorithm.min_group_size > 1 and args.num_samples < algorithm.min_group_size:
+    num_samples = options.named("num_samples")
+    if algorithm.min_group_size > 1 and num_samples < algorithm.min_group_size:
         raise ValueError(
-            f"Algorithm {args.algorithm!r} compares the responses of one prompt with each other and needs at least "
-            f"{algorithm.min_group_size} per prompt; --num-samples is {args.num_samples}. Pass --num-samples "
+            f"Algorithm {name!r} compares the responses of one prompt with each other and needs at least "
+            f"{algorithm.min_group_size} per prompt; --num_samples is {num_samples}. Pass --num_samples "
             f"{max(algorithm.min_group_size, 4)} (or more)."
         )
 
 
-def workload_from_args(args: argparse.Namespace, gpu: bool) -> Workload:
-    """The workload the flags describe: the roles of ``--algorithm`` (no critic for a critic-free one)."""
-    check_algorithm_args(args)
-    dtype_bytes = {"bf16": 2, "fp32": 4}[args.dtype or ("bf16" if gpu else "fp32")]
-    has_critic = CRITIC.name in ALGORITHMS[args.algorithm].roles
-    critic = (args.critic or args.actor) if has_critic else None
-    reward = (
-        None
-        if args.reward == "function"
-        else role_shape(args.reward or critic or args.actor, "classifier", dtype_bytes)
-    )
-    wrappers = tuple(w.strip() for w in args.wrappers.split(",") if w.strip())
+def check_no_named_sizes(options: PlanOptions) -> None:
+    """With a training config the workload is the config's: a named-size flag is an error naming its config key."""
+    for flag, config_key in CONFIG_KEYS.items():
+        if getattr(options, flag) is not None:
+            raise ValueError(
+                f"--{flag} describes a named-size workload, but a training config (--config, --model.*, --data.*) "
+                f"describes this one: set {config_key} instead, or plan named sizes without a training config."
+            )
+    if options.sweep:
+        raise ValueError("--sweep plans the LLaMA table of named sizes, not a training config: drop --config "
+                         "(and --model.*, --data.*) to run it.")
+
+
+def wrappers_option(options: PlanOptions) -> tuple[str, ...]:
+    """``--wrappers`` as a tuple (default: every installed wrapper); an unknown or uninstalled one is a
+    ``ValueError`` with the choices or the install command."""
+    if options.wrappers is None:
+        return installed_wrappers()
+    wrappers = tuple(w.strip() for w in options.wrappers.split(",") if w.strip())
+    if not wrappers:
+        raise ValueError(f"--wrappers {options.wrappers!r} names no wrapper: give some of "
+                         f"{','.join(installed_wrappers())}, comma-separated.")
     for wrapper in wrappers:
         wrapper_class(wrapper)  # unknown, or its package missing: a ValueError with the choices or the install
-    name = f"{args.actor}+{critic}" if has_critic else f"{args.actor} {args.algorithm}"
-    if args.num_samples > 1:
-        name += f" G={args.num_samples}"
+    return wrappers
+
+
+def workload_name(actor: str, critic: str | None, algorithm: str, num_samples: int, lora_rank: int | None) -> str:
+    """``llama-7b+llama-7b``, ``llama-7b grpo G=4``, ``... LoRA 128``: a workload's label in tables."""
+    name = f"{actor}+{critic}" if critic is not None else f"{actor} {algorithm}"
+    if num_samples > 1:
+        name += f" G={num_samples}"
+    return name + (f" LoRA {lora_rank}" if lora_rank else "")
+
+
+def named_size_workload(options: PlanOptions, gpu: bool) -> Workload:
+    """The workload the named-size flags describe: the roles of ``--algorithm`` (no critic for a critic-free one).
+
+    Args:
+        options: The flags; unset ones take :data:`NAMED_SIZE_DEFAULTS`.
+        gpu: Whether the cluster has GPUs (bf16, gradient checkpointing and fused attention) or CPUs (fp32).
+    """
+    check_algorithm_options(options)
+    algorithm, actor = options.named("algorithm"), options.named("actor")
+    dtype_bytes = {"bf16": 2, "fp32": 4}[options.dtype or ("bf16" if gpu else "fp32")]
+    critic = (options.critic or actor) if CRITIC.name in ALGORITHMS[algorithm].roles else None
+    reward = (
+        None if options.reward == "function" else role_shape(options.reward or critic or actor, "classifier", dtype_bytes)
+    )
     return Workload(
-        actor=role_shape(args.actor, "causal_lm", dtype_bytes),
+        actor=role_shape(actor, "causal_lm", dtype_bytes),
         critic=role_shape(critic, "value", dtype_bytes) if critic is not None else None,
-        reference=role_shape(args.reference or args.actor, "causal_lm", dtype_bytes),
+        reference=role_shape(options.reference or actor, "causal_lm", dtype_bytes),
         reward=reward,
-        batch_size=args.batch_size,
-        prompt_length=args.prompt_length,
-        generation_length=args.generation_length,
-        ppo_epochs=args.ppo_epochs,
-        num_minibatches=args.num_minibatches,
-        num_samples=args.num_samples,
-        algorithm=args.algorithm,
-        wrappers=wrappers,
+        batch_size=options.named("batch_size"),
+        prompt_length=options.named("prompt_length"),
+        generation_length=options.named("generation_length"),
+        ppo_epochs=options.named("ppo_epochs"),
+        num_minibatches=options.named("num_minibatches"),
+        num_samples=options.named("num_samples"),
+        algorithm=algorithm,
+        wrappers=wrappers_option(options),
         # AdamW: two state tensors per element (the wrappers count them in memory); the analytic step time reads
         # 12 bytes per parameter at bf16 (fp32 master weights and moments), 8 at fp32.
         optimizer_bytes_per_param=12.0 if dtype_bytes == 2 else 8.0,
         optimizer_slots=2,
         gradient_checkpointing=gpu,
         flash_attention=gpu,
-        lora_rank=args.lora_rank or None,
-        name=name + (f" LoRA {args.lora_rank}" if args.lora_rank else ""),
+        lora_rank=options.lora_rank or None,
+        name=workload_name(actor, critic, algorithm, options.named("num_samples"), options.lora_rank),
     )
 
 
-def run(args: argparse.Namespace) -> PlannerResult:
-    cluster = parse_cluster(args.cluster)
-    workload = workload_from_args(args, gpu=cluster.cores_per_node is None)
+# ---------------------------------------------------------------- planning
+
+
+def search(options: PlanOptions, cluster: Cluster, workload: Workload) -> PlannerResult:
+    """Run the planner's searches for ``workload`` on ``cluster`` as the flags ask."""
     return plan_placement(
         cluster,
         workload,
-        search=args.search,
-        seed=args.seed,
-        time_budget_s=args.time_budget,
-        top_k=args.top_k,
+        search=options.search,
+        seed=options.seed,
+        time_budget_s=options.time_budget,
+        top_k=options.top_k,
     )
 
 
-def print_result(result: PlannerResult) -> None:
+def plan_named_sizes(options: PlanOptions) -> PlanReport:
+    """The plans of the named-size workload on ``--cluster`` (default :data:`DEFAULT_CLUSTER`)."""
+    cluster = parse_cluster(options.cluster or DEFAULT_CLUSTER)
+    workload = named_size_workload(options, gpu=cluster.cores_per_node is None)
+    return PlanReport(search(options, cluster, workload))
+
+
+def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
+    """The plans of a training config's workload, beside the plan its ``trainer.strategy`` runs.
+
+    Args:
+        options: The flags (named-size ones must be unset).
+        run: What the config runs.
+    """
+    check_no_named_sizes(options)
+    workload = replace(run.workload, wrappers=wrappers_option(options)) if options.wrappers else run.workload
+    result = search(options, parse_cluster(run.cluster), workload)
+    report = PlanReport(result, configured_strategy=run.strategy, notes=list(run.notes))
+    cluster = result.cluster
+    if run.processes is not None and run.processes != cluster.world_size:
+        report.notes.append(
+            f"The config launches {run.processes} process(es) (trainer.num_nodes x trainer.devices); these plans "
+            f"are for the {cluster.world_size} devices of {cluster.name}: fit with --trainer.num_nodes "
+            f"{cluster.nodes} --trainer.devices {cluster.devices_per_node}."
+        )
+    plan = None
+    if run.strategy_plan is not None:
+        try:
+            plan = run.strategy_plan(cluster.world_size, workload.roles)
+            plan.check_roles(workload.roles, workload.algorithm)
+        except ValueError as err:
+            report.notes.append(f"The configured trainer.strategy {run.strategy} cannot run on {cluster.world_size} "
+                                f"rank(s): {err}")
+            plan = None
+    elif cluster.world_size == 1:
+        plan = flattening_plan(1, roles=workload.roles)  # one process holds every role, as RLHFModule does
+    else:
+        report.notes.append(
+            f"The configured trainer.strategy {run.strategy} is not a placement strategy, so no plan of its is "
+            "priced: place the calls with --trainer.strategy rlhf_flattening, rlhf_interleaving or rlhf_separation "
+            "(or rlhf_placement with a plan)."
+        )
+    if plan is not None:
+        choice = PlanChoice(plan, run.generation_batch, run.micro_batch)
+        report.configured = Candidate(CostModel(cluster, workload).evaluate(choice), "config")
+    if run.tuner:
+        report.notes.append(
+            "trainer.callbacks has a PlacementTuner: fit searches again at its start, with a profile of the machine, "
+            "and runs its choice (and its batch sizes) instead of the strategy's plan."
+        )
+    else:
+        report.notes.append(
+            "To run the planner's choice, fit with a placement strategy and the PlacementTuner callback "
+            "(--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner): it searches again at fit start, "
+            "with a profile of the machine."
+        )
+    return report
+
+
+def run_plan_command(options: PlanOptions, training_run: Callable[[], TrainingRun] | None) -> int:
+    """Plan, print the plans (tables, or JSON with ``--json``) and return the exit status: 0, or 2 after printing
+    an error that names the fix.
+
+    Args:
+        options: The flags.
+        training_run: Reads what the training config runs; None: no training config (named sizes).
+    """
+    try:
+        if options.sweep and training_run is None:
+            rows = sweep(options)
+            print(json_module.dumps(rows, indent=1)) if options.json else print_sweep(rows)
+            return 0
+        if training_run is None:
+            report = plan_named_sizes(options)
+        else:
+            check_no_named_sizes(options)  # before reading the config's prompts
+            report = plan_training_run(options, training_run())
+    except (ValueError, FileNotFoundError) as err:  # PlannerError is a ValueError
+        return report_error(err, options.json)
+    if options.json:
+        print(json_module.dumps(report.to_dict(), indent=1, default=_json_default))
+    else:
+        print_report(report)
+    return 0
+
+
+def report_error(err: Exception, as_json: bool = False) -> int:
+    """Print ``error: ...`` to stderr (and ``{"error": ...}`` to stdout with ``--json``); return the exit status 2."""
+    if as_json:
+        print(json_module.dumps({"error": str(err)}))
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------- printing
+
+
+def print_report(report: PlanReport) -> None:
+    """Two tables keyed by plan number: each plan's wrappers, batch sizes and prediction (the best marked ``*``,
+    the training config's own plan as source ``config``), then the ranks of each call; then a summary."""
     from rich.console import Console
     from rich.table import Table
 
+    result = report.result
     w = result.workload
     batch = f"batch {w.batch_size}" if w.num_samples == 1 else f"batch {w.batch_size} prompts x {w.num_samples} samples"
-    table = Table(
-        title=f"{w.name} ({w.algorithm}: {', '.join(w.roles)}) on {result.cluster.name}: {batch}, prompt "
-        f"{w.prompt_length} + generation {w.generation_length} tokens, {w.ppo_epochs} epoch(s) x "
-        f"{w.num_minibatches} minibatches ({result.search_s:.1f} s search)"
-    )
-    for column in (
-        "",
-        "source",
-        "placement",
-        "wrappers",
-        "gen batch",
-        "micro",
-        "iter s",
-        "samples/s",
-        "peak/device",
-        "vs flattening",
-        "note",
-    ):
-        table.add_column(
-            column, justify="right" if column in ("iter s", "samples/s", "vs flattening") else "left"
-        )
+    heading = (f"{w.name} ({w.algorithm}: {', '.join(w.roles)}) on {result.cluster.name}: {batch}, prompt "
+               f"{w.prompt_length} + generation {w.generation_length} tokens, {w.ppo_epochs} epoch(s) x "
+               f"{w.num_minibatches} minibatches ({result.search_s:.1f} s search)")
+    plans = Table(title="Plans, fastest first" + (" (the config's own last)" if report.configured else ""))
+    right = ("#", "iter s", "samples/s", "vs flattening")
+    for column in ("#", "", "source", "plan", "wrappers", "gen batch", "micro", "iter s", "samples/s", "peak/device",
+                   "vs flattening", "note"):
+        plans.add_column(column, justify="right" if column in right else "left")
+    ranks = Table(title="Ranks of each call")
+    for column in ("#", "plan", *w.calls):
+        ranks.add_column(column, justify="right" if column == "#" else "left")
     flat = result.presets.get("flattening")
-    for c in result.candidates:
+    candidates = [*result.candidates, *([report.configured] if report.configured is not None else [])]
+    for number, c in enumerate(candidates, 1):
         e = c.estimate
-        speedup = (
-            f"{flat.iteration_s / e.iteration_s:.2f}x"
-            if e.fits and flat is not None and flat.estimate.fits
-            else "-"
-        )
-        table.add_row(
+        fits_both = e.fits and flat is not None and flat.estimate.fits
+        plans.add_row(
+            str(number),
             "*" if c is result.best else "",
             c.source,
-            _groups(c),
-            _wrappers_text(c.plan.wrappers),
+            c.plan.name,
+            " ".join(role_wrappers(c.plan.wrappers)),
             str(c.choice.generation_batch or "all"),
             str(c.choice.micro_batch or "all"),
-            f"{e.iteration_s:.2f}" if e.fits else "-",
+            _seconds_per_iteration(e.iteration_s) if e.fits else "-",
             f"{e.samples_per_s:.2f}" if e.fits else "-",
             f"{gib(e.peak_bytes)} / {gib(e.capacity_bytes)}",
-            speedup,
+            f"{flat.iteration_s / e.iteration_s:.2f}x" if fits_both else "-",
             e.rejected or "",
         )
+        ranks.add_row(str(number), c.plan.name, *(ranks_text(c.plan.ranks(call)) for call in w.calls))
     console = Console(width=200)
-    console.print(table)
-    for rule in result.rules:
-        console.print(f"rule: {rule}")
+    console.print(heading, markup=False, highlight=False, soft_wrap=True)
+    console.print(plans)
+    console.print(ranks)
+    for line in summary_lines(report, candidates):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-SHORT_CALLS = {
-    ACTOR.call("generate"): "gen",
-    REFERENCE.call("forward"): "ref",
-    REWARD.call("forward"): "rew",
-    CRITIC.call("forward"): "val",
-    ACTOR.call("train"): "trainA",
-    CRITIC.call("train"): "trainC",
-}
-"""Column labels of the calls in the printed tables."""
+def summary_lines(report: PlanReport, candidates: list[Candidate]) -> list[str]:
+    """The best plan, the training config's plan beside it, the search's pruning rules and the notes.
+
+    Args:
+        report: What to summarise.
+        candidates: The plans in table order (numbered from 1).
+    """
+    best, configured = report.result.best, report.configured
+    lines = [f"best: #{candidates.index(best) + 1} {best.plan.name} ({best.source}), {_prediction(best)}."]
+    if configured is not None:
+        versus = (f"{configured.iteration_s / best.iteration_s:.2f}x the best's time" if configured.estimate.fits
+                  else f"does not fit: {configured.rejected}")
+        lines.append(f"config: #{candidates.index(configured) + 1} {configured.plan.name} from trainer.strategy "
+                     f"{report.configured_strategy}, {_prediction(configured)}: {versus}.")
+    lines += [f"rule: {rule}" for rule in report.result.rules]
+    lines += [f"note: {note}" for note in report.notes]
+    return lines
 
 
-def _wrappers_text(wrappers: dict[str, str]) -> str:
-    """``act:ddp cri:fsdp2 rew:fsdp2``: each wrapped role's wrapper, by the role's first three letters."""
-    return " ".join(f"{role[:3]}:{wrapper}" for role, wrapper in wrappers.items())
+def _prediction(candidate: Candidate) -> str:
+    e = candidate.estimate
+    time = f"{_seconds_per_iteration(e.iteration_s)} s/iteration, {e.samples_per_s:.1f} samples/s, " if e.fits else ""
+    return f"{time}peak {gib(e.peak_bytes)} of {gib(e.capacity_bytes)} per device"
 
 
-def _groups(candidate: Any) -> str:
-    plan = candidate.plan
-    parts = []
-    for call in calls_of(plan.roles):
-        ranks = plan.ranks(call)
-        text = (
-            f"{ranks[0]}-{ranks[-1]}"
-            if ranks == tuple(range(ranks[0], ranks[-1] + 1))
-            else ",".join(map(str, ranks))
-        )
-        parts.append(f"{SHORT_CALLS.get(call, call)}:{text}")
-    return f"{plan.name} " + " ".join(parts)
-
-
-def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+def sweep(options: PlanOptions) -> list[dict[str, Any]]:
     """Every LLaMA size on every cluster of the docs table; one row each (errors included)."""
+    check_algorithm_options(options)
+    has_critic = CRITIC.name in ALGORITHMS[options.named("algorithm")].roles
+    lora_rank = SWEEP_LORA_RANK if options.lora_rank is None else options.lora_rank
     rows = []
-    lora_rank = 128 if args.lora_rank is None else args.lora_rank
-    check_algorithm_args(args)
-    has_critic = CRITIC.name in ALGORITHMS[args.algorithm].roles
     for model in SWEEP_MODELS:
         for cluster in SWEEP_CLUSTERS:
-            sizes = {"actor": model, "critic": model if has_critic else None}
-            case = argparse.Namespace(**{**vars(args), "cluster": cluster, **sizes, "lora_rank": lora_rank})
+            case = replace(options, cluster=cluster, actor=model, critic=model if has_critic else None,
+                           lora_rank=lora_rank)
             try:
-                result = run(case)
+                result = plan_named_sizes(case).result
             except PlannerError as err:
                 rows.append({"model": model, "cluster": cluster, "error": str(err)})
                 continue
@@ -282,16 +487,14 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                 {
                     "model": model,
                     "cluster": cluster,
-                    "best": _groups(best),
-                    "wrappers": "/".join(f"{r[:3]}:{w}" for r, w in best.plan.wrappers.items()),
+                    "best": f"{best.plan.name}: {' '.join(call_ranks(best.plan))}",
+                    "wrappers": " ".join(role_wrappers(best.plan.wrappers)),
                     "peak_memory_gib": best.estimate.peak_bytes / 2**30,
                     "source": best.source,
                     "iteration_s": best.iteration_s,
                     "samples_per_s": best.samples_per_s,
                     "speedup_over_flattening": result.speedup_over("flattening"),
-                    "presets_s": {
-                        n: (c.iteration_s if c.estimate.fits else None) for n, c in result.presets.items()
-                    },
+                    "presets_s": {n: (c.iteration_s if c.estimate.fits else None) for n, c in result.presets.items()},
                     "search_s": result.search_s,
                 }
             )
@@ -299,6 +502,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def print_sweep(rows: list[dict[str, Any]]) -> None:
+    """The sweep as the markdown table of docs/planner.md."""
     print(
         "| model | cluster | chosen plan (ranks per call) | wrappers | iter s | peak GiB | flattening s | "
         "interleaving s | separation s | speedup vs flattening | search s |"
@@ -309,34 +513,22 @@ def print_sweep(rows: list[dict[str, Any]]) -> None:
             print(f"| {r['model']} | {r['cluster']} | does not fit: {r['error']} | | | | | | | | |")
             continue
         presets = r["presets_s"]
-        fmt = lambda v: f"{v:.1f}" if v is not None else "OOM"
         speedup = r["speedup_over_flattening"]
         print(
             f"| {r['model']} | {r['cluster']} | {r['best']} ({r['source']}) | {r['wrappers']} | "
-            f"{r['iteration_s']:.1f} | {r['peak_memory_gib']:.1f} | {fmt(presets.get('flattening'))} | {fmt(presets.get('interleaving'))} | "
-            f"{fmt(presets.get('separation'))} | {f'{speedup:.2f}x' if speedup else 'flattening OOM'} | "
-            f"{r['search_s']:.1f} |"
+            f"{r['iteration_s']:.1f} | {r['peak_memory_gib']:.1f} | {_seconds(presets.get('flattening'))} | "
+            f"{_seconds(presets.get('interleaving'))} | {_seconds(presets.get('separation'))} | "
+            f"{f'{speedup:.2f}x' if speedup else 'flattening OOM'} | {r['search_s']:.1f} |"
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.sweep:
-            rows = sweep(args)
-            print(json.dumps(rows, indent=1)) if args.json else print_sweep(rows)
-            return 0
-        result = run(args)
-    except (PlannerError, ValueError) as err:
-        if args.json:
-            print(json.dumps({"error": str(err)}))
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=1, default=_json_default))
-    else:
-        print_result(result)
-    return 0
+def _seconds_per_iteration(seconds: float) -> str:
+    """Two decimals, three below a second (CPU plans of small models differ in milliseconds)."""
+    return f"{seconds:.3f}" if seconds < 1 else f"{seconds:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "OOM"
 
 
 def _json_default(value: Any) -> Any:

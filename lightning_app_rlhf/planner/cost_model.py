@@ -58,17 +58,30 @@ class PlanChoice:
 
     @property
     def label(self) -> str:
+        """``flattening [ddp/ddp reference:fsdp2] actor.generate 0-7 reference.forward 0-7 ... gen_batch=all
+        micro=all``: the plan's name, the trainable roles' wrappers (then each sharded frozen role's), every call
+        with its ranks (:func:`call_ranks`) and the batch sizes."""
         plan = self.plan
-        groups = " ".join(
-            f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}={_ranks(plan.ranks(c))}" for c in calls_of(plan.roles)
-        )
         wrappers = "/".join(plan.wrappers[r] for r in plan.trainable_roles)
-        wrappers += "".join(f" {r[:3]}:{plan.wrappers[r]}" for r in FROZEN_ROLES if r in plan.wrappers)
+        wrappers += "".join(f" {r}:{plan.wrappers[r]}" for r in FROZEN_ROLES if r in plan.wrappers)
         batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
-        return f"{plan.name} [{wrappers}] {groups} {batches}"
+        return f"{plan.name} [{wrappers}] {' '.join(call_ranks(plan))} {batches}"
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
+def call_ranks(plan: PlacementPlan) -> list[str]:
+    """``["actor.generate 0-7", "reference.forward 0-3", ...]``: every call of ``plan`` by its full name with its
+    ranks, in phase order. The planner's tables, labels and sweep print calls this way (the tuner's log line and the
+    placement summary name them the same)."""
+    return [f"{call} {ranks_text(plan.ranks(call))}" for call in calls_of(plan.roles)]
+
+
+def role_wrappers(wrappers: dict[str, str]) -> list[str]:
+    """``["actor:ddp", "critic:fsdp2", "reward:fsdp2"]``: each wrapped role by its full name with its wrapper."""
+    return [f"{role}:{wrapper}" for role, wrapper in wrappers.items()]
+
+
+def ranks_text(ranks: tuple[int, ...]) -> str:
+    """``0-7`` for contiguous ranks, else ``0,2,5``."""
     if len(ranks) > 1 and ranks == tuple(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
