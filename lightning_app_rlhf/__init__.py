@@ -1,7 +1,9 @@
 """lightning-app-rlhf: RLHF with PPO for PyTorch Lightning, with placement of the four roles."""
 
+from lightning_app_rlhf.calls import RewardFunctionError
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
+from lightning_app_rlhf.engine import DivergenceError
 from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.roles import ModelSpec, ValueModel
@@ -13,6 +15,7 @@ from lightning_app_rlhf.strategies import (
 )
 
 __all__ = [
+    "DivergenceError",
     "FlatteningStrategy",
     "GenerationConfig",
     "InterleavingStrategy",
@@ -22,6 +25,7 @@ __all__ = [
     "PlacementStrategy",
     "PromptDataModule",
     "RLHFModule",
+    "RewardFunctionError",
     "SeparationStrategy",
     "ValueModel",
 ]

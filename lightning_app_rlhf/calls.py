@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -114,6 +115,11 @@ def critic_forward(
     return _in_chunks(forward, rollout, batch_size, lockstep_group)
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function raised: the message names the function, the iteration and the batch's first prompt; the
+    function's own exception is the ``__cause__``, with its traceback."""
+
+
 @torch.no_grad()
 def reward_forward(
     reward: nn.Module | RewardFunction,
@@ -122,6 +128,7 @@ def reward_forward(
     row_fields: dict[str, list[Any]] | None = None,
     batch_size: int | None = None,
     lockstep_group: dist.ProcessGroup | None = None,
+    iteration: int | None = None,
 ) -> torch.Tensor:
     """Scores [B] in float32: a reward model's output, or a reward function's on decoded text.
 
@@ -130,7 +137,16 @@ def reward_forward(
     response of the shard (and its row fields) at once, as without chunks.
 
     A reward function also receives the dataset rows' other fields (e.g. ``answer=[...]``, one entry per response)
-    as keyword arguments, when its signature takes them by name or takes ``**kwargs`` (TRL's convention).
+    as keyword arguments, when its signature takes them by name or takes ``**kwargs`` (TRL's convention). It may
+    return a list (or tuple) of numbers (floats, ints, bools), a 1-D tensor or a numpy array (a ``[B, 1]`` column
+    too), one score per response.
+
+    Args:
+        iteration: The iteration being scored, named by the errors below (None: not named).
+
+    Raises:
+        RewardFunctionError: The reward function raised; its exception is chained as the cause.
+        ValueError: The reward function returned something else than one number per response.
     """
     if isinstance(reward, nn.Module):
 
@@ -145,14 +161,96 @@ def reward_forward(
         return _in_chunks(forward, rollout, batch_size, lockstep_group)
     prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
     responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
-    scores = torch.as_tensor(reward(prompts, responses, **_accepted(reward, row_fields or {})), dtype=torch.float32)
-    scores = scores.flatten()
-    if scores.numel() != len(prompts):
-        raise ValueError(
-            f"The reward function returned {scores.numel()} scores for {len(prompts)} responses: it must "
-            "return one float per (prompt, response) pair."
+    try:
+        returned = reward(prompts, responses, **_accepted(reward, row_fields or {}))
+    except Exception as err:  # user code: say which call failed; the cause keeps its traceback
+        raised = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        raise RewardFunctionError(
+            f"The reward function {_name_of(reward)} raised {raised} ({_batch_of(prompts, iteration)}). Fix the "
+            "function: its traceback is shown above."
+        ) from err
+    return _scores_from(returned, reward, prompts, iteration).to(rollout.sequences.device)
+
+
+def _scores_from(returned: Any, reward: RewardFunction, prompts: list[str], iteration: int | None) -> torch.Tensor:
+    """A reward function's return value as float32 scores [B], or a ``ValueError`` saying what came back."""
+    expected = len(prompts)
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(
+            f"The reward function {_name_of(reward)} ({_batch_of(prompts, iteration)}) returned {what}. It must "
+            f"return one float per (prompt, response) pair: {expected} of them, as a list of numbers, a 1-D tensor "
+            "or a numpy array."
         )
-    return scores.to(rollout.sequences.device)
+
+    kind = _a(type(returned).__name__)
+    if _is_array(returned):
+        if not _numeric_dtype(returned):
+            items = list(returned.flatten()) if returned.ndim else [returned.item()]
+            first = next(((i, item) for i, item in enumerate(items) if not _is_number(item)), None)
+            shown = f", whose item #{first[0]} is {_describe_item(first[1])}" if first is not None else ""
+            raise refuse(f"{kind} of dtype {returned.dtype}{shown}")
+        scores = torch.as_tensor(returned)
+        if scores.ndim == 2 and scores.shape[1] == 1:  # a [B, 1] column, as a one-label head gives
+            scores = scores[:, 0]
+        if scores.ndim != 1:
+            raise refuse(f"{kind} of shape {tuple(scores.shape)}")
+    elif isinstance(returned, (list, tuple)):
+        for i, item in enumerate(returned):
+            if not _is_number(item):
+                raise refuse(f"{kind} whose item #{i} is {_describe_item(item)}")
+        scores = torch.tensor([float(item) for item in returned], dtype=torch.float32)
+    elif returned is None:
+        raise refuse("None (is a `return` missing?)")
+    else:
+        raise refuse(f"{kind} ({_short(returned)})")
+    if len(scores) != expected:
+        raise refuse(f"{kind} of {len(scores)} score{'s' if len(scores) != 1 else ''}")
+    return scores.to(torch.float32)
+
+
+def _is_array(value: Any) -> bool:
+    """A tensor, or a numpy array or scalar (duck-typed: numpy is not imported here)."""
+    return torch.is_tensor(value) or all(hasattr(value, name) for name in ("__array__", "dtype", "shape"))
+
+
+def _numeric_dtype(array: Any) -> bool:
+    if torch.is_tensor(array):
+        return not array.is_complex()
+    return array.dtype.kind in "biuf"  # numpy: bool, signed and unsigned integers, floats
+
+
+def _is_number(item: Any) -> bool:
+    if isinstance(item, numbers.Real):  # bools, and numpy's integer and floating scalars
+        return True
+    return _is_array(item) and tuple(item.shape) == () and _numeric_dtype(item)  # a 0-d tensor, numpy's bool_
+
+
+def _describe_item(item: Any) -> str:
+    return "None" if item is None else f"{_short(item)} ({_a(type(item).__name__)}, not a number)"
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _name_of(function: Any) -> str:
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    module = getattr(function, "__module__", None)
+    return f"'{module}.{name}'" if module else f"'{name}'"
+
+
+def _batch_of(prompts: list[str], iteration: int | None) -> str:
+    """Where a reward call failed: the iteration and the batch's first prompt, to find the batch in the data."""
+    where = f"at iteration {iteration}, " if iteration is not None else ""
+    if not prompts:
+        return f"{where}on an empty batch"
+    return f"{where}on a batch of {len(prompts)} responses whose first prompt is {_short(prompts[0])}"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _accepted(function: Any, row_fields: dict[str, list[Any]]) -> dict[str, list[Any]]:

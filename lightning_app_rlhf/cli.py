@@ -8,6 +8,7 @@ module only reads the parsed config into a :class:`~lightning_app_rlhf.planner.c
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import sys
@@ -173,6 +174,19 @@ class RLHFCLI(LightningCLI):
         ckpt_path = self.config.get(self.config.get("subcommand") or "", {}).get("ckpt_path")
         if ckpt_path and "://" not in str(ckpt_path):
             load_checkpoint_file(ckpt_path)
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Name a mistyped strategy before Lightning does: its error lists none of the registered names."""
+        strategy = self.config.get(self.config.get("subcommand") or "", {}).get("trainer", {}).get("strategy")
+        if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry or "." in strategy:
+            return  # a strategy object or class path, or a name Lightning knows
+        ours = sorted(name for name in StrategyRegistry if name.startswith("rlhf_"))
+        close = difflib.get_close_matches(strategy, list(StrategyRegistry), n=1)
+        hint = f"Did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"Unknown --trainer.strategy {strategy!r}. {hint}The placement strategies are "
+                         f"{', '.join(ours)}; Lightning's own include 'auto', 'ddp' and 'fsdp'. A custom plan: "
+                         "class_path lightning_app_rlhf.PlacementStrategy with init_args.plan.")
 
     def before_fit(self) -> None:
         """A PlacementTuner must see ``--ckpt_path`` before the models are built, to reuse the saved plan."""

@@ -50,9 +50,11 @@ class GenerationConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.temperature <= 0:
+            # Greedy decoding is do_sample=False, not temperature 0: the log-probabilities divide by temperature.
             raise ValueError(
-                f"generation.temperature must be > 0, got {self.temperature}. Use a small value such as 0.01 "
-                "for near-greedy sampling."
+                f"generation.temperature must be > 0, got {self.temperature}. Use generation.do_sample: false for "
+                "greedy decoding (temperature then only scales the log-probabilities; keep it at 1.0), or a small "
+                "value such as 0.01 for near-greedy sampling."
             )
         if self.top_k < 0:
             raise ValueError(f"generation.top_k must be >= 0 (0 disables it), got {self.top_k}.")
@@ -157,7 +159,14 @@ class PPOConfig:
     nonfinite_rewards: Literal["raise", "skip"] = "raise"
     """NaN or inf scores: "raise" stops with an error; "skip" warns and leaves those samples out of the update."""
     max_grad_norm: float | None = 1.0
-    """Gradient clipping by global norm for actor and critic (None disables)."""
+    """Gradient clipping by global norm for actor and critic (None disables; the norm is still measured, for
+    ``max_consecutive_skipped_updates``)."""
+    max_consecutive_skipped_updates: int = 3
+    """A minibatch whose loss (policy, KL or value loss) or gradient norm is NaN or infinite takes no optimizer
+    step: its gradients are zeroed, the weights and optimizer state stay as they were, a warning names it, and
+    ``train/skipped_updates`` counts it. After this many skipped updates in a row of one role (counted across
+    minibatches and iterations, reset by an update that steps) the run stops with a ``DivergenceError``. The count
+    restarts at 0 when a run resumes from a checkpoint."""
 
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "num_minibatches", "kl_horizon"):
@@ -191,5 +200,9 @@ class PPOConfig:
             raise ValueError(f"ppo.kl_target must be > 0 or None (fixed coefficient), got {self.kl_target}.")
         if self.reward_clip is not None and self.reward_clip <= 0:
             raise ValueError(f"ppo.reward_clip must be > 0 or None, got {self.reward_clip}.")
+        limit = self.max_consecutive_skipped_updates
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"ppo.max_consecutive_skipped_updates must be an integer >= 1 (skipped updates in a row "
+                             f"before the run stops), got {limit!r}.")
         if self.nonfinite_rewards not in ("raise", "skip"):
             raise ValueError(f"ppo.nonfinite_rewards must be 'raise' or 'skip', got {self.nonfinite_rewards!r}.")

@@ -3,9 +3,11 @@ or a directory saved with ``save_to_disk``), or an import path."""
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,8 +55,12 @@ class PromptDataset(Dataset):
         encoded = tokenizer(self.prompts, add_special_tokens=False, truncation=truncate, max_length=max_prompt_length)
         self.input_ids = encoded["input_ids"]
         empty = [i for i, ids in enumerate(self.input_ids) if not ids]
-        if empty:
-            raise ValueError(f"Prompt #{empty[0]} ({self.prompts[empty[0]]!r}) encodes to no tokens: remove it.")
+        if empty and max_prompt_length is not None and max_prompt_length < 1:  # every prompt truncated away
+            raise ValueError(f"data.max_prompt_length must be >= 1 (or null to keep prompts whole), got "
+                             f"{max_prompt_length}.")
+        if empty:  # PromptDataModule drops blank prompts first: what is left here is text the tokenizer skips
+            raise ValueError(f"Prompt #{empty[0]} ({self.prompts[empty[0]]!r}) encodes to no tokens: remove it, or "
+                             "use a tokenizer that reads its characters.")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -199,9 +205,7 @@ def _read_rows(
             return _read_rows(_load_from_disk(source), prompt_key, split, split_setting)
         if os.path.isfile(source):
             _refuse_split(source, split, split_setting)
-            with open(source, encoding="utf-8") as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            return _split_rows(rows, prompt_key, source)
+            return _split_rows(_read_jsonl(source), prompt_key, source)
         if os.path.exists(source):
             raise ValueError(f"Prompt source {source!r} is not a file: give a .jsonl file with one object per line, "
                              "or a directory written by a datasets Dataset's or DatasetDict's save_to_disk().")
@@ -225,6 +229,49 @@ _PREFERRED_SPLITS = {
     "data.predict_split": ("test", "validation", "valid", "val"),
 }
 """The split each setting's error suggests first, when the source has it."""
+
+
+def _read_jsonl(path: str) -> list[Any]:
+    """The JSON value of each non-blank line of ``path``. Errors name the file and the 1-based line, and for bytes
+    that are not UTF-8 the byte offset in the file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    offset = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # Windows editors write one
+    rows = []
+    for number, line in enumerate(data[offset:].splitlines(keepends=True), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"Prompt file {path!r} is not valid UTF-8: byte offset {offset + err.start} (line "
+                             f"{number}) holds {line[err.start:err.end]!r} ({err.reason}). Save the file as UTF-8, "
+                             "e.g. `iconv -f LATIN1 -t UTF-8 in.jsonl > out.jsonl`.") from err
+        offset += len(line)
+        if not text.strip():
+            continue
+        try:
+            rows.append(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"Prompt file {path!r}, line {number}, column {err.colno}: not valid JSON ({err.msg}). "
+                             'Each non-blank line must hold one JSON value, e.g. {"prompt": "..."}.') from err
+    return rows
+
+
+def _drop_blank_prompts(
+    prompts: list[str | Messages], fields: list[dict[str, Any]], what: str
+) -> tuple[list[str | Messages], list[dict[str, Any]], int]:
+    """Leave out the prompt strings that are empty or whitespace only, with one warning naming how many and the
+    first rows; returns the kept prompts, their fields, and how many were dropped."""
+    blank = [i for i, prompt in enumerate(prompts) if isinstance(prompt, str) and not prompt.strip()]
+    if not blank:
+        return prompts, fields, 0
+    shown = ", ".join(f"#{i}" for i in blank[:5]) + (", ..." if len(blank) > 5 else "")
+    # A warning, not an error: blank lines creep into generated prompt files, and one should not stop a run.
+    warnings.warn(f"Dropped {len(blank)} of the {len(prompts)} prompts of {what}: they are empty or whitespace "
+                  f"only (rows {shown}, counting from 0). Remove them from the source to silence this warning.",
+                  stacklevel=3)
+    dropped = set(blank)
+    kept = [i for i in range(len(prompts)) if i not in dropped]
+    return [prompts[i] for i in kept], [fields[i] for i in kept], len(blank)
 
 
 def _pick_split(splits: Mapping[str, Any], split: str | None, split_setting: str) -> Any:
@@ -440,11 +487,13 @@ class PromptDataModule(pl.LightningDataModule):
 
     def _train_dataset(self) -> PromptDataset:
         prompts, fields = _read_rows(self.prompts, self.prompt_key, self.split, "data.split")
+        prompts, fields, dropped = _drop_blank_prompts(prompts, fields, "data.prompts")
+        after = f" after dropping {dropped} blank ones" if dropped else ""
         if not prompts:
-            raise ValueError(f"The prompt dataset is empty (source: {_describe(self.prompts)}). Give at least "
+            raise ValueError(f"The prompt dataset is empty{after} (source: {_describe(self.prompts)}). Give at least "
                              f"data.batch_size={self.batch_size} prompts.")
         if len(prompts) < self.batch_size:
-            raise ValueError(f"The prompt dataset has {len(prompts)} prompts, fewer than data.batch_size="
+            raise ValueError(f"The prompt dataset has {len(prompts)} prompts{after}, fewer than data.batch_size="
                              f"{self.batch_size}, so not one full batch can be drawn. Add prompts or lower "
                              "data.batch_size.")
         return PromptDataset(prompts, self.tokenizer, self.max_prompt_length, fields, self.chat_template)
@@ -457,9 +506,11 @@ class PromptDataModule(pl.LightningDataModule):
 
     def _eval_dataset(self, source: Any, split: str | None, split_setting: str, what: str) -> PromptDataset:
         prompts, fields = _read_rows(source, self.prompt_key, split, split_setting)
+        prompts, fields, dropped = _drop_blank_prompts(prompts, fields, what)
         if not prompts:
-            raise ValueError(f"The prompts of {what} are empty (source: {_describe(source)}). Give at least one "
-                             "prompt.")
+            after = f" after dropping {dropped} blank ones" if dropped else ""
+            raise ValueError(f"The prompts of {what} are empty{after} (source: {_describe(source)}). Give at least "
+                             "one prompt.")
         return PromptDataset(prompts, self.tokenizer, self.max_prompt_length, fields, self.chat_template)
 
     def _predict_dataset(self) -> PromptDataset:

@@ -10,8 +10,9 @@ loop and the optimizers: :class:`~lightning_app_rlhf.RLHFModule` binds it to Lig
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
-from collections.abc import Callable
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,24 @@ from lightning_app_rlhf.ppo import LossScale
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction
 from lightning_app_rlhf.wrappers import RoleWrapper
+from lightning_app_rlhf.wrappers.base import SkippedUpdates
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""
+SKIPPED_UPDATES = "train/skipped_updates"
+"""A train call's statistic: its optimizer updates skipped in the iteration (a non-finite loss or gradient norm)."""
+_DIVERGED = "train/diverged"
+"""Sent with a train call's statistics, so that every rank raises the :class:`DivergenceError`, not only its group."""
+LOSS_TERMS = {"policy/loss": "policy loss", "policy/kl_loss": "kl loss", "value/loss": "value loss",
+              "loss": "total loss"}
+"""Loss statistics the guard checks, in this order, and their names in messages (``loss``: what backward ran on)."""
+GRAD_NORM = "gradient norm"
+"""The gradient norm's name among the guard's values and in its messages."""
+
+
+class DivergenceError(RuntimeError):
+    """A role's updates were skipped ``ppo.max_consecutive_skipped_updates`` times in a row because its loss or
+    gradient norm was NaN or infinite, or a wrapper applied such an update that it could not skip."""
 
 
 @dataclass
@@ -127,7 +143,7 @@ class RLHFEngine:
         algorithm's advantages on every rank (cheap, and it saves a broadcast). Also returns the raw scores [B]."""
         roles = [role for role in FORWARD_OUTPUTS if role in self.algorithm.roles]
         # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
-        parts = {role: self.forward_shard(role, rollout, row_fields) for role in roles}
+        parts = {role: self.forward_shard(role, rollout, row_fields, iteration) for role in roles}
         length = rollout.response_mask.shape[1]
         gathered = {}
         for role in roles:
@@ -144,30 +160,32 @@ class RLHFEngine:
         """Evaluation: ``actor.generate`` and ``reward.forward`` only, each on its group, gathered to every rank.
         Returns the whole rollout and its raw scores [B]."""
         rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration))
-        part = self.forward_shard(REWARD.name, rollout, batch.get("fields"))
+        part = self.forward_shard(REWARD.name, rollout, batch.get("fields"), iteration)
         scores = self.placement.gather_to_world(REWARD.call("forward"), part, {"scores": TensorSpec(torch.float32, 1)})
         return rollout, scores["scores"]
 
     def forward_shard(
-        self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None
+        self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None, iteration: int | None = None
     ) -> dict[str, torch.Tensor] | None:
-        """``role.forward`` on this rank's shard of the rollout (no collective); None off its group."""
+        """``role.forward`` on this rank's shard of the rollout (no collective); None off its group. ``iteration``
+        is named by a failing reward function's error."""
         call = role + ".forward"
         if not self.placement.runs(call):
             return None
         rows = self.placement.shard(call, len(rollout.sequences))
         with self._running(role):
-            return {FORWARD_OUTPUTS[role][0]: self._forward(role, rollout.select(rows), rows, row_fields)}
+            return {FORWARD_OUTPUTS[role][0]: self._forward(role, rollout.select(rows), rows, row_fields, iteration)}
 
     def _forward(
-        self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None
+        self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None, iteration: int | None
     ) -> torch.Tensor:
         chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self._lockstep_group(role)}
         if role == REFERENCE.name:
             return reference_forward(self.modules(role), shard, self.generation.temperature, **chunks)
         if role == REWARD.name:
             fields = {name: values[rows] for name, values in (row_fields or {}).items()}
-            return reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields, **chunks)
+            return reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields,
+                                  iteration=iteration, **chunks)
         return critic_forward(self.modules(role), shard, **chunks)
 
     def _wrapper_of(self, role: str) -> RoleWrapper | None:
@@ -194,43 +212,102 @@ class RLHFEngine:
     # ---- train calls ----
 
     def train_role(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
-        """``role``'s train call on its group, through its wrapper; the statistics reach every rank."""
+        """``role``'s train call on its group, through its wrapper; the statistics, with ``train/skipped_updates``,
+        reach every rank. Raises :class:`DivergenceError` on every rank once the role diverged."""
         call = role + ".train"
-        stats = self._update(role, experience, self.wrappers[role]) if self.placement.runs(call) else None
-        return self.placement.broadcast_stats(call, stats, self.algorithm.stat_names(role))
+        wrapper = self.wrappers.get(role)
+        stats = self._update(role, experience, wrapper) if self.placement.runs(call) else None
+        names = (*self.algorithm.stat_names(role), SKIPPED_UPDATES, _DIVERGED)
+        stats = self.placement.broadcast_stats(call, stats, names)
+        if stats.pop(_DIVERGED) > 0:
+            raise DivergenceError(self._leader_message(call, wrapper.skipped.diverged if wrapper else None))
+        return stats
 
     def _update(self, role: str, experience: Experience, wrapper: RoleWrapper) -> dict[str, torch.Tensor]:
         """Epochs over global minibatches. Each of the D ranks of the train group takes 1/D of every minibatch,
         in micro-batches, and divides by the whole minibatch's sizes; the wrapper averages gradients over D
         ranks, so the loss is scaled by D. The update is the same whatever D and the micro-batch size are. A
-        minibatch with no valid token takes no step."""
+        minibatch with no valid token takes no step, nor does one whose loss or gradient norm is not finite
+        (:meth:`_guarded_step`); after ``ppo.max_consecutive_skipped_updates`` of those in a row the role stops.
+        The statistics average the minibatches that stepped (NaN when every one was skipped)."""
+        call = role + ".train"
+        names = self.algorithm.stat_names(role)
+        totals = torch.zeros(len(names), device=experience.advantages.device)
+        steps = skipped = 0
+        wrapper.skipped.diverged = None  # a divergence that the caller caught does not stop a later fit at once
+        for epoch, number, indices in self._minibatches(experience):
+            if experience.response_mask[indices].sum() == 0:
+                continue  # every sample skipped: AdamW would still move the weights (momentum, decay)
+            # Summed over the group: a non-finite loss on any rank is non-finite on all, so all skip together.
+            summed = self.placement.all_reduce_sum(call, self._accumulate_gradients(role, experience, wrapper,
+                                                                                    indices, names))
+            where = f"iteration {experience.iteration} (epoch {epoch}, minibatch {number})"
+            if self._guarded_step(role, wrapper, dict(zip(("loss", *names), summed.tolist())), where):
+                totals += summed[1:]
+                steps += 1
+            else:
+                skipped += 1
+            if wrapper.skipped.diverged is not None:
+                break
+        means = totals / steps if steps else totals.fill_(math.nan if skipped else 0.0)
+        flags = torch.tensor([float(skipped), float(wrapper.skipped.diverged is not None)], device=totals.device)
+        return {**dict(zip(names, means)), SKIPPED_UPDATES: flags[0], _DIVERGED: flags[1]}
+
+    def _minibatches(self, experience: Experience) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(epoch, minibatch number, sample indices)`` of every minibatch of every epoch, in training order."""
+        for epoch in range(self.config.ppo_epochs):
+            order = minibatch_permutation(len(experience.sequences), self.seed, experience.iteration, epoch)
+            for number, indices in enumerate(split_minibatches(order, self.config.num_minibatches)):
+                yield epoch, number, indices
+
+    def _accumulate_gradients(
+        self, role: str, experience: Experience, wrapper: RoleWrapper, indices: torch.Tensor, names: tuple[str, ...]
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's share of one minibatch, in micro-batches. Returns ``[loss, *stats]``
+        (``names`` order) summed over its micro-batches: each is already a share of the whole minibatch's."""
         call = role + ".train"
         ranks, my_rank = self.placement.group_size(call), self.placement.group_rank(call)
-        config = self.config
-        device = experience.advantages.device
-        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
-        steps = 0
-        for epoch in range(config.ppo_epochs):
-            order = minibatch_permutation(len(experience.sequences), self.seed, experience.iteration, epoch)
-            for indices in split_minibatches(order, config.num_minibatches):
-                tokens = experience.response_mask[indices].sum()
-                if tokens == 0:  # every sample skipped: AdamW would still move the weights (momentum, decay)
-                    continue
-                scale = LossScale(tokens.float(), len(indices), self.generation.max_new_tokens)
-                shard = indices.tensor_split(ranks)[my_rank]
-                micro = shard.tensor_split(micro_batch_count(len(indices), ranks, config.micro_batch_size))
-                for i, rows in enumerate(micro):
-                    with wrapper.accumulating(last=i == len(micro) - 1):
-                        loss, stats = self.algorithm.loss(role, wrapper.train_module, experience.minibatch(rows),
-                                                          scale)
-                        wrapper.backward(loss * ranks)
-                    for name, value in stats.items():
-                        totals[name] = totals[name] + value.detach()
-                wrapper.step()
-                steps += 1
-        names = self.algorithm.stat_names(role)
-        summed = self.placement.all_reduce_sum(call, torch.stack([totals[n] for n in names]))
-        return {name: value / max(steps, 1) for name, value in zip(names, summed)}
+        scale = LossScale(experience.response_mask[indices].sum().float(), len(indices),
+                          self.generation.max_new_tokens)
+        shard = indices.tensor_split(ranks)[my_rank]
+        micro = shard.tensor_split(micro_batch_count(len(indices), ranks, self.config.micro_batch_size))
+        sums = torch.zeros(1 + len(names), device=experience.advantages.device)
+        for i, rows in enumerate(micro):
+            with wrapper.accumulating(last=i == len(micro) - 1):
+                loss, stats = self.algorithm.loss(role, wrapper.train_module, experience.minibatch(rows), scale)
+                wrapper.backward(loss * ranks)
+            zero = loss.new_zeros(())
+            sums += torch.stack([loss.detach().float(), *(stats.get(n, zero).detach().float() for n in names)])
+        return sums
+
+    def _guarded_step(self, role: str, wrapper: RoleWrapper, losses: Mapping[str, float], where: str) -> bool:
+        """Step ``role``'s optimizer unless a loss term or the gradient norm is NaN or infinite; True if it stepped.
+
+        ``losses`` are the minibatch's, summed over the train group, and the norm is the group's, so every rank of
+        the group decides alike and their collectives stay matched. A skip zeroes the gradients and warns; the
+        ``ppo.max_consecutive_skipped_updates``-th in a row, or a non-finite update that the wrapper applied anyway,
+        marks the role diverged (``wrapper.skipped.diverged``)."""
+        terms = {label: losses[name] for name, label in LOSS_TERMS.items() if name in losses}
+        result = wrapper.step(skip=first_nonfinite(terms) is not None)
+        values = {**terms, GRAD_NORM: result.grad_norm}
+        reason = first_nonfinite(values) or (None if result.stepped else GRAD_NORM)
+        limit, record = self.config.max_consecutive_skipped_updates, wrapper.skipped
+        stop = record_update(record, values, where, reason, result.stepped, limit)
+        if reason is not None and not result.stepped and self.placement.group_rank(role + ".train") == 0:
+            # One warning per group: its ranks decided alike.
+            warnings.warn(skip_message(role, reason, values[reason], where, record.in_a_row, limit), stacklevel=2)
+        if stop:
+            record.diverged = divergence_message(role, reason, values[reason], where, record, limit,
+                                                 applied_by=wrapper.name if result.stepped else None)
+        return result.stepped
+
+    def _leader_message(self, call: str, message: str | None) -> str:
+        """The message of ``call``'s leader, on every rank (an object broadcast, on the error path only)."""
+        if self.placement.distributed:
+            box = [message]
+            torch.distributed.broadcast_object_list(box, src=self.placement.leader(call))
+            message = box[0]
+        return message or f"{call} diverged."
 
     # ---- reallocation and memory ----
 
@@ -276,3 +353,64 @@ def micro_batch_count(minibatch: int, ranks: int, micro_batch_size: int | None) 
         return 1
     largest_share = -(-minibatch // ranks)
     return -(-largest_share // micro_batch_size)
+
+
+# ---- the guard against non-finite updates ----
+
+
+def first_nonfinite(values: Mapping[str, float]) -> str | None:
+    """The name of the first of ``values`` that is NaN or infinite, in order; None when all are finite (the update
+    may step)."""
+    return next((name for name, value in values.items() if not math.isfinite(value)), None)
+
+
+def record_update(
+    record: SkippedUpdates, values: Mapping[str, float], where: str, reason: str | None, stepped: bool, limit: int
+) -> bool:
+    """Count one update of a role in ``record``; True when the role must stop.
+
+    Args:
+        record: The role's skipped updates in a row and last finite values, updated in place.
+        values: The update's loss terms and gradient norm, by name.
+        where: Where the update was (iteration, epoch, minibatch).
+        reason: The name of the value that was not finite; None for a clean update.
+        stepped: Whether the optimizer stepped.
+        limit: ``ppo.max_consecutive_skipped_updates``.
+
+    Returns:
+        True after ``limit`` skips in a row, or when a non-finite update was applied (it could not be skipped).
+    """
+    record.last_finite.update({name: value for name, value in values.items() if math.isfinite(value)})
+    if reason is None:
+        record.in_a_row, record.last_step = 0, where
+        return False
+    if stepped:
+        return True
+    record.in_a_row += 1
+    return record.in_a_row >= limit
+
+
+def skip_message(role: str, reason: str, value: float, where: str, in_a_row: int, limit: int) -> str:
+    """The warning of one skipped update."""
+    return (f"Skipped the {role}'s update at {where}: its {reason} is {value:g}. Its gradients were zeroed; its "
+            f"weights and optimizer state are unchanged. Skip {in_a_row} in a row of "
+            f"ppo.max_consecutive_skipped_updates={limit}, after which the run stops.")
+
+
+def divergence_message(
+    role: str, reason: str, value: float, where: str, record: SkippedUpdates, limit: int, applied_by: str | None
+) -> str:
+    """The :class:`DivergenceError`'s message: what diverged, where, the last finite values and the fixes."""
+    if applied_by is None:
+        what = (f"The {role} diverged: {record.in_a_row} updates in a row were skipped "
+                f"(ppo.max_consecutive_skipped_updates={limit}), the last at {where}, where its {reason} was "
+                f"{value:g}.")
+    else:
+        what = (f"The {role} diverged: its {reason} was {value:g} at {where}, and its wrapper {applied_by!r} applied "
+                "that update (DeepSpeed decides inside its step), so its weights may hold NaN: resume from the last "
+                "checkpoint.")
+    finite = ", ".join(f"{name} {v:.6g}" for name, v in record.last_finite.items()) or "none"
+    last = f"the last update that stepped was at {record.last_step}" if record.last_step else "no update stepped yet"
+    return (f"{what} Last finite values: {finite}; {last}. Lower the {role}'s learning rate ({role}_optimizer), "
+            f"clip harder (a smaller ppo.max_grad_norm), or check the rewards for huge or non-finite scores "
+            f"(ppo.reward_clip, ppo.reward_norm).")

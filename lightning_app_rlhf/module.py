@@ -33,7 +33,7 @@ from lightning_app_rlhf.checkpoint import (
     verify,
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.engine import RLHFEngine, micro_batch_count
+from lightning_app_rlhf.engine import SKIPPED_UPDATES, RLHFEngine, micro_batch_count
 from lightning_app_rlhf.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout, repeat_samples
 from lightning_app_rlhf.memory import RoleMemory
@@ -509,12 +509,15 @@ class RLHFModule(pl.LightningModule):
     def _train(
         self, engine: RLHFEngine, experience: Experience | None
     ) -> tuple[dict[str, torch.Tensor], Experience | None]:
-        """Every train call on ``experience``; nothing when there is none yet or every score was skipped."""
+        """Every train call on ``experience``; nothing when there is none yet or every score was skipped. The
+        roles' skipped updates are summed into one ``train/skipped_updates``."""
         if experience is None or not bool(experience.response_mask.any()):
-            return {}, None
-        stats: dict[str, torch.Tensor] = {}
+            return {SKIPPED_UPDATES: 0.0}, None
+        stats: dict[str, Any] = {SKIPPED_UPDATES: 0.0}
         for role in self.algorithm.trainable_roles:
-            stats.update(engine.train_role(role, experience))
+            role_stats = engine.train_role(role, experience)
+            stats[SKIPPED_UPDATES] += role_stats.pop(SKIPPED_UPDATES)
+            stats.update(role_stats)
         return stats, experience
 
     # ---- export ----

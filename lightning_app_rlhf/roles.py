@@ -12,12 +12,13 @@ adapters switched off (:class:`AdapterDisabledReference`), not a second copy.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,12 +85,38 @@ class ModelSpec:
         if self.lora is not None:
             lora_config(self.lora, task_type=None)  # bad fields fail here, before any model is built
 
+    @property
+    def trusts_remote_code(self) -> bool:
+        """Whether the code a model directory declares (``auto_map``) may run: only when ``config`` sets
+        ``trust_remote_code: true`` explicitly."""
+        return self.config.get("trust_remote_code", False) is True
+
     def load_config(self, **overrides: Any) -> PretrainedConfig:
         fields = {**self.config, **overrides}
         if self.path is not None:
-            return AutoConfig.from_pretrained(self.path, local_files_only=True, gguf_file=self.gguf_file, **fields)
-        fields = dict(fields)
+            fields["trust_remote_code"] = self.trusts_remote_code  # False, not None: transformers would prompt
+            with _no_remote_code(f"Model directory {self.path!r}", _TRUST_MODEL, self.trusts_remote_code):
+                return AutoConfig.from_pretrained(self.path, local_files_only=True, gguf_file=self.gguf_file, **fields)
+        fields.pop("trust_remote_code", None)  # random init: there is no directory whose code could run
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+_TRUST_MODEL = ("set trust_remote_code: true in this role's config (ModelSpec(config={'trust_remote_code': True})), "
+                "or use a model whose model_type transformers implements")
+_TRUST_TOKENIZER = "give the tokenizer as an import path 'package.module:function' that builds it, or as an object"
+
+
+@contextlib.contextmanager
+def _no_remote_code(source: str, fix: str, trusted: bool) -> Iterator[None]:
+    """Turn transformers' refusal of a directory's custom code into an error naming this package's setting."""
+    try:
+        yield
+    except ValueError as err:
+        if trusted or "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"{source} declares custom code (`auto_map`), which is not run: trust_remote_code is off, "
+                         f"since that code would run with your permissions. If you trust it like your own code, "
+                         f"{fix}.") from err
 
 
 def as_model_spec(spec: ModelSpec | dict[str, Any] | str) -> ModelSpec:
@@ -116,9 +143,9 @@ def _build(auto_class: Any, spec: ModelSpec, lora_task_type: str | None = None, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.init_seed)
         if spec.path is not None:
-            model = auto_class.from_pretrained(
-                spec.path, config=config, local_files_only=True, dtype=dtype, gguf_file=spec.gguf_file
-            )
+            with _no_remote_code(f"Model directory {spec.path!r}", _TRUST_MODEL, spec.trusts_remote_code):
+                model = auto_class.from_pretrained(spec.path, config=config, local_files_only=True, dtype=dtype,
+                                                   gguf_file=spec.gguf_file, trust_remote_code=spec.trusts_remote_code)
         else:
             model = auto_class.from_config(config, dtype=dtype)
         if spec.lora is not None:
@@ -283,7 +310,8 @@ def load_tokenizer(spec: str | PreTrainedTokenizerBase | dict[str, str]) -> PreT
     elif isinstance(spec, dict):
         tokenizer = _tokenizer_from_files(spec)
     elif os.path.isdir(spec):
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        with _no_remote_code(f"Tokenizer directory {spec!r}", _TRUST_TOKENIZER, False):
+            tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True, trust_remote_code=False)
     else:
         target = resolve_import(spec)
         tokenizer = target() if callable(target) and not isinstance(target, PreTrainedTokenizerBase) else target
@@ -309,7 +337,8 @@ def _tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
     with tempfile.TemporaryDirectory() as directory:
         for name, text in files.items():
             (Path(directory) / Path(name).name).write_text(text, encoding="utf-8")  # names only: no path escapes
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        with _no_remote_code("The tokenizer saved in the checkpoint", _TRUST_TOKENIZER, False):  # a crafted one may
+            return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -29,9 +29,9 @@ def make_module(tokenizer, config, reward_fn=constant_reward, max_new_tokens=4, 
     )
 
 
-def make_trainer():
+def make_trainer(max_steps=1):
     return pl.Trainer(
-        max_steps=1,
+        max_steps=max_steps,
         accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
@@ -271,7 +271,7 @@ def test_reward_fn_wrong_number_of_scores(tokenizer, tiny_gpt2_config):
     """A reward function returning the wrong number of scores is refused with the counts."""
     module = make_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [1.0])
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=2)
-    with pytest.raises(ValueError, match=r"returned 1 scores for 2 responses.*one float per"):
+    with pytest.raises(ValueError, match=r"at iteration 0, .*returned a list of 1 score\. .*one float per .*2 of them"):
         fit(module, dm)
 
 
@@ -279,7 +279,7 @@ def test_reward_fn_wrong_number_of_scores(tokenizer, tiny_gpt2_config):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": 0}, r"generation\.temperature must be > 0.*0\.01"),
+    ({"temperature": 0}, r"generation\.temperature must be > 0.*generation\.do_sample: false for greedy decoding"),
     ({"temperature": -1.0}, r"generation\.temperature must be > 0"),
     ({"max_new_tokens": 0}, r"generation\.max_new_tokens must be >= 1"),
     ({"top_k": -1}, r"generation\.top_k must be >= 0"),
@@ -346,3 +346,199 @@ def test_module_bad_reward_fn_import_path(tokenizer, tiny_gpt2_config):
     """A reward_fn import path that does not resolve says how to write one."""
     with pytest.raises(ValueError, match=r"Cannot import 'lightning_app_rlhf\.demo:no_such_reward'.*package\.module:name"):
         RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn="lightning_app_rlhf.demo:no_such_reward")
+
+
+
+# ---- reward functions that fail ----
+
+
+def rollout_of(tokenizer, prompts, response_length=2):
+    """A rollout of ``prompts`` (left-padded) with ``response_length`` arbitrary response tokens each."""
+    from lightning_app_rlhf.data import collate_left_padded
+    from lightning_app_rlhf.generation import Rollout
+
+    batch = collate_left_padded([{"input_ids": tokenizer(p, add_special_tokens=False)["input_ids"], "index": i}
+                                 for i, p in enumerate(prompts)], tokenizer.pad_token_id)
+    responses = torch.full((len(prompts), response_length), 70)
+    mask = torch.ones_like(responses)
+    return Rollout(torch.cat([batch["input_ids"], responses], 1), torch.cat([batch["attention_mask"], mask], 1),
+                   mask, torch.zeros(responses.shape), batch["input_ids"].shape[1])
+
+
+def test_reward_fn_that_raises_names_iteration_and_first_prompt(tokenizer, tiny_gpt2_config):
+    """A reward function raising at the second iteration stops fit with a RewardFunctionError naming iteration 1
+    and that batch's first prompt; the function's own exception is the cause, with its traceback."""
+    from lightning_app_rlhf.calls import RewardFunctionError
+
+    calls = []
+
+    def second_call_fails(prompts, responses):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise KeyError("answer")
+        return [0.0] * len(prompts)
+
+    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=second_call_fails)
+    dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=2, shuffle=False)
+    trainer = make_trainer(max_steps=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps).*")
+        with pytest.raises(RewardFunctionError) as info:
+            trainer.fit(module, datamodule=dm)
+    message = str(info.value)
+    assert "second_call_fails' raised KeyError: 'answer'" in message
+    assert f"at iteration 1, on a batch of 2 responses whose first prompt is {PROMPTS[2]!r}" in message
+    assert isinstance(info.value.__cause__, KeyError) and info.value.__cause__.__traceback__ is not None
+
+
+@pytest.mark.parametrize("returned,shown", [
+    (None, r"returned None \(is a `return` missing\?\)"),
+    ({"score": 1.0}, r"returned a dict \(\{'score': 1\.0\}\)"),
+    (["1.0", "2.0", "3.0"], r"returned a list whose item #0 is '1\.0' \(a str, not a number\)"),
+    ([1.0, None, 3.0], r"returned a list whose item #1 is None\."),
+    ([[1.0], [2.0], [3.0]], r"returned a list whose item #0 is \[1\.0\] \(a list, not a number\)"),
+    ([1.0, 2.0], r"returned a list of 2 scores\."),
+    (torch.ones(3, 2), r"returned a Tensor of shape \(3, 2\)"),
+    (0.5, r"returned a float \(0\.5\)"),
+])
+def test_reward_fn_bad_return_value_says_what_came_back(tokenizer, returned, shown):
+    """Anything but one number per response is refused, naming what was expected and what came back."""
+    from lightning_app_rlhf.calls import reward_forward
+
+    rollout = rollout_of(tokenizer, ["red", "blue", "sun"])
+    with pytest.raises(ValueError, match=shown) as info:
+        reward_forward(lambda prompts, responses: returned, rollout, tokenizer, iteration=4)
+    message = str(info.value)
+    assert "at iteration 4, on a batch of 3 responses whose first prompt is 'red'" in message
+    assert "must return one float per (prompt, response) pair: 3 of them" in message
+
+
+def test_reward_fn_numpy_object_array_names_the_first_non_number(tokenizer):
+    """A numpy array of strings or objects is refused with its dtype and first offending item."""
+    np = pytest.importorskip("numpy")
+    from lightning_app_rlhf.calls import reward_forward
+
+    rollout = rollout_of(tokenizer, ["red", "blue", "sun"])
+    with pytest.raises(ValueError, match=r"returned a ndarray of dtype object, whose item #1 is None\."):
+        reward_forward(lambda p, r: np.array([1.0, None, 2.0]), rollout, tokenizer)
+
+
+def test_reward_fn_accepted_return_types(tokenizer):
+    """Lists or tuples of floats, ints and bools (numpy scalars and 0-d tensors too), 1-D tensors, numpy arrays
+    and [B, 1] columns all give float32 scores."""
+    np = pytest.importorskip("numpy")
+    from lightning_app_rlhf.calls import reward_forward
+
+    rollout = rollout_of(tokenizer, ["red", "blue", "sun"])
+    for returned in ([1.0, 0, True], (1, 0, 1), [np.float32(1), np.int64(0), np.bool_(True)],
+                     [torch.tensor(1.0), torch.tensor(0), torch.tensor(True)], torch.tensor([1, 0, 1]),
+                     np.array([1.0, 0.0, 1.0]), np.array([True, False, True]), torch.tensor([[1.0], [0.0], [1.0]])):
+        scores = reward_forward(lambda p, r, value=returned: value, rollout, tokenizer)
+        assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 0.0, 1.0], returned
+
+
+# ---- prompt files ----
+
+
+def test_malformed_jsonl_line_names_file_and_line(tokenizer, tmp_path):
+    """A line that is not JSON fails naming the file, its 1-based line (blank lines counted) and the JSON error."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "red"}\n\n{"prompt": "blue",}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl', line 3, column \d+: not valid JSON \(.+\)"):
+        PromptDataModule(prompts=str(path), tokenizer=tokenizer, batch_size=1).setup("fit")
+
+
+def test_non_utf8_prompt_file_names_byte_offset(tokenizer, tmp_path):
+    """Latin-1 bytes in a prompt file fail naming the file, the byte offset and the line."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"prompt": "red"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    offset = len('{"prompt": "red"}\n{"prompt": "caf')
+    with pytest.raises(ValueError, match=rf"latin1\.jsonl' is not valid UTF-8: byte offset {offset} \(line 2\)"):
+        PromptDataModule(prompts=str(path), tokenizer=tokenizer, batch_size=1).setup("fit")
+
+
+def test_utf8_bom_prompt_file_is_read(tokenizer, tmp_path):
+    """A UTF-8 file with a byte-order mark (as some editors write) reads like one without."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + '{"prompt": "caf\u00e9"}\n"red"\n'.encode())
+    dm = PromptDataModule(prompts=str(path), tokenizer=tokenizer, batch_size=2)
+    dm.setup("fit")
+    assert dm.dataset.prompts == ["caf\u00e9", "red"]
+
+
+def test_blank_prompts_dropped_with_one_warning(tokenizer):
+    """Empty and whitespace-only prompts are left out, with one warning naming how many and which rows."""
+    prompts = ["red", "", "blue", "  \n\t", "sun"]
+    dm = PromptDataModule(prompts=prompts, tokenizer=tokenizer, batch_size=2)
+    with pytest.warns(UserWarning, match=r"Dropped 2 of the 5 prompts of data\.prompts: .*whitespace only "
+                                         r"\(rows #1, #3, counting from 0\)") as record:
+        dm.setup("fit")
+    assert len([w for w in record if "Dropped" in str(w.message)]) == 1
+    assert dm.dataset.prompts == ["red", "blue", "sun"]
+
+
+def test_blank_prompts_leaving_fewer_than_a_batch_raise(tokenizer):
+    """When dropping the blank prompts leaves less than one batch, setup raises the batch-size error."""
+    dm = PromptDataModule(prompts=["red", " ", "", "blue"], tokenizer=tokenizer, batch_size=3)
+    with pytest.warns(UserWarning, match="Dropped 2 of the 4"), pytest.raises(
+        ValueError, match=r"2 prompts after dropping 2 blank ones, fewer than data\.batch_size=3"
+    ):
+        dm.setup("fit")
+
+
+def test_max_prompt_length_zero_names_the_setting(tokenizer):
+    """max_prompt_length=0 truncates every prompt away: the error names the setting, not a prompt."""
+    with pytest.raises(ValueError, match=r"data\.max_prompt_length must be >= 1"):
+        PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=2, max_prompt_length=0).setup("fit")
+
+
+# ---- placement ----
+
+
+def test_plan_world_size_differs_from_devices(tokenizer, tiny_gpt2_config):
+    """A plan for 2 ranks in a 1-process job fails naming both numbers and --trainer.devices."""
+    import datetime
+
+    from lightning_app_rlhf.plan import flattening_plan
+    from lightning_app_rlhf.strategies.placement_setup import place
+
+    module = make_module(tokenizer, tiny_gpt2_config)
+    with pytest.raises(ValueError, match=r"plan covers 2 ranks but the job runs 1 processes .*--trainer\.devices.* "
+                                         r"multiply to 2"):
+        place(flattening_plan(2), module, 1, 0, torch.device("cpu"), datetime.timedelta(seconds=30))
+
+
+# ---- code in model directories ----
+
+
+def custom_code_directory(directory, marker, config_name, auto_map):
+    """A directory whose config declares ``auto_map`` code that would write ``marker`` if imported."""
+    import json
+
+    directory.mkdir()
+    (directory / "custom.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    (directory / config_name).write_text(json.dumps({"model_type": "custom_marker", "auto_map": auto_map}))
+    return str(directory)
+
+
+def test_model_directory_custom_code_is_not_run(tmp_path):
+    """A local model directory whose config.json declares auto_map code: nothing runs, and the error names
+    trust_remote_code and the setting that would allow it."""
+    from lightning_app_rlhf.roles import build_causal_lm
+
+    marker = tmp_path / "executed"
+    path = custom_code_directory(tmp_path / "model", marker, "config.json",
+                                 {"AutoConfig": "custom.Config", "AutoModelForCausalLM": "custom.Model"})
+    with pytest.raises(ValueError, match=r"declares custom code .*trust_remote_code is off.*'trust_remote_code'"):
+        build_causal_lm(ModelSpec(path=path))
+    assert not marker.exists()
+
+
+def test_tokenizer_directory_custom_code_is_not_run(tmp_path):
+    """The same for a tokenizer directory whose tokenizer_config.json declares auto_map code."""
+    marker = tmp_path / "executed"
+    path = custom_code_directory(tmp_path / "tokenizer", marker, "tokenizer_config.json",
+                                 {"AutoTokenizer": ["custom.Tokenizer", None]})
+    with pytest.raises(ValueError, match=r"declares custom code .*trust_remote_code is off.*package\.module:function"):
+        load_tokenizer(path)
+    assert not marker.exists()

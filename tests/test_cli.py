@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = [
     "reward/mean", "reward/std", "kl/mean", "kl/coef", "policy/loss", "policy/clipfrac", "policy/approx_kl",
@@ -85,3 +87,11 @@ def test_plan_help_shows_its_flags_beside_fit_s(capsys):
                  "--top_k", "--num_samples", "--json", "--sweep"):
         assert flag in out, flag
     assert "--time-budget" not in out and "--num-samples" not in out
+
+
+def test_unknown_strategy_name_suggests_the_right_one():
+    """Lightning's own error lists no registered names; ours names the closest one and the placement strategies."""
+    from lightning_app_rlhf.cli import main
+
+    with pytest.raises(ValueError, match=r"Did you mean 'rlhf_separation'\?.*rlhf_flattening, rlhf_interleaving"):
+        main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.strategy", "rlhf_seperation"])

@@ -337,7 +337,7 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         report.notes.append(
             f"The configured trainer.strategy {run.strategy} is not a placement strategy, so no plan of its is "
             "priced: place the calls with --trainer.strategy rlhf_flattening, rlhf_interleaving or rlhf_separation "
-            "(or rlhf_placement with a plan)."
+            "(or a custom plan: class_path lightning_app_rlhf.PlacementStrategy with init_args.plan)."
         )
     if plan is not None:
         choice = PlanChoice(plan, run.generation_batch, run.micro_batch)

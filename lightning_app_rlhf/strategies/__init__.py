@@ -1,5 +1,5 @@
 """Placement strategies for Lightning's Trainer, registered as ``rlhf_flattening``, ``rlhf_interleaving``,
-``rlhf_separation`` (and ``rlhf_placement`` for a custom plan)."""
+``rlhf_separation`` (and ``PlacementStrategy(plan=...)`` for a custom plan)."""
 
 import functools
 

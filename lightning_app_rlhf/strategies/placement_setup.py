@@ -54,8 +54,10 @@ def place(
         takes_roles = "roles" in inspect.signature(plan).parameters
         plan = plan(world_size, roles=algorithm.roles) if takes_roles else plan(world_size)
     if plan.world_size != world_size:
-        raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {world_size} (devices x nodes). "
-                         "Set the number of devices so they match, or rebuild the plan.")
+        raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {world_size} processes "
+                         f"(devices x num_nodes). Set --trainer.devices (and --trainer.num_nodes; Fabric: devices, "
+                         f"num_nodes) so that they multiply to {plan.world_size}, or build the plan for {world_size} "
+                         "ranks.")
     plan.check_roles(algorithm.roles, algorithm.name)
     return create_placement(plan, global_rank, root_device, timeout)
 

@@ -7,6 +7,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -20,6 +21,35 @@ OptimizerStep = Callable[[torch.optim.Optimizer], None]
 
 OPTIMIZER_SLOTS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 1, torch.optim.RMSprop: 1}
 """State tensors per parameter element kept by common optimizers (SGD counts its momentum buffer)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`RoleWrapper.step` did."""
+
+    grad_norm: float
+    """The gradients' global norm before clipping, the same on every rank of the group; NaN when the step was
+    skipped before measuring it."""
+    stepped: bool
+    """Whether the optimizer stepped. False: the gradients were zeroed, the weights and optimizer state untouched."""
+
+
+@dataclass
+class SkippedUpdates:
+    """The engine's record of a role's updates skipped in a row on this rank (non-finite loss or gradient norm).
+
+    It lives on the wrapper, which lasts the whole run (the engine is rebuilt every iteration); it is not
+    checkpointed, so a resumed run counts from 0.
+    """
+
+    in_a_row: int = 0
+    """Skipped updates since the last one that stepped, across minibatches and iterations."""
+    last_finite: dict[str, float] = field(default_factory=dict)
+    """The last finite value of each loss term and of the gradient norm, for the error."""
+    last_step: str | None = None
+    """Where the last update that stepped was (iteration, epoch, minibatch)."""
+    diverged: str | None = None
+    """The divergence error's message, once the role must stop."""
 
 
 class RoleWrapper(ABC):
@@ -69,6 +99,7 @@ class RoleWrapper(ABC):
         self.max_grad_norm: float | None = None
         self._backward: Backward = _plain_backward
         self._optimizer_step: OptimizerStep = _plain_step
+        self.skipped = SkippedUpdates()
 
     # ---- set-up ----
 
@@ -88,7 +119,8 @@ class RoleWrapper(ABC):
 
         Args:
             optimizer: The role's optimizer.
-            max_grad_norm: Clip the gradients' global norm to this before each step (None: no clipping).
+            max_grad_norm: Clip the gradients' global norm to this before each step (None: no clipping; the norm is
+                still measured, for the guard against non-finite updates).
             backward: Runs ``loss.backward()`` (Lightning passes ``manual_backward``, for its precision plugin
                 and hooks). Wrappers that own backward ignore it.
             optimizer_step: Steps the optimizer (Lightning passes its strategy's, for the same reasons).
@@ -117,13 +149,30 @@ class RoleWrapper(ABC):
     def backward(self, loss: torch.Tensor) -> None:
         self._backward(loss)
 
-    def step(self) -> None:
-        """Clip, step and zero the gradients."""
+    def step(self, skip: bool = False) -> StepResult:
+        """Clip, step and zero the gradients; only zero them when ``skip`` or when their global norm is not finite,
+        leaving the weights and the optimizer state untouched.
+
+        Args:
+            skip: Take no step (the group found a non-finite loss). Every rank of the group passes the same value:
+                measuring the norm is a collective when the gradients are sharded.
+        """
         assert self.optimizer is not None
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        self._optimizer_step(self.optimizer)
+        norm = math.nan if skip else self.clip_gradients()
+        stepped = math.isfinite(norm)
+        if stepped:
+            self._optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(norm, stepped)
+
+    def clip_gradients(self) -> float:
+        """Clip the gradients' global norm to ``max_grad_norm`` (None: only measure it) and return the norm before
+        clipping, the same on every rank of the group (a collective when the gradients are sharded)."""
+        limit = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), limit)
+        if hasattr(norm, "full_tensor"):  # FSDP2's sharded gradients give a DTensor norm
+            norm = norm.full_tensor()
+        return float(norm)
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[list[torch.Tensor]]:

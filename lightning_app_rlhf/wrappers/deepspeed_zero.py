@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from lightning_app_rlhf.wrappers.base import RoleWrapper, optimizer_slots
+from lightning_app_rlhf.wrappers.base import RoleWrapper, StepResult, optimizer_slots
 from lightning_app_rlhf.wrappers.sharded_io import DEEPSPEED_TAG, deepspeed_load, weights_only_deepspeed
 
 ALIGNMENT = 2
@@ -33,6 +33,10 @@ class ZeroWrapper(RoleWrapper):
     own (``zero_allow_untested_optimizer``), so LR schedulers and Lightning's optimizer list keep working.
 
     On a group of one rank there is nothing to partition: the role trains as a plain module (the same update).
+
+    DeepSpeed decides inside ``engine.step()`` whether to step: on the fp32 engines built here it skips the update
+    (and zeroes the gradients) when the gradients' global norm is not finite, and :meth:`backward` turns a
+    non-finite loss into NaN gradients so that it skips then too. :meth:`step` reports what DeepSpeed did.
     """
 
     stage: ClassVar[int]
@@ -98,14 +102,20 @@ class ZeroWrapper(RoleWrapper):
         if self.engine is None:
             return super().backward(loss)
         with self.running():
-            self.engine.backward(loss)
+            self.engine.backward(_nan_gradients_if_nonfinite(loss))
 
     @override
-    def step(self) -> None:
+    def step(self, skip: bool = False) -> StepResult:
+        """``engine.step()``, which clips and steps, or skips when the global gradient norm is not finite. ``skip``
+        cannot stop it, and need not: :meth:`backward` made a rank's gradients NaN when its loss was not finite, and
+        the gradient reduction carries them to every rank of the group."""
         if self.engine is None:
-            return super().step()
+            return super().step(skip)
+        skipped_before = self.engine.skipped_steps
         with self.running():
             self.engine.step()
+        norm = self.engine.get_global_grad_norm()  # inf after a skipped step
+        return StepResult(float(norm), stepped=self.engine.skipped_steps == skipped_before)
 
     @override
     @contextlib.contextmanager
@@ -326,6 +336,13 @@ class _GroupMPU:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
+
+
+def _nan_gradients_if_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """``loss``, or when it is not finite ``loss x NaN``, whose gradients are NaN: DeepSpeed checks the gradient
+    norm, not the loss, and a non-finite loss can have finite gradients. No host sync."""
+    factor = torch.where(torch.isfinite(loss.detach()), 1.0, math.nan).to(loss.dtype)
+    return loss * factor
 
 
 def _frozen_state(module: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
