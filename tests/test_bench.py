@@ -100,3 +100,17 @@ def test_peer_gets_our_weights_with_stock_modules():
 def test_bad_settings_name_the_fix(fields, message):
     with pytest.raises(ValueError, match=message):
         RunSettings(**fields)
+
+
+def test_soak_trend_is_the_least_squares_slope_after_warmup():
+    """The soak harness reports RSS after warm-up, at the end, and the fitted growth per 100 iterations."""
+    from lightning_app_rlhf.bench.soak import rss_trend
+
+    mib = 2**20
+    samples = [[0, 900 * mib], [10, 100 * mib], [20, 100 * mib], [30, 101 * mib], [40, 102 * mib]]
+    trend = rss_trend(samples, warmup=10)  # the spike at iteration 0 is warm-up
+    # Points (10, 100), (20, 100), (30, 101), (40, 102): slope = sum(dx*dy)/sum(dx^2) = 35/500 MiB per iteration.
+    assert trend == pytest.approx({"after_warmup_mib": 100, "end_mib": 102, "growth_mib": 2,
+                                   "slope_mib_per_100": 7.0})
+    with pytest.raises(ValueError, match="at least 2 samples after warm-up"):
+        rss_trend(samples, warmup=40)

@@ -2,7 +2,8 @@
 
 ``python -m lightning_app_rlhf.bench run`` does both and rewrites ``docs/benchmarks.md``; ``trl`` and
 ``placements`` do one half; ``report`` redraws the doc from a results JSON. ``checkpoint`` measures resident memory
-during checkpoint saves (not part of ``run``). ``--help`` on each lists the settings.
+during checkpoint saves, ``soak`` each rank's resident memory over a long run (neither is part of ``run``).
+``--help`` on each lists the settings.
 """
 
 from __future__ import annotations
@@ -209,6 +210,62 @@ def checkpoint_memory(
     return rows
 
 
+def soak(
+    strategies: list[str] = ["rlhf_flattening", "rlhf_interleaving", "rlhf_separation"],  # noqa: B006
+    devices: int = 4,
+    steps: int = 300,
+    every: int = 10,
+    warmup: int = 50,
+    preset: str = "tiny",
+    batch_size: int = 32,
+    new_tokens: int = 24,
+    out: str = "bench_results/soak",
+) -> list[dict[str, Any]]:
+    """Resident memory of every rank over a long run under each placement: flat after warm-up means no leak.
+
+    Each strategy is one ``python -m lightning_app_rlhf fit`` run on ``devices`` processes with a
+    :class:`~lightning_app_rlhf.bench.soak.RSSRecorder` (``VmRSS`` every ``every`` iterations). Writes
+    ``{out}/soak.json`` and ``{out}/soak.md``.
+
+    Args:
+        strategies: Registered strategy names.
+        devices: Processes per run (one thread each).
+        steps: Iterations per run.
+        every: Iterations between RSS samples.
+        warmup: Iterations left out of the trend.
+        preset: Model preset of all four roles.
+        batch_size: Prompts per iteration (global).
+        new_tokens: Response length.
+        out: Folder for the results and the runs.
+    """
+    from lightning_app_rlhf.bench.ours import launch_fit
+    from lightning_app_rlhf.bench.soak import rss_trend, soak_table
+
+    rows = []
+    for name in strategies:
+        settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, processes=devices,
+                               placement=_placement_of(name), warmup=0, iterations=steps)
+        work = Path(out) / f"soak_{settings.placement}"
+        shutil.rmtree(work, ignore_errors=True)
+        recorder = {"class_path": "lightning_app_rlhf.bench.soak.RSSRecorder",
+                    "init_args": {"path": str(work / "rss"), "every": every}}
+        launch_fit(settings, work, [f"--trainer.callbacks+={json.dumps(recorder)}"], timeout_s=3600)
+        records = sorted((json.loads(p.read_text()) for p in (work / "rss").glob("rank*.json")),
+                         key=lambda record: record["rank"])
+        ranks = [{"rank": r["rank"], "samples": r["samples"], "trend": rss_trend(r["samples"], warmup)}
+                 for r in records]
+        rows.append({"strategy": name, "settings": settings.as_dict(), "every": every, "warmup": warmup,
+                     "ranks": ranks})
+        worst = max(ranks, key=lambda rank: rank["trend"]["slope_mib_per_100"])
+        console.print(f"{name} on {devices} processes, {steps} iterations: largest slope "
+                      f"{worst['trend']['slope_mib_per_100']:+.2f} MiB per 100 iterations (rank {worst['rank']})")
+    _save(f"{out}/soak.json", {"machine": machine(), "soak": rows})
+    table = soak_table(rows)
+    Path(f"{out}/soak.md").write_text(table + "\n")
+    print(table, file=sys.stderr)
+    return rows
+
+
 def run(out_dir: str = "docs/bench_results", docs: str = "docs/benchmarks.md", repeats: int = 2) -> None:
     """Both comparisons and the profile with their defaults, then rewrite the results section of ``docs``.
 
@@ -300,7 +357,7 @@ def _save(path: str, data: dict[str, Any]) -> None:
 
 def main() -> None:
     auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "profile": profile,
-              "report": report, "checkpoint": checkpoint_memory})
+              "report": report, "checkpoint": checkpoint_memory, "soak": soak})
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
 
 def run_ours(settings: RunSettings, work_dir: Path, timeout_s: float = 900) -> dict[str, Any]:
     """Run one measurement in a fresh process group; returns the per-rank records of :class:`IterationTimer`."""
-    _launch(settings, work_dir, [], timeout_s)
+    launch_fit(settings, work_dir, [], timeout_s)
     ranks = [json.loads(p.read_text()) for p in sorted((work_dir / "timings").glob("rank*.json"))]
     if len(ranks) != settings.processes:
         raise RuntimeError(f"Expected timings from {settings.processes} ranks, found {len(ranks)} in {work_dir}.")
@@ -80,7 +80,7 @@ def run_ours_checkpointing(
                   "init_args": {"dirpath": str(work_dir / "ckpt"), "every_n_train_steps": every, "save_top_k": -1}}
     memory = {"class_path": "lightning_app_rlhf.bench.checkpoint_memory.CheckpointMemory",
               "init_args": {"path": str(work_dir / "memory")}}
-    _launch(settings, work_dir, ["--trainer.enable_checkpointing", "true",
+    launch_fit(settings, work_dir, ["--trainer.enable_checkpointing", "true",
                                  f"--trainer.callbacks+={json.dumps(checkpoint)}",
                                  f"--trainer.callbacks+={json.dumps(memory)}"], timeout_s)
     ranks = read_records(work_dir / "memory")
@@ -91,7 +91,7 @@ def run_ours_checkpointing(
     return {"ranks": ranks, "checkpoints": [{"path": str(p), "bytes": p.stat().st_size} for p in files]}
 
 
-def _launch(settings: RunSettings, work_dir: Path, extra_args: list[str], timeout_s: float) -> None:
+def launch_fit(settings: RunSettings, work_dir: Path, extra_args: list[str], timeout_s: float) -> None:
     """``python -m lightning_app_rlhf fit`` with the settings' config and ``extra_args``, one thread per rank."""
     assert TOKENIZER_VOCAB <= settings.model_config()["vocab_size"]
     work_dir.mkdir(parents=True, exist_ok=True)
