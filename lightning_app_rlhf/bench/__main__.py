@@ -215,7 +215,7 @@ def soak(
     devices: int = 4,
     steps: int = 300,
     every: int = 10,
-    warmup: int = 50,
+    warmup: int = 100,
     preset: str = "tiny",
     batch_size: int = 32,
     new_tokens: int = 24,
@@ -225,7 +225,7 @@ def soak(
 
     Each strategy is one ``python -m lightning_app_rlhf fit`` run on ``devices`` processes with a
     :class:`~lightning_app_rlhf.bench.soak.RSSRecorder` (``VmRSS`` every ``every`` iterations). Writes
-    ``{out}/soak.json`` and ``{out}/soak.md``.
+    ``{out}/soak.json``, ``{out}/soak.md`` and ``{out}/soak.png``.
 
     Args:
         strategies: Registered strategy names.
@@ -239,7 +239,7 @@ def soak(
         out: Folder for the results and the runs.
     """
     from lightning_app_rlhf.bench.ours import launch_fit
-    from lightning_app_rlhf.bench.soak import rss_trend, soak_table
+    from lightning_app_rlhf.bench.soak import plot_soak, rss_trend, soak_table
 
     rows = []
     for name in strategies:
@@ -262,6 +262,7 @@ def soak(
     _save(f"{out}/soak.json", {"machine": machine(), "soak": rows})
     table = soak_table(rows)
     Path(f"{out}/soak.md").write_text(table + "\n")
+    plot_soak(rows, Path(f"{out}/soak.png"))
     print(table, file=sys.stderr)
     return rows
 

@@ -78,3 +78,26 @@ def soak_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {row['strategy']} | {rank['rank']} | {trend['after_warmup_mib']:.1f} | "
                          f"{trend['end_mib']:.1f} | {trend['growth_mib']:+.1f} | {trend['slope_mib_per_100']:+.2f} |")
     return "\n".join(lines)
+
+
+def plot_soak(rows: list[dict[str, Any]], path: Path) -> None:
+    """One panel per placement: each rank's RSS against the iteration, the warm-up shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(rows), figsize=(4 * len(rows), 3.2), sharey=True, squeeze=False)
+    for axis, row in zip(axes[0], rows):
+        for rank in row["ranks"]:
+            steps, rss = zip(*rank["samples"])
+            axis.plot(steps, [b / 2**20 for b in rss], label=f"rank {rank['rank']}")
+        axis.axvspan(0, row["warmup"], color="0.9")
+        axis.set_title(row["strategy"])
+        axis.set_xlabel("iteration")
+    axes[0][0].set_ylabel("RSS (MiB)")
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
