@@ -104,12 +104,39 @@ def load_checkpoint_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except pickle.UnpicklingError as err:
         raise not_weights_only(path, err) from err
     except (RuntimeError, EOFError, ValueError) as err:
-        raise CheckpointError(f"Checkpoint {path} could not be read ({type(err).__name__}: {err}). Resume from an "
+        damaged = damaged_record(path)
+        what = f"is corrupted: its record {damaged} fails its CRC-32" if damaged else "could not be read"
+        raise CheckpointError(f"Checkpoint {path} {what} ({type(err).__name__}: {err}). Resume from an "
                               f"earlier checkpoint in {Path(path).parent}.") from err
 
 
+def damaged_record(path: str | os.PathLike[str]) -> str | None:
+    """The first record of a ``torch.save`` archive, other than its tensors' bytes (which :func:`verify` checks),
+    whose bytes fail the CRC-32 stored in the zip; None when they all match or the file cannot be read as a zip."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if "/data/" in info.filename:
+                    continue
+                try:
+                    with archive.open(info) as record:
+                        while record.read(1 << 20):
+                            pass
+                except zipfile.BadZipFile:
+                    return info.filename
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return None
+
+
 def not_weights_only(path: str | os.PathLike[str], err: BaseException) -> CheckpointError:
-    """The error for a file that only a full unpickle could load."""
+    """The error for a file that only a full unpickle could load, or for a damaged one whose pickled record only
+    looks like such a file (its zip CRC-32 tells them apart)."""
+    damaged = damaged_record(path)
+    if damaged is not None:
+        return CheckpointError(f"Checkpoint {path} is corrupted: its record {damaged} fails its CRC-32 (disk or copy "
+                               f"corruption). Resume from an earlier checkpoint in {Path(path).parent}, or copy it "
+                               "again.")
     return CheckpointError(
         f"Checkpoint {path} holds objects that only a full unpickle can build, and unpickling runs code from the "
         f"file, so it is refused. Checkpoints written by this package load weights-only; resume from one of those. "

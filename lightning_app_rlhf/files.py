@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -12,18 +13,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+TEMPORARY_NAME = re.compile(r"^\..+\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
+"""The name :func:`write_atomically` gives its temporary file: ``.<name>.<pid>.<8 hex digits>.tmp``."""
 
-def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+
+def write_atomically(
+    path: str | os.PathLike[str], write: Callable[[BinaryIO], object], remove_stale: bool = False
+) -> None:
     """Create or replace ``path`` so that readers see the previous file or the whole new one, never a partial one.
 
     ``write`` streams the content into a hidden temporary file in the same directory (``os.replace`` is atomic
     only within one file system), which is flushed and fsynced, then replaces ``path``. On any error the temporary
     file is removed and ``path`` keeps its previous content; only a hard kill leaves the temporary file, beside
-    the target, named ``.<name>.<pid>.<random>.tmp``.
+    the target, named ``.<name>.<pid>.<random>.tmp`` (:data:`TEMPORARY_NAME`). With ``remove_stale``, a successful
+    write then removes such leftovers from the directory (see :func:`remove_stale_temporaries`).
 
     Args:
         path: The target file; its directory is created if missing.
         write: Writes the content to the binary file it is given.
+        remove_stale: Remove the temporary files that killed writes left in the directory.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -31,6 +39,7 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
     # os.open applies the umask as an ordinary write does (mkstemp would make the file 0600, unreadable to the
     # other users of a shared cache or run directory).
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    started = os.fstat(fd).st_mtime  # the file system's clock, as the leftovers' times are
     try:
         with os.fdopen(fd, "wb") as file:
             write(file)
@@ -44,6 +53,40 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[BinaryIO], o
         with contextlib.suppress(OSError):
             temporary.unlink()
         raise
+    if remove_stale:
+        remove_stale_temporaries(path.parent, started)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike[str], before: float) -> list[Path]:
+    """Remove the temporary files of :func:`write_atomically` in ``directory`` that a killed write left: those last
+    written before ``before`` (a file system time) by a process that no longer runs on this machine. A write still
+    in progress (its process alive, or its file written since ``before``) keeps its file. Returns what it removed.
+    """
+    removed = []
+    with contextlib.suppress(OSError):
+        entries = list(os.scandir(directory))
+        for entry in entries:
+            match = TEMPORARY_NAME.match(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False) or _alive(int(match["pid"])):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_mtime < before:
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (a process of another user counts as running)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def replace_atomically(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:

@@ -259,6 +259,7 @@ class RLHFModule(pl.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         self._refuse_tuner_callbacks()
+        self._use_atomic_checkpoint_io()
         precision = str(getattr(self.trainer, "precision", "32-true")) if self._trainer is not None else "32-true"
         if precision.startswith("16"):
             raise ValueError(f"precision={precision!r} needs a gradient scaler, which the update does not use. "
@@ -272,6 +273,16 @@ class RLHFModule(pl.LightningModule):
         path = self.trainer.ckpt_path if self._trainer is not None else None
         if stage == "fit" and path is not None and "://" not in str(path):
             check_checkpoint_file(path)  # before any model is built; a bare EOFError would name no file
+
+    def _use_atomic_checkpoint_io(self) -> None:
+        """Where the user left Lightning's default writer, write checkpoints atomically beside the target and read
+        them with the file checked first (as the placement strategies do)."""
+        from lightning.fabric.plugins import TorchCheckpointIO
+
+        from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
+
+        if self._trainer is not None and type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def _refuse_tuner_callbacks(self) -> None:
         if self._trainer is None:
@@ -661,6 +672,7 @@ class RLHFModule(pl.LightningModule):
                                   "layout of earlier versions), and this run has no placement strategy to pick its "
                                   f"rank's part. Resume with the strategy it was saved with ({saved['name']!r}) and "
                                   f"--trainer.devices {saved['world_size']}.")
+        _check_role_shapes(self, checkpoint, path)  # before any weight loads, which would name no role nor fix
         state = checkpoint.get("rlhf")
         if state is not None:
             saved = state.get("algorithm", "ppo")
@@ -671,6 +683,60 @@ class RLHFModule(pl.LightningModule):
             self.seed = state["seed"]
             pending = state.get("pending_experience")
             self.pending_experience = Experience(**pending).to(self.device) if pending is not None else None
+
+
+def _check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:
+    """Raise a :class:`CheckpointError` naming the role and the parameters when the weights saved for a role this
+    rank holds do not fit its module: a shape changed (``saved [512, 32], now [512, 64]``), or parameters are
+    missing or extra (another number of layers, LoRA on or off), with the model settings that differ from the
+    saved hyperparameters. A role the checkpoint keeps as shards (FSDP2, ZeRO) is left to its wrapper's loader; a
+    role this rank does not hold is checked by the ranks that hold it."""
+    # Imported here: the import block at the top is shared with other edits.
+    from lightning_app_rlhf.checkpoint import LAYOUT_KEY
+
+    saved = checkpoint.get("state_dict")
+    if not isinstance(saved, dict):
+        return
+    layout = checkpoint.get(LAYOUT_KEY) or {}
+    strict = getattr(module, "strict_loading", True)
+    problems, attributes = [], []
+    for entry in ROLES:
+        held = module.role_module(entry.name) if entry.name in module.algorithm.roles else None
+        if not isinstance(held, nn.Module) or layout.get(entry.name, {}).get("format", "whole") != "whole":
+            continue
+        start = entry.attribute + "."
+        now = {start + k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in held.state_dict(keep_vars=True).items()}
+        then = {k: tuple(v.shape) for k, v in saved.items() if k.startswith(start) and isinstance(v, torch.Tensor)}
+        changed = [f"{k} saved {list(then[k])}, now {list(now[k])}" for k in then if k in now and then[k] != now[k]]
+        missing = [k for k in now if k not in then] if strict else []
+        extra = [k for k in then if k not in now] if strict else []
+        parts = [f"{len(names)} {what} (e.g. {'; '.join(names[:3])})"
+                 for what, names in (("changed shape", changed), ("missing from the checkpoint", missing),
+                                     ("in the checkpoint but not in this model", extra)) if names]
+        if parts:
+            problems.append(f"role {entry.name!r}: {', '.join(parts)}")
+            attributes.append(entry.attribute)
+    if not problems:
+        return
+    before = checkpoint.get(module.CHECKPOINT_HYPER_PARAMS_KEY) or {}
+    differences = [f"{key} saved {value!r}, now {current!r}" for attribute in attributes
+                   for key, value, current in _differences(before.get(attribute), module.hparams.get(attribute),
+                                                           f"model.{attribute}")]
+    settings = f" Its settings differ: {'; '.join(differences[:5])}." if differences else ""
+    raise CheckpointError(
+        f"Checkpoint {path} does not fit this run's model: {' | '.join(problems)}.{settings} Resume with the model "
+        "config it was saved with, or start a new run without --ckpt_path (to start from its weights in a new run, "
+        "export them with RLHFModule.load_from_checkpoint(...).export_actor(directory) and pass --model.actor.path "
+        "directory).")
+
+
+def _differences(saved: Any, current: Any, prefix: str) -> Iterable[tuple[str, Any, Any]]:
+    """``(key path, saved, current)`` for each plain setting that differs between two nested dicts."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in dict.fromkeys([*saved, *current]):
+            yield from _differences(saved.get(key), current.get(key), f"{prefix}.{key}")
+    elif saved != current and (saved is None or isinstance(saved, (str, int, float, bool, list, tuple))):
+        yield prefix, saved, current
 
 
 def save_hf_model(model: nn.Module, path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
