@@ -370,6 +370,7 @@ def test_lora_actor_and_critic_train_under_every_placement(tmp_path):
         assert moved == ([trainable] * 3 if strategy == "rlhf_separation" else [0] * 3), strategy
 
 
+@pytest.mark.slow  # resume is covered per placement in test_placements; LoRA training in the default run
 def test_lora_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path):
     """Kill-and-resume under Separation with LoRA roles: resumed from the step-2 checkpoint, steps 2 and 3 log the
     values of the uninterrupted run (adapters, value head, optimizers and shadows restored)."""

@@ -106,6 +106,7 @@ GRPO_RISE = 0.3
 well below, as the trajectory moves with the CPU's kernels."""
 
 
+@pytest.mark.slow  # the PPO learning test stays in the default run; GRPO trains there in the placement trajectories
 def test_grpo_reward_rises_on_demo_task(demo_tokenizer):
     """GRPO (4 responses per prompt, no critic, k3 KL in the loss) with fixed seeds: the demo config's settings
     raise the reward far above its start, and no critic is ever built."""

@@ -23,6 +23,7 @@ TUNER = ["--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--
          "--trainer.callbacks.mcmc_steps=300"]
 
 
+@pytest.mark.slow  # 4 processes, two runs; the default run keeps the tuner on 2 processes with checkpoints
 def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
     """4 processes: the tuned run logs its plan, runs it (the strategy's plan is the tuner's), learns exactly what
     any on-policy placement learns; resumed from its step-2 checkpoint, it reuses the saved plan without searching
