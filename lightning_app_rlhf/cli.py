@@ -51,6 +51,10 @@ DESCRIPTION = ("RLHF with placement strategies: train (fit), evaluate (validate,
                "of the model calls (plan).")
 
 
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
+"""``--ckpt_path`` values that name a checkpoint Lightning finds: ModelCheckpoint's last or best, SLURM's."""
+
+
 class RLHFCLI(LightningCLI):
     """LightningCLI for :class:`RLHFModule` and :class:`PromptDataModule`; the model's tokenizer feeds the data."""
 
@@ -172,6 +176,8 @@ class RLHFCLI(LightningCLI):
         fails here with its name). Unlike LightningCLI, the checkpoint's saved hyperparameters do not override the
         config: the config is the run's source of truth, and it holds what they cannot (optimizer builders)."""
         ckpt_path = self.config.get(self.config.get("subcommand") or "", {}).get("ckpt_path")
+        if ckpt_path in LIGHTNING_CHECKPOINT_NAMES:
+            return  # Lightning resolves it (and the strategy reads the file it finds, weights-only)
         if ckpt_path and "://" not in str(ckpt_path):
             load_checkpoint_file(ckpt_path)
 

@@ -4,6 +4,16 @@ from lightning_app_rlhf.callbacks.export_actor import ExportActor
 from lightning_app_rlhf.callbacks.log_completions import LogCompletions
 from lightning_app_rlhf.callbacks.placement_summary import PlacementSummary
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
+from lightning_app_rlhf.callbacks.preemption_checkpoint import PreemptionCheckpoint
+from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 from lightning_app_rlhf.callbacks.run_summary import RLHFRunSummary
 
-__all__ = ["ExportActor", "LogCompletions", "PlacementSummary", "PlacementTuner", "RLHFRunSummary"]
+__all__ = [
+    "ExportActor",
+    "LogCompletions",
+    "PlacementSummary",
+    "PlacementTuner",
+    "PreemptionCheckpoint",
+    "RLHFRunSummary",
+    "RoleLearningRateMonitor",
+]

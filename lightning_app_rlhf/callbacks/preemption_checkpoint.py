@@ -1,0 +1,178 @@
+"""``PreemptionCheckpoint``: on SIGTERM (or SLURM's requeue signal), finish the iteration, save, and stop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities.imports import _IS_WINDOWS
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+_TERM, _REQUEUE = 0, 1
+
+
+class PreemptionCheckpoint(Callback):
+    """Stop a preempted run cleanly, with a checkpoint to resume from exactly.
+
+    On SIGTERM, sent to the launcher (rank 0's process, which forwards it to the other ranks) or to every rank (as
+    SLURM and Kubernetes do), the run finishes its current iteration; at its end (``on_train_batch_end``) every
+    rank agrees to stop (an all-reduce of the flag over the world group, the same collective at the same point on
+    every rank), saves one checkpoint (``trainer.save_checkpoint``, a collective under the placement strategies) to
+    ``last.ckpt`` and stops: the process exits with code 0 after the message
+    ``SIGTERM received at iteration N: saved PATH; resume with --ckpt_path last``. Resuming with
+    ``--ckpt_path last`` continues as the uninterrupted run would have.
+
+    ``last.ckpt`` goes where ``--ckpt_path last`` finds it: the ``ModelCheckpoint`` with ``save_last`` writes it
+    (its own last checkpoint, in its ``dirpath``); else it goes to ``dirpath`` if given, or to the first
+    ``ModelCheckpoint``'s directory, or to ``trainer.default_root_dir`` (resume from that path then).
+
+    The signal handler only sets a flag. It replaces Lightning's own SIGTERM handler from ``on_train_start`` (that
+    one runs a collective inside the handler and stops with ``SIGTERMException``, no checkpoint); Lightning
+    restores the handlers from before the fit when the fit ends.
+
+    Under SLURM with ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default there), the checkpoint is
+    Lightning's ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, which a requeued job resumes from by itself (no
+    ``--ckpt_path``), and Lightning's requeue signal (``requeue_signal``, SIGUSR1 by default) is handled the
+    same way as SIGTERM, then ``scontrol requeue`` from rank 0 (as Lightning's handler does; that handler would
+    save, a collective, from inside the signal handler, wherever each rank happens to be).
+
+    Args:
+        dirpath: Where ``last.ckpt`` goes when no ``ModelCheckpoint`` with ``save_last`` is configured.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None) -> None:
+        self.dirpath = dirpath
+        self._flags = [False, False]  # SIGTERM, requeue signal
+        self._requeue_signal: int | None = None
+        self._forwarded = False
+        self._trainer: pl.Trainer | None = None
+
+    # ---- signals ----
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Note the signal; forward it once to the other ranks when this process launched them."""
+        self._flags[_TERM] = True
+        if not self._forwarded and self._trainer is not None:
+            self._forwarded = True
+            launcher = self._trainer.strategy.launcher
+            if launcher is not None:
+                with contextlib.suppress(Exception):
+                    launcher.kill(signum)
+
+    def _on_requeue_signal(self, signum: int, frame: Any) -> None:
+        self._flags[_REQUEUE] = True
+
+    def _install(self) -> None:
+        """Replace the handlers Lightning's ``_SignalConnector`` registered for this fit; it restores the ones from
+        before the fit when the fit ends (or fails)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals can only be handled on the main thread
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self._requeue_signal is not None:
+            signal.signal(self._requeue_signal, self._on_requeue_signal)
+
+    # ---- hooks ----
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer, self._flags, self._forwarded = trainer, [False, False], False
+        environment = trainer._accelerator_connector.cluster_environment
+        auto_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue and not _IS_WINDOWS
+        self._requeue_signal = environment.requeue_signal if auto_requeue else None
+        self._install()  # after Lightning registered its handlers (just before the fit loop runs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        term, requeue = self._agree(trainer)
+        if not (term or requeue):
+            return
+        self._flags = [False, False]
+        path = self._save(trainer)
+        trainer.should_stop = True
+        what = "SIGTERM" if term else f"SLURM requeue signal {signal.Signals(self._requeue_signal).name}"
+        if self._requeue_signal is not None:  # SLURM auto-requeue: Lightning resumes from the hpc checkpoint
+            if requeue and trainer.is_global_zero:
+                _requeue_slurm_job()
+            then = "the requeued job resumes from it (no --ckpt_path)" if requeue else \
+                "a requeued job resumes from it (no --ckpt_path)"
+            rank_zero_info(f"{what} received at iteration {trainer.global_step}: saved {path}; {then}")
+            return
+        resume = "--ckpt_path last" if self._found_by_last(trainer, path) else f"--ckpt_path {path}"
+        rank_zero_info(f"{what} received at iteration {trainer.global_step}: saved {path}; resume with {resume}")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = None  # (Lightning has restored the signal handlers by now)
+
+    # ---- helpers ----
+
+    def _agree(self, trainer: pl.Trainer) -> tuple[bool, bool]:
+        """Every rank's flags, reduced with MAX over the world group: the same answer on every rank."""
+        flags = torch.tensor([int(f) for f in self._flags], dtype=torch.int32)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            flags = flags.to(trainer.strategy.root_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        term, requeue = (bool(v) for v in flags.tolist())
+        return term, requeue
+
+    def _save(self, trainer: pl.Trainer) -> str:
+        """Save ``last.ckpt``, or under SLURM auto-requeue the next ``hpc_ckpt_N.ckpt`` (collective: every rank
+        calls it) and return its path."""
+        if self._requeue_signal is not None:
+            # Lightning's name, chosen on rank 0 (another rank could see the file rank 0 is writing).
+            path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+            trainer.save_checkpoint(path)
+            return str(path)
+        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        keeper = next((c for c in checkpoints if c.save_last and c.dirpath is not None), None)
+        if keeper is not None and self.dirpath is None:
+            # ModelCheckpoint's own last checkpoint: its bookkeeping (last_model_path, the step it saved at, so
+            # it does not save again at this step) stays right.
+            keeper._save_last_checkpoint(trainer, keeper._monitor_candidates(trainer))
+            return str(keeper.last_model_path)
+        if self.dirpath is not None:
+            directory = str(self.dirpath)
+        elif checkpoints and checkpoints[0].dirpath is not None:
+            directory = str(checkpoints[0].dirpath)
+        else:
+            directory = str(trainer.default_root_dir)
+        path = os.path.join(directory, ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION)
+        trainer.save_checkpoint(path)
+        for callback in checkpoints:  # nothing more to save at this step
+            callback._last_global_step_saved = trainer.global_step
+        return path
+
+    @staticmethod
+    def _found_by_last(trainer: pl.Trainer, path: str) -> bool:
+        """Whether ``--ckpt_path last`` looks in ``path``'s directory (a ModelCheckpoint's)."""
+        directory = Path(path).resolve().parent
+        return any(c.dirpath is not None and Path(c.dirpath).resolve() == directory
+                   for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint))
+
+
+def _requeue_slurm_job() -> None:
+    """``scontrol requeue`` this job, as Lightning's SLURM handler does."""
+    array_job_id = os.getenv("SLURM_ARRAY_JOB_ID")
+    job_id = f"{array_job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job_id else os.environ["SLURM_JOB_ID"]
+    if not re.fullmatch(r"[0-9_-]+", job_id):
+        raise ValueError(f"Unexpected SLURM job id {job_id!r}: not requeued.")
+    try:
+        result = subprocess.call(["scontrol", "requeue", job_id])
+    except FileNotFoundError:
+        result = subprocess.call(f"scontrol requeue {job_id}", shell=True)
+    if result == 0:
+        rank_zero_info(f"Requeued SLURM job {job_id}.")
+    else:
+        rank_zero_warn(f"Requeuing SLURM job {job_id} failed with exit code {result}.")
+
+
+__all__ = ["PreemptionCheckpoint"]
