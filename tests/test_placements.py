@@ -141,6 +141,7 @@ def test_plan_presets_assign_the_documented_ranks():
     assert sep.shadow_ranks("actor") == (0, 1, 2) and not sep.holds("reference", 3)
 
 
+@pytest.mark.slow  # tests/test_faults.py kills a rank in every phase under every placement (2 cells by default)
 def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     """Killing rank 2 of 4 ends every other rank with an error naming the failed call and its role, not a hang.
 

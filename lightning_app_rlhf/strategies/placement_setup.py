@@ -15,7 +15,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from torch import nn
 
-from lightning_app_rlhf.placement import Placement, create_placement
+from lightning_app_rlhf.placement import Placement, create_placement, start_heartbeat
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLES
 from lightning_app_rlhf.wrappers import RoleWrapper, wrapper_class
@@ -29,9 +29,11 @@ def start_distributed(
     threads_per_process: int | None,
     timeout: datetime.timedelta,
 ) -> None:
-    """Initialise torch.distributed and size the CPU threads of this process."""
+    """Initialise torch.distributed, start this rank's heartbeat (so that a failed collective's error names the rank
+    that died) and size the CPU threads of this process."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     _init_dist_connection(cluster_environment, backend, timeout=timeout)
+    start_heartbeat(torch.distributed.get_rank(), torch.distributed.get_world_size())
     if root_device.type == "cpu":  # processes sharing cores must not each run a thread per core: OpenMP crawls
         torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(1, local_processes)))
 

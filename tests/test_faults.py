@@ -1,0 +1,202 @@
+"""Fault injection: one rank of 4 is SIGKILLed at a chosen phase, under each placement.
+
+The 4 ranks are launched as torchrun or SLURM would, one process each with ``LOCAL_RANK`` set, with a short
+collective timeout (``--trainer.strategy.timeout``). :mod:`fault_injection` kills rank ``RLHF_KILL_RANK`` inside
+``RLHF_KILL_PHASE`` of the iteration at global step 2, just after the step-2 checkpoint. Each cell checks that
+
+- the killed rank died of SIGKILL, and every other rank exits, non-zero, within the timeout plus a margin;
+- each survivor's error is a ``PlacementError`` naming the collective, its call, role and ranks, and the dead rank
+  (from the heartbeats in the store; "the store is unreachable" when rank 0, which hosts it, died);
+- no process of the job is left (each rank runs in its own session, checked through psutil);
+- the step-2 checkpoint on disk is intact (weights-only load and its checksum); one cell also resumes from it and
+  logs what an uninterrupted run logs.
+
+Separation alone moves weights between groups, so the ``reallocate`` phase is Separation's only: its cells for
+Flattening and Interleaving are skipped (nothing to kill in). The default run covers two cells (a scoring gather
+under Interleaving, the reallocation under Separation, which also resumes); the whole matrix (10 cells, about a
+minute each on 2 cores) runs with::
+
+    pytest -m slow tests/test_faults.py      # the 8 other cells
+    pytest -m "slow or not slow" tests/test_faults.py   # all of them
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lightning_app_rlhf.checkpoint import load_checkpoint_file, verify
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 20
+"""The collective timeout the cells run under (``--trainer.strategy.timeout``)."""
+MARGIN_S = 25
+"""Allowed on top of it for every survivor to notice, name the dead rank (a few heartbeats) and exit."""
+KILL_STEP = 2
+STRATEGY_CLASS = {"rlhf_flattening": "FlatteningStrategy", "rlhf_interleaving": "InterleavingStrategy",
+                  "rlhf_separation": "SeparationStrategy"}
+KILLED = {  # (placement, phase) -> the rank that dies: one that takes part in the phase
+    ("rlhf_flattening", "generate"): 0,  # rank 0 hosts the store: the survivors must say it is gone
+    ("rlhf_flattening", "score_gather"): 1,
+    ("rlhf_flattening", "train"): 2,
+    ("rlhf_interleaving", "generate"): 1,
+    ("rlhf_interleaving", "score_gather"): 2,  # a reward rank, inside the reference's gather
+    ("rlhf_interleaving", "train"): 3,
+    ("rlhf_separation", "generate"): 1,  # generation ranks 0-1
+    ("rlhf_separation", "score_gather"): 0,
+    ("rlhf_separation", "train"): 3,  # training ranks 2-3
+    ("rlhf_separation", "reallocate"): 2,  # the train leader, which sends the weights to the shadows on 0-1
+}
+DEFAULT_CELLS = {("rlhf_interleaving", "score_gather"), ("rlhf_separation", "reallocate")}
+ERROR = re.compile(r"PlacementError: Rank (\d): the (gather of results|broadcast of statistics|all-reduce|weight "
+                   r"reallocation) of call '(\w+)\.(\w+)' \(role '(\w+)', ranks \[([\d, ]+)\]")
+COMMON = ("--model.ppo.kl_target", "1.0", "--model.ppo.kl_horizon", "100", "--model.ppo.reward_norm", "true",
+          "--model.generation.max_new_tokens", "8")
+COMPARED = ("reward/mean", "reward/std", "kl/mean", "kl/coef", "policy/loss", "policy/clipfrac", "policy/approx_kl",
+            "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
+
+
+def cells():
+    for placement in STRATEGY_CLASS:
+        for phase in ("generate", "score_gather", "train", "reallocate"):
+            if (placement, phase) not in KILLED:
+                yield pytest.param(placement, phase, marks=pytest.mark.skip(
+                    reason=f"{placement} keeps no shadow copies: no weight reallocation to kill a rank in"))
+            elif (placement, phase) in DEFAULT_CELLS:
+                yield pytest.param(placement, phase)
+            else:
+                yield pytest.param(placement, phase, marks=pytest.mark.slow)
+
+
+def command(tmp_path: Path, placement: str, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
+            "--trainer.devices", "4", "--trainer.strategy", f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
+            "--trainer.strategy.timeout", str(TIMEOUT_S), "--trainer.max_steps", str(steps),
+            "--trainer.enable_checkpointing", "true", "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+            "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra]
+
+
+def launch_ranks(tmp_path: Path, cmd: list[str], env: dict[str, str], name: str) -> tuple[list[int], list[float]]:
+    """Run the 4 ranks as torchrun would (one process each, own session); return exit codes and exit times."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port()), "WORLD_SIZE": "4",
+           "NODE_RANK": "0", **env}
+    files = [(tmp_path / f"{name}{rank}.err").open("w") for rank in range(4)]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                              stderr=file, start_new_session=True) for rank, file in enumerate(files)]
+    sessions = [p.pid for p in procs]
+    ended: list[float | None] = [None] * 4
+    deadline = time.monotonic() + 400
+    try:
+        while None in ended and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                if ended[rank] is None and proc.poll() is not None:
+                    ended[rank] = time.monotonic()
+            time.sleep(0.1)
+    finally:
+        for proc, file in zip(procs, files):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            file.close()
+    left = [p for p in psutil.process_iter(["pid"]) if _session(p.pid) in sessions]
+    for p in left:
+        p.kill()
+    assert not left, f"processes of the job left behind: {left}"
+    assert None not in ended, "a rank was still running after 400 s"
+    return [p.returncode for p in procs], ended
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def metrics(tmp_path: Path, name: str) -> list[dict[str, float]]:
+    (path,) = (tmp_path / name).rglob("metrics.csv")
+    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(path.open()) if row.get("reward/mean")]
+
+
+@pytest.mark.parametrize("placement,phase", list(cells()))
+def test_killed_rank_stops_every_rank_with_named_errors(tmp_path, placement, phase):
+    killed = KILLED[placement, phase]
+    started = time.monotonic()
+    cmd = command(tmp_path, placement, 5, "--trainer.logger.init_args.name", "killed",
+                  "--trainer.callbacks+=fault_injection.KillAtPhase")
+    env = {"RLHF_KILL_RANK": str(killed), "RLHF_KILL_PHASE": phase, "RLHF_KILL_STEP": str(KILL_STEP)}
+    codes, ended = launch_ranks(tmp_path, cmd, env, "rank")
+    errors = [(tmp_path / f"rank{rank}.err").read_text() for rank in range(4)]
+    survivors = [r for r in range(4) if r != killed]
+    print(f"{placement}/{phase}: killed rank {killed}; run {time.monotonic() - started:.1f}s; exits after the kill: "
+          + ", ".join(f"rank {r} +{ended[r] - ended[killed]:.1f}s" for r in survivors))
+
+    assert codes[killed] == -signal.SIGKILL, errors[killed][-3000:]
+    assert f"SIGKILL rank {killed} in phase {phase!r} at step {KILL_STEP}" in errors[killed]
+    for rank in survivors:
+        assert codes[rank] != 0, errors[rank][-3000:]
+        assert ended[rank] - ended[killed] < TIMEOUT_S + MARGIN_S, (rank, ended[rank] - ended[killed])
+        match = ERROR.search(errors[rank])
+        assert match, errors[rank][-3000:]
+        line = errors[rank][match.start():].splitlines()[0]
+        print(f"  rank {rank}: {line[:400]}")
+        assert int(match[1]) == rank and match[3] == match[5], line
+        if killed == 0:
+            assert "rank 0 hosts it" in line, line
+        else:
+            assert f"Heartbeats: rank {killed} stopped responding (last heartbeat " in line, line
+
+    (checkpoint,) = (tmp_path / "ckpt").iterdir()  # step 2's, and nothing half-written beside it
+    assert checkpoint.name == f"step={KILL_STEP}.ckpt"
+    verify(load_checkpoint_file(checkpoint), checkpoint)
+
+    if (placement, phase) == ("rlhf_separation", "reallocate"):  # resumes exactly: one representative cell
+        resumed_cmd = command(tmp_path, placement, 4, "--trainer.logger.init_args.name", "resumed",
+                              "--trainer.callbacks.dirpath", str(tmp_path / "ckpt2"), "--ckpt_path", str(checkpoint))
+        codes, _ = launch_ranks(tmp_path, resumed_cmd, {}, "resumed")
+        assert codes == [0] * 4, (tmp_path / "resumed0.err").read_text()[-3000:]
+        full_cmd = command(tmp_path, placement, 4, "--trainer.logger.init_args.name", "full",
+                           "--trainer.callbacks.dirpath", str(tmp_path / "ckpt3"))
+        codes, _ = launch_ranks(tmp_path, full_cmd, {}, "full")
+        assert codes == [0] * 4, (tmp_path / "full0.err").read_text()[-3000:]
+        resumed, full = metrics(tmp_path, "resumed"), metrics(tmp_path, "full")
+        assert [r["step"] for r in resumed] == [2, 3]
+        for got, want in zip(resumed, full[2:], strict=True):
+            for metric in COMPARED:
+                assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
+
+
+def test_heartbeat_names_the_rank_that_stopped():
+    """In one process: the ranks whose heartbeat stopped are named, the first to stop first; a live one is not."""
+    import datetime
+
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from lightning_app_rlhf.placement import HEARTBEAT_KEY, Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", find_free_network_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    alive, me = Heartbeat(store, 2, 4, interval=0.2), Heartbeat(store, 1, 4, interval=0.2)
+    try:
+        store.set(f"{HEARTBEAT_KEY}0", repr(time.time() - 30))  # rank 0 beat once, 30 s ago; rank 3 never did
+        text = me.stopped_ranks()
+    finally:
+        alive.stop()
+        me.stop()
+    assert re.fullmatch(r"Heartbeats: rank 0 stopped responding \(last heartbeat 3\d\.\ds ago\); later: rank 3 "
+                        r"\(none ever\)\.", text), text
