@@ -49,6 +49,7 @@ class Heartbeat:
         for connection in (self._writer, self._reader):
             connection.set_timeout(datetime.timedelta(seconds=store_timeout))
         self._stopped = threading.Event()
+        self._join_timeout = interval + store_timeout
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"rlhf-heartbeat-rank{rank}", daemon=True)
         self._thread.start()
@@ -64,7 +65,11 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop beating and wait for the thread (at most one store timeout): a thread still inside a store call when
+        the interpreter exits aborts the process ("terminate called without an active exception")."""
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._join_timeout)
 
     def last_beats(self) -> dict[int, float]:
         """Each other rank's time of its last beat (ranks that never beat are left out). Raises if the store is

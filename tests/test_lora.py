@@ -329,6 +329,7 @@ def demo_role_bytes() -> tuple[int, int, int]:
     return nbytes(actor.parameters()), nbytes(critic.parameters()), trainable
 
 
+@pytest.mark.slow  # LoRA training and export stay in the default run on one process
 def test_lora_actor_and_critic_train_under_every_placement(tmp_path):
     """Flattening, Interleaving and Separation on 2 processes: the same trajectory; the reference costs no
     parameter bytes anywhere; Separation moves exactly the adapters and the value head after every update."""

@@ -226,7 +226,7 @@ OVERLAP = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strate
     (("auto",), 1),
     *(pytest.param((s,), 2, marks=pytest.mark.slow) for s in STRATEGIES[:2]),  # Separation restores the most
     (("rlhf_separation",), 2),
-    (OVERLAP, 2),
+    pytest.param(OVERLAP, 2, marks=pytest.mark.slow),  # overlap: test_separation_overlap_trains_one_step_behind
 ])
 def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, devices):
     """Kill-and-resume: a run resumed from its step-2 checkpoint logs the same values at steps 2 and 3 as the
@@ -247,6 +247,7 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
             assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
+@pytest.mark.slow  # Fabric runs Separation and resumes exactly in test_fabric_checkpoint (default run)
 def test_fabric_example_matches_the_trainer(tmp_path):
     """examples/fabric_demo.py under Fabric's rlhf_* strategies logs what the Trainer logs for the same settings."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -177,6 +177,7 @@ def test_zero3_separation_resumes_exactly_with_its_shadows_refreshed(tmp_path):
     assert_resumed(resumed, full, rel=1e-5)
 
 
+@pytest.mark.slow  # restore_modes names the fix in a unit test of the default run
 def test_zero3_checkpoint_on_another_number_of_ranks_is_refused_with_the_fix(zero3_run, tmp_path):
     _, _, step2 = zero3_run
     result = run(tmp_path, "one", ZERO3, 1, "--ckpt_path", str(step2))
