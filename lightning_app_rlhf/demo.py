@@ -79,22 +79,22 @@ def topic_reward(prompts: list[str], responses: list[str]) -> list[float]:
 def prompts(num_prompts: int = 512, seed: int = 0) -> list[str]:
     """Demo prompts: every template for every topic, with random example words, in a seeded order."""
     rng = random.Random(seed)
-    out = []
-    for i in range(num_prompts):
-        topic = list(TOPICS)[i % len(TOPICS)]
-        template = TEMPLATES[(i // len(TOPICS)) % len(TEMPLATES)]
-        out.append(template.format(topic=topic, example=rng.choice(TOPICS[topic])))
+    out = _fill_templates(TEMPLATES, num_prompts, rng)
     rng.shuffle(out)
     return out
 
 
 def val_prompts(num_prompts: int = 32, seed: int = 1) -> list[str]:
     """Held-out demo prompts: every topic in templates the training prompts never use."""
-    rng = random.Random(seed)
+    return _fill_templates(HELD_OUT_TEMPLATES, num_prompts, random.Random(seed))
+
+
+def _fill_templates(templates: tuple[str, ...], num_prompts: int, rng: random.Random) -> list[str]:
+    """Topic after topic, template after template, each with an example word of its topic drawn from ``rng``."""
     out = []
     for i in range(num_prompts):
         topic = list(TOPICS)[i % len(TOPICS)]
-        template = HELD_OUT_TEMPLATES[(i // len(TOPICS)) % len(HELD_OUT_TEMPLATES)]
+        template = templates[(i // len(TOPICS)) % len(templates)]
         out.append(template.format(topic=topic, example=rng.choice(TOPICS[topic])))
     return out
 

@@ -55,40 +55,6 @@ def test_cli_help_lists_ppo_options(tmp_path):
     assert "Passes over each rollout batch" in result.stdout  # field docstrings reach --help
 
 
-def _cli(args: list[str]) -> int:
-    """``python -m lightning_app_rlhf ARGS`` in this process: its exit status (0 unless it exits)."""
-    from unittest import mock
-
-    from lightning_app_rlhf.cli import main
-
-    try:
-        with mock.patch.object(sys, "argv", ["lightning-app-rlhf"]):  # LightningCLI reads args, not pytest's argv
-            main(args)
-    except SystemExit as exit:
-        return exit.code
-    return 0
-
-
-def test_help_lists_every_subcommand(capsys):
-    """The top-level `--help` lists the Trainer's subcommands and `plan`, each with a one-sentence summary."""
-    assert _cli(["--help"]) == 0
-    out = capsys.readouterr().out
-    assert "{fit,validate,test,predict,plan}" in out
-    assert "plan                Predict and search placements for the configured run" in out
-    assert "test                Perform one evaluation epoch over the test set.\n" in out
-
-
-def test_plan_help_shows_its_flags_beside_fit_s(capsys):
-    """`plan --help` has fit's --config, --trainer.*, --model and --data, and the planner's flags in the same
-    style."""
-    assert _cli(["plan", "--help"]) == 0
-    out = capsys.readouterr().out
-    for flag in ("--config", "--trainer.devices", "--model ", "--data ", "--cluster CLUSTER", "--time_budget",
-                 "--top_k", "--num_samples", "--json", "--sweep"):
-        assert flag in out, flag
-    assert "--time-budget" not in out and "--num-samples" not in out
-
-
 def test_unknown_strategy_name_suggests_the_right_one():
     """Lightning's own error lists no registered names; ours names the closest one and the placement strategies."""
     from lightning_app_rlhf.cli import main

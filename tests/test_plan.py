@@ -243,3 +243,23 @@ def test_plan_named_sizes_still_work(capsys, monkeypatch):
     assert run_cli(["plan", "--sweep", "--search", "presets"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert row.startswith("| llama-7b | 1x8xA100-80GB | ") and "actor.generate 0-7" in row and "actor:" in row
+
+
+def test_help_lists_every_subcommand(capsys):
+    """The top-level `--help` lists the Trainer's subcommands and `plan`, each with a one-sentence summary."""
+    assert run_cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,plan}" in out
+    assert "plan                Predict and search placements for the configured run" in out
+    assert "test                Perform one evaluation epoch over the test set.\n" in out
+
+
+def test_plan_help_shows_its_flags_beside_fit_s(capsys):
+    """`plan --help` has fit's --config, --trainer.*, --model and --data, and the planner's flags in the same
+    style."""
+    assert run_cli(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--config", "--trainer.devices", "--model ", "--data ", "--cluster CLUSTER", "--time_budget",
+                 "--top_k", "--num_samples", "--json", "--sweep"):
+        assert flag in out, flag
+    assert "--time-budget" not in out and "--num-samples" not in out
