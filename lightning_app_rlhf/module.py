@@ -408,6 +408,8 @@ class RLHFModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         iteration, engine = self.iteration, self.engine
         self._check_minibatches(batch["input_ids"].shape[0])
+        if self._fabric is not None and not self.learning_rates:
+            self.refresh_learning_rates()  # Fabric calls no on_train_start
         batch = repeat_samples(batch, self.generation.num_samples)
         overlap = self._placement().plan.overlap
         times = {"start": _now(self.device)}
