@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.calls import Experience
 from lightning_app_rlhf.checkpoint import (
+    LAYOUT_KEY,
     OPTIMIZERS_KEY,
     CheckpointError,
     check_checkpoint_file,
@@ -693,9 +694,6 @@ def _check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any
     missing or extra (another number of layers, LoRA on or off), with the model settings that differ from the
     saved hyperparameters. A role the checkpoint keeps as shards (FSDP2, ZeRO) is left to its wrapper's loader; a
     role this rank does not hold is checked by the ranks that hold it."""
-    # Imported here: the import block at the top is shared with other edits.
-    from lightning_app_rlhf.checkpoint import LAYOUT_KEY
-
     saved = checkpoint.get("state_dict")
     if not isinstance(saved, dict):
         return
