@@ -172,8 +172,8 @@ class RLHFModule(pl.LightningModule):
 
     def _save_plain_hyperparameters(self, arguments: dict[str, Any]) -> None:
         """Save the arguments as plain data (specs and configs as dicts; no objects, so a weights-only load reads
-        them). A tokenizer object is embedded in checkpoints (see :meth:`on_save_checkpoint`); callables (a reward
-        function, optimizer and scheduler builders) are saved only as import paths."""
+        them). A tokenizer object is embedded in checkpoints (see :meth:`on_save_checkpoint`); a reward function is
+        saved as its import path when it has one; optimizer and scheduler builders (code) are not saved."""
         plain = {}
         for name, value in arguments.items():
             if name in ("self", "__class__"):
