@@ -70,10 +70,14 @@ class Heartbeat:
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._join_timeout)
+        if not self._thread.is_alive():  # close the store connections now, not during interpreter teardown
+            self._writer = self._reader = None
 
     def last_beats(self) -> dict[int, float]:
         """Each other rank's time of its last beat (ranks that never beat are left out). Raises if the store is
         unreachable."""
+        if self._reader is None:
+            raise RuntimeError("the heartbeat was stopped")
         beats = {}
         for rank in range(self.world_size):
             key = f"{HEARTBEAT_KEY}{rank}"
