@@ -52,9 +52,17 @@ class PlacementPlan:
     """One-step off-policy: each iteration trains on the previous iteration's rollout while the generation group
     samples the next, so updates use data one weight version old. Needs generation and training on disjoint
     ranks."""
+    tp: dict[str, int] = field(default_factory=dict)
+    """Call name -> its tensor-parallel degree (1 for a call left out). A call with degree ``t`` on ``n`` ranks runs
+    as ``n / t`` data-parallel replicas, each a ``t``-way DTensor tensor-parallel copy of the role (the model
+    family's own ``tp_plan``); replica ``i`` is the ``t`` consecutive ranks ``ranks[i * t:(i + 1) * t]``."""
+    unshard_for_generation: bool = True
+    """A sharded actor (FSDP2, ZeRO-3) that generates on its own train group gathers its weights once per rollout
+    and frees them after (the hybrid engine); False gathers them for every decoding step (less memory)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
+        object.__setattr__(self, "tp", {c: int(t) for c, t in self.tp.items() if int(t) != 1})
         trainable = [r for r in TRAINABLE_ROLES if f"{r}.train" in self.calls]
         object.__setattr__(self, "wrappers", {**{r: "ddp" for r in trainable}, **self.wrappers})
         self.validate()
@@ -111,6 +119,7 @@ class PlacementPlan:
                             f"Call {call!r} runs on ranks {list(ranks)}, part of the {wrapper} group {sorted(train)} "
                             f"of '{role}.train': a sharded role can only run a call on all of its train ranks or on "
                             "ranks outside them (shadow copies). Change the call's ranks, or use wrapper 'ddp'.")
+        self._validate_tp()
         unknown = sorted(set(self.wrappers) - set(self.roles))
         if unknown:
             raise ValueError(f"Wrappers name unknown roles {unknown}, which the plan does not place: give wrappers "
@@ -123,6 +132,20 @@ class PlacementPlan:
                                  f"the ranks of '{role}.forward'.")
             if role in self.wrappers:
                 wrapper_class(self.wrappers[role], role)
+
+    def _validate_tp(self) -> None:
+        for call, degree in self.tp.items():
+            if call not in self.calls:
+                raise ValueError(f"tp names call {call!r}, which the plan does not run: give degrees to calls among "
+                                 f"{list(self.calls)}.")
+            size = len(self.calls[call])
+            if degree < 1 or size % degree:
+                raise ValueError(f"Call {call!r} has tensor-parallel degree {degree} on {size} ranks: the degree must "
+                                 f"divide the call's group size ({[d for d in range(1, size + 1) if size % d == 0]}).")
+
+    def tp_degree(self, call: str) -> int:
+        """The tensor-parallel degree of ``call`` (1 unless :attr:`tp` names it)."""
+        return self.tp.get(call, 1)
 
     def validate_shared_reference(self) -> None:
         """Raise a ``ValueError`` naming the fix if the reference cannot run on the actor's base model.
@@ -150,7 +173,8 @@ class PlacementPlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain fields (lists, not tuples): for checkpoints, JSON, and a strategy's ``plan:`` in a CLI config."""
         return {"world_size": self.world_size, "calls": {c: list(r) for c, r in self.calls.items()},
-                "wrappers": dict(self.wrappers), "name": self.name, "overlap": self.overlap}
+                "wrappers": dict(self.wrappers), "name": self.name, "overlap": self.overlap, "tp": dict(self.tp),
+                "unshard_for_generation": self.unshard_for_generation}
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> PlacementPlan:

@@ -9,6 +9,7 @@ They place the workload's roles only: a critic-free workload (``Workload(critic=
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -347,7 +348,7 @@ def with_frozen(plan: PlacementPlan, frozen: dict[str, str]) -> PlacementPlan:
     """``plan`` with frozen-role wrappers added."""
     if not frozen:
         return plan
-    return PlacementPlan(plan.world_size, plan.calls, {**plan.wrappers, **frozen}, plan.name, plan.overlap)
+    return dataclasses.replace(plan, wrappers={**plan.wrappers, **frozen})
 
 
 def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
