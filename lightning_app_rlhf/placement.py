@@ -28,6 +28,8 @@ class PlacementError(RuntimeError):
     """A collective of a call failed: another rank died, failed, or did not answer within the timeout."""
 
 
+EXIT_POLL = 0.1
+"""Seconds between the heartbeat thread's checks that the main thread still runs."""
 HEARTBEAT_KEY = "rlhf_heartbeat/"
 """Store key prefix of the heartbeats: ``rlhf_heartbeat/{rank}`` holds that rank's wall-clock time of its last beat."""
 
@@ -51,22 +53,31 @@ class Heartbeat:
         self._stopped = threading.Event()
         self._join_timeout = interval + store_timeout
         self._beat()
-        self._thread = threading.Thread(target=self._run, name=f"rlhf-heartbeat-rank{rank}", daemon=True)
+        # Not a daemon: the interpreter waits for it at exit, so it is never inside a store call when Python
+        # finalizes (a daemon thread there is stopped mid-C++ call: "terminate called without an active exception").
+        self._thread = threading.Thread(target=self._run, name=f"rlhf-heartbeat-rank{rank}", daemon=False)
         self._thread.start()
 
     def _beat(self) -> None:
         self._writer.set(f"{HEARTBEAT_KEY}{self.rank}", repr(time.time()))
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
+        """Beat every ``interval`` until stopped or until the main thread has finished (the interpreter is exiting
+        and waits for this thread: it notices within ``EXIT_POLL`` seconds)."""
+        next_beat = time.monotonic() + self.interval
+        while not self._stopped.wait(min(EXIT_POLL, max(0.0, next_beat - time.monotonic()))):
+            if not threading.main_thread().is_alive():
+                return
+            if time.monotonic() < next_beat:
+                continue
+            next_beat += self.interval
             try:
                 self._beat()
             except RuntimeError:  # the store is gone (rank 0 ended): nothing left to tell (DistError)
                 return
 
     def stop(self) -> None:
-        """Stop beating and wait for the thread (at most one store timeout): a thread still inside a store call when
-        the interpreter exits aborts the process ("terminate called without an active exception")."""
+        """Stop beating, wait for the thread (at most one store timeout), and close the store connections."""
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._join_timeout)

@@ -121,7 +121,7 @@ def run(argv: list[str]) -> None:
 
 def launch(out: Path, *args: str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     result = subprocess.run([sys.executable, __file__, str(out), *args], cwd=out, env=env, capture_output=True,
                             text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -144,8 +144,6 @@ def assert_same_state(saved: Any, live: Any, where: str) -> None:
         assert saved == live, where
 
 
-@pytest.mark.slow  # a launch of it aborted at process exit in 2 of 4 CI runs ("terminate called without an active
-# exception", since the store heartbeat): kept out of the default run until that is fixed
 def test_fabric_save_under_separation_holds_every_role_and_resumes_exactly(tmp_path):
     """Separation on 2 processes: the actor and critic train on rank 1 only, rank 0 holds their shadows and the
     reference. ``fabric.save`` of the module (with its optimizers, an empty list on rank 0, and a plain entry)
