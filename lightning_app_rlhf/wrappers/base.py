@@ -78,6 +78,9 @@ class RoleWrapper(ABC):
     """Each rank keeps only its part of the optimizer state."""
     wraps_frozen: ClassVar[bool] = False
     """Can shard a frozen role over its forward group."""
+    lockstep_when_unsharded: ClassVar[bool] = False
+    """Inside :meth:`unsharded`, a forward may still run a collective over the group, so its ranks must still run
+    the same number of forwards (generation in lockstep)."""
     package: ClassVar[str | None] = None
     """The package it needs beyond torch; absent, the planner does not search it and a plan asking for it fails."""
     extra: ClassVar[str | None] = None
@@ -144,6 +147,14 @@ class RoleWrapper(ABC):
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Enter around the forward and backward of one micro-batch; ``last`` for the last of a minibatch, after
         which the gradients are complete (earlier ones may skip their gradient synchronisation)."""
+        return contextlib.nullcontext()
+
+    def unsharded(self) -> contextlib.AbstractContextManager[None]:
+        """Enter around a whole rollout's generation (no gradients): a wrapper that shards parameters gathers them
+        once on entry, keeps them whole through every forward inside, so that those forwards run no collective, and
+        frees the full copies on exit (the hybrid engine's unshard-once generation). Entering is a collective over the
+        group: every rank of it enters, whatever it runs inside. Wrappers that keep the parameters whole (DDP,
+        ZeRO-1/2, any wrapper on one rank) do nothing."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -40,6 +40,9 @@ class ZeroWrapper(RoleWrapper):
     """
 
     stage: ClassVar[int]
+    # ZeRO-3's forward hooks re-record their module trace after any change of call pattern (train -> generate),
+    # checking it against the other ranks with broadcasts at the start of a forward, gathered weights or not.
+    lockstep_when_unsharded = True
     package = "deepspeed"
     extra = "deepspeed"
     checkpoint_format = "deepspeed"
@@ -128,6 +131,25 @@ class ZeroWrapper(RoleWrapper):
 
         with self.running(), deepspeed.zero.GatheredParameters(params):
             yield params
+
+    @override
+    @contextlib.contextmanager
+    def unsharded(self) -> Iterator[None]:
+        if self.engine is None or self.stage < 3:
+            yield
+            return
+        import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = list(self.module.parameters())  # frozen ones too: a forward needs every weight
+        with self.running():
+            # One coalesced all-gather (as ZeRO-3's own fetch does), not GatheredParameters' one per parameter: it
+            # then finds them all available and only re-partitions them on exit.
+            missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            if missing:
+                missing[0].all_gather_coalesced(missing).wait()
+            with deepspeed.zero.GatheredParameters(params), _held_by_generation(params):
+                yield
 
     @override
     def save_sharded(self, directory: str | os.PathLike[str], optimizer: bool = True) -> None:
@@ -336,6 +358,27 @@ class _GroupMPU:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
+
+
+GENERATION_HOLDER = -1
+"""Stands for the whole generation in a ZeRO-3 parameter's ``ds_active_sub_modules`` (module ids are >= 0)."""
+
+
+@contextlib.contextmanager
+def _held_by_generation(params: list[torch.Tensor]) -> Iterator[None]:
+    """Keep gathered ZeRO-3 parameters whole through the forwards inside the block.
+
+    ZeRO-3's post-forward hook re-partitions every parameter of a module after its forward, even one that
+    ``GatheredParameters`` gathered, unless another module still uses it (``ds_active_sub_modules`` not empty).
+    Generation counts as such a user here; the hooks' pre-forward fetch skips parameters already available.
+    """
+    for param in params:
+        param.ds_active_sub_modules.add(GENERATION_HOLDER)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.ds_active_sub_modules.discard(GENERATION_HOLDER)
 
 
 def _nan_gradients_if_nonfinite(loss: torch.Tensor) -> torch.Tensor:

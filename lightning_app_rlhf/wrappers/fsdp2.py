@@ -44,6 +44,12 @@ class FSDP2Wrapper(RoleWrapper):
         return _gradient_sync(self.module, last)
 
     @override
+    def unsharded(self) -> contextlib.AbstractContextManager[None]:
+        if not isinstance(self.module, FSDPModule):  # one rank: never sharded
+            return contextlib.nullcontext()
+        return keep_unsharded(self.module)
+
+    @override
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[list[torch.Tensor]]:
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -70,6 +76,36 @@ def _gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def keep_unsharded(root: FSDPModule) -> Iterator[None]:
+    """All-gather every FSDP unit under ``root`` (the root included) once, keep the full parameters through every
+    forward inside the block, then reshard and free them. A collective over the mesh on entry only (the forwards
+    inside gather nothing; resharding frees locally).
+
+    ``set_reshard_after_forward(False)`` keeps units gathered, but FSDP2 has no public getter to put back what each
+    unit had (the blocks reshard after a forward, the root does not, so that training does not gather it twice).
+    So this saves each parameter group's post-forward setting, turns it off, and restores exactly that.
+    """
+    # Settle which unit is the root (and its no-reshard default) before saving: a first forward would do it later.
+    root._get_fsdp_state()._lazy_init()
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    try:
+        for group in groups:
+            group.post_forward_mesh_info = None  # what set_reshard_after_forward(False) sets
+        handles = [unit.unshard(async_op=True) for unit in units]  # one all-gather per unit, all in flight together
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()  # frees the full parameters; the module's parameters are the local shards again
+        for group, info in zip(groups, saved, strict=True):
+            group.post_forward_mesh_info = info
 
 
 def shard_with_fsdp2(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
