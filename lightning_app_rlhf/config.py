@@ -11,6 +11,9 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "se
 sequences of their token sums; the mean over sequences of their token means; Dr. GRPO's sum over tokens divided by
 a constant (sequences x ``generation.max_new_tokens``)."""
 
+GENERATION_BACKENDS = ("eager", "static")
+"""The names ``generation.backend`` takes (the decoders of ``lightning_app_rlhf.generation``)."""
+
 
 @dataclass
 class GenerationConfig:
@@ -45,6 +48,21 @@ class GenerationConfig:
     do_sample: bool = True
     """False: greedy decoding, the most likely token at every step (top_k, top_p and the sampling keys are unused),
     e.g. for evaluation. The behaviour log-probabilities are still taken at ``temperature``."""
+    backend: Literal["eager", "static"] = "eager"
+    """The decoder (see docs/api.md, "Generation backends"). ``eager``: a dynamic Hugging Face KV cache grown token
+    by token, with a host sync per token to stop as soon as every row is done; works with any model and on any
+    device. ``static``: a preallocated KV cache (transformers' ``StaticCache``) and attention mask, keyed sampling on
+    the model's device, an "all finished?" check only every ``sync_every`` tokens, and optionally a
+    ``torch.compile``-d decode step (``compile``): the shape a CUDA graph can capture. For the same keys both give the
+    same tokens, and the same log-probabilities within float tolerance."""
+    compile: bool | None = None
+    """``static`` only: run the decode step through ``torch.compile`` (mode ``reduce-overhead`` on CUDA, so it is
+    captured as a CUDA graph; the default mode elsewhere). None: on CUDA only (on the CPU it does not pay off at the
+    sizes measured in docs/benchmarks.md). The first call of each new batch size or cache length compiles (seconds)."""
+    sync_every: int = 8
+    """``static`` only: test whether every row has stopped once every this many tokens (one host sync, or one
+    all-reduce over a lockstep group, per that many tokens instead of per token). Up to ``sync_every - 1`` extra
+    decode steps may run after the last row stopped; they change nothing in the rollout."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -73,6 +91,17 @@ class GenerationConfig:
             raise ValueError(f"generation.do_sample must be True (sampling) or False (greedy), got {self.do_sample!r}.")
         self._check_stop_token_ids()
         self._check_stop_strings()
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        if self.backend not in GENERATION_BACKENDS:
+            raise ValueError(f"generation.backend must be one of {list(GENERATION_BACKENDS)}, got {self.backend!r}: "
+                             "'eager' (any model, any device) or 'static' (static KV cache, CUDA-graph friendly).")
+        if self.compile is not None and type(self.compile) is not bool:
+            raise ValueError(f"generation.compile must be true, false or null (on CUDA only), got {self.compile!r}.")
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise ValueError(f"generation.sync_every must be an integer >= 1 (tokens between 'all rows stopped?' "
+                             f"checks of the static backend), got {self.sync_every!r}.")
 
     def _check_stop_token_ids(self) -> None:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):

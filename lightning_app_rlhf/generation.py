@@ -7,14 +7,19 @@ it is generated alone, in a batch of 32, or on any rank of a placement.
 A row ends at the first of its stop tokens (EOS, the actor's other end ids, ``generation.stop_token_ids``) or at
 the token that completes one of ``generation.stop_strings``; that token is kept, with mask 1. With
 ``generation.do_sample=False`` the most likely token is taken instead of a keyed draw (greedy decoding).
+
+The decoding loop itself is a :class:`GenerationBackend`, chosen by ``generation.backend``: ``eager`` (this module:
+a dynamic cache, a host sync per token) or ``static`` (:mod:`lightning_app_rlhf.static_decoder`: a preallocated
+cache, CUDA-graph friendly). Both draw the same keyed uniforms, so they give the same tokens for the same keys.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -160,14 +165,27 @@ class StopCondition:
     strings: StopStringCriteria | None = None
     """transformers' matcher of ``generation.stop_strings`` (strings that span tokens too); None: no strings."""
 
+    @property
+    def window(self) -> int:
+        """How many of the latest response columns :meth:`ended_window` needs (a stop string spans at most one token
+        per byte, so the longest string's byte count is enough)."""
+        return 1 if self.strings is None else self.strings.maximum_token_len
+
     def ended(self, tokens: list[torch.Tensor]) -> torch.Tensor:
         """[B] whether each row's latest token (``tokens[-1]``; ``tokens`` are the response's columns so far) ends
         it. Stop strings are matched within the response only, never reaching back into the prompt."""
         hit = torch.isin(tokens[-1], self.token_ids)
         if self.strings is not None:
-            # A string spans at most one token per byte (character): the latest columns are enough.
-            recent = torch.stack(tokens[-self.strings.maximum_token_len :], dim=1)
+            recent = torch.stack(tokens[-self.window :], dim=1)
             hit = hit | self.strings(recent, None).to(hit.device)
+        return hit
+
+    def ended_window(self, recent: torch.Tensor) -> torch.Tensor:
+        """:meth:`ended` for a preallocated response buffer: ``recent`` [B, W] holds the latest response columns
+        (at most :attr:`window` of them are read), the last one being the newest token."""
+        hit = torch.isin(recent[:, -1], self.token_ids)
+        if self.strings is not None:
+            hit = hit | self.strings(recent[:, -self.window :], None).to(hit.device)
         return hit
 
 
@@ -284,27 +302,169 @@ def generate(
             generation stops only when every rank of the group is done with it. A rank without rows in a chunk
             runs its forwards on a stand-in row that is done from the start.
         tokenizer: Needed only for ``config.stop_strings``, to match text.
+
+    The loop is ``config.backend``'s :class:`GenerationBackend` (``eager`` or ``static``); both give the same tokens
+    for the same keys.
     """
-    num_rows, prompt_length = input_ids.shape
-    check_context_length(model, prompt_length, config.max_new_tokens)
-    stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
-    chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
-    if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
-        return _generate_chunk(model, input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
-    parts = []
-    for rows in chunks:
-        if rows.stop > rows.start:
-            parts.append(_generate_chunk(model, input_ids[rows], attention_mask[rows], config, keys[rows], stops,
+    return get_backend(config.backend).generate(model, input_ids, attention_mask, config, keys, eos_token_id,
+                                                pad_token_id, lockstep_group, tokenizer=tokenizer)
+
+
+class GenerationBackend(ABC):
+    """A decoder for ``actor.generate``, chosen by name (``generation.backend``).
+
+    It takes left-padded prompts, the sampling settings and one key per row, and returns the rollout: tokens,
+    masks, behaviour log-probabilities and stop flags (:class:`Rollout`). The chunking of rows
+    (``generation.batch_size``), the stop condition and the lockstep rules of sharded models are shared
+    (:meth:`generate`); a backend implements one prefill-and-decode loop (:meth:`decode`), and takes new weights
+    through :meth:`update_weights`. Every backend must give, for the same keys, the tokens of ``eager``.
+    """
+
+    name: ClassVar[str]
+    """The value of ``generation.backend`` that selects it."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: GenerationConfig,
+        keys: torch.Tensor,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        lockstep_group: dist.ProcessGroup | None = None,
+        *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> Rollout:
+        """Sample responses for left-padded prompts; the arguments are those of :func:`generate`."""
+        num_rows, prompt_length = input_ids.shape
+        check_context_length(model, prompt_length, config.max_new_tokens)
+        stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
+        chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
+        if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
+            return self.decode(model, input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
+        parts = []
+        for rows in chunks:
+            if rows.stop > rows.start:
+                parts.append(self.decode(model, input_ids[rows], attention_mask[rows], config, keys[rows], stops,
                                          pad_token_id, lockstep_group))
-        else:  # only with a lockstep group: take part in the group's forwards, keep nothing
-            if num_rows:
-                stand_in, stand_in_mask = input_ids[:1], attention_mask[:1]
-            else:
-                stand_in = torch.full((1, prompt_length), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
-                stand_in_mask = torch.ones_like(stand_in, dtype=attention_mask.dtype)
-            _generate_chunk(model, stand_in, stand_in_mask, config, torch.zeros(1, dtype=torch.int64), stops,
+            else:  # only with a lockstep group: take part in the group's forwards, keep nothing
+                if num_rows:
+                    stand_in, stand_in_mask = input_ids[:1], attention_mask[:1]
+                else:
+                    stand_in = torch.full((1, prompt_length), pad_token_id, dtype=input_ids.dtype,
+                                          device=input_ids.device)
+                    stand_in_mask = torch.ones_like(stand_in, dtype=attention_mask.dtype)
+                self.decode(model, stand_in, stand_in_mask, config, torch.zeros(1, dtype=torch.int64), stops,
                             pad_token_id, lockstep_group, active=False)
-    return _concat_chunks(parts, input_ids, attention_mask, pad_token_id)
+        return _concat_chunks(parts, input_ids, attention_mask, pad_token_id)
+
+    @abstractmethod
+    def decode(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: GenerationConfig,
+        keys: torch.Tensor,
+        stops: StopCondition,
+        pad_token_id: int,
+        lockstep_group: dist.ProcessGroup | None,
+        active: bool = True,
+    ) -> Rollout:
+        """One prefill and decode loop over all of its (non-empty) rows.
+
+        Args:
+            model: The causal LM (or PEFT model) to sample from.
+            input_ids: [B, P] left-padded prompt tokens.
+            attention_mask: [B, P] 1 for real prompt tokens.
+            config: Sampling settings.
+            keys: [B] per-row keys; row b's draws are ``keyed_uniforms(keys[b:b+1], config.max_new_tokens)``.
+            stops: What ends a row.
+            pad_token_id: Token written after a row's stop.
+            lockstep_group: Ranks that must run the same number of forwards (a sharded model), or None.
+            active: False: the rows are done from the start (a stand-in that only keeps a lockstep group's
+                forwards paired).
+
+        Returns:
+            The rollout, with as many response columns as the longest response of the lockstep group (of the
+            rows, without a group): the width ``eager`` returns.
+        """
+
+    def update_weights(
+        self, model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> int:
+        """Copy new weights into the model this backend decodes with, in place; return the bytes copied.
+
+        In-place copies keep every parameter's storage, so a compiled decode step (and its CUDA graph, which
+        captured those addresses) stays valid. A backend that holds its own copy of the model (a vLLM engine) would
+        load the weights into that copy instead.
+
+        Args:
+            model: The model passed to :meth:`generate` (a Separation shadow, for instance).
+            weights: Parameter or buffer name -> new value (the names of ``model.state_dict()``), e.g. the trained
+                actor's ``named_parameters()``.
+        """
+        targets = dict(model.state_dict(keep_vars=True))
+        copied = 0
+        for name, value in dict(weights).items():
+            if name not in targets:
+                raise KeyError(f"update_weights: the model has no parameter or buffer {name!r}. Pass the names of "
+                               f"its state_dict(), e.g. {next(iter(targets), '<none>')!r}.")
+            target = targets[name]
+            if target.shape != value.shape:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(target.shape)} in the model but "
+                                 f"{tuple(value.shape)} in the new weights: were they taken from another model?")
+            with torch.no_grad():
+                target.copy_(value)
+            copied += value.numel() * value.element_size()
+        return copied
+
+
+class EagerBackend(GenerationBackend):
+    """Today's decoder: a dynamic Hugging Face cache, the mask grown per token, a host sync per token to stop as
+    soon as every row is done, the keyed uniforms drawn on the CPU in float64. Works with any model on any device
+    (also stand-ins that only share a Hugging Face causal LM's call signature)."""
+
+    name = "eager"
+
+    def decode(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: GenerationConfig,
+        keys: torch.Tensor,
+        stops: StopCondition,
+        pad_token_id: int,
+        lockstep_group: dist.ProcessGroup | None,
+        active: bool = True,
+    ) -> Rollout:
+        return _generate_chunk(model, input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group,
+                               active)
+
+
+_BACKENDS: dict[str, GenerationBackend] = {}
+
+
+def register_backend(backend: GenerationBackend) -> GenerationBackend:
+    """Make ``backend`` the one ``generation.backend: <backend.name>`` selects (replacing any of that name)."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> GenerationBackend:
+    """The backend registered as ``name`` (``static`` is imported on first use)."""
+    if name == "static" and name not in _BACKENDS:
+        import lightning_app_rlhf.static_decoder  # noqa: F401 - registers itself
+
+    if name not in _BACKENDS:
+        raise ValueError(f"Unknown generation.backend {name!r}: choose from {sorted({*_BACKENDS, 'static'})}.")
+    return _BACKENDS[name]
+
+
+register_backend(EagerBackend())
 
 
 def _concat_chunks(

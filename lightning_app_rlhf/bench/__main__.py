@@ -21,6 +21,7 @@ from typing import Any
 from jsonargparse import auto_cli
 from rich.console import Console
 
+from lightning_app_rlhf.bench.decode import decode
 from lightning_app_rlhf.bench.ours import run_ours, run_ours_checkpointing
 from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
@@ -358,7 +359,7 @@ def _save(path: str, data: dict[str, Any]) -> None:
 
 def main() -> None:
     auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "profile": profile,
-              "report": report, "checkpoint": checkpoint_memory, "soak": soak})
+              "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,233 @@
+"""The ``static`` generation backend: a preallocated KV cache, a CUDA-graph friendly decode step. Plain PyTorch.
+
+The approach of gpt-fast and litgpt, on the model family's own Hugging Face modules (no model is rewritten):
+
+- the KV cache is transformers' ``StaticCache``, allocated once for ``prompt + max_new_tokens`` positions (and reused
+  by later calls of the same shape, so its addresses stay fixed);
+- the attention mask is allocated once at that length: the prompt's padding followed by ones. Slots not written yet
+  need no masking: the causal mask (from the cache's own write offset) already hides them;
+- the keyed uniforms are moved to the model's device once per call, and the draw (top-k/top-p filter, inverse CDF)
+  runs there; the tokens, masks and log-probs go into preallocated buffers;
+- the host learns whether every row has stopped only every ``generation.sync_every`` tokens;
+- the decode step can run through ``torch.compile`` (``generation.compile``; ``reduce-overhead``, i.e. CUDA graphs,
+  on CUDA).
+
+The uniforms are eager's own (:func:`~lightning_app_rlhf.generation.keyed_uniforms`: one CPU generator per key, float64),
+drawn once per call and copied to the device: a device generator (CUDA's Philox) would draw another stream, and the
+same keys must give the same tokens under every backend, device and placement. The sampling arithmetic is
+eager's too (same functions), so tokens are equal and log-probs equal within float tolerance (the attention runs over
+the preallocated length, which changes the float rounding only).
+
+Supported: every model whose attention writes through transformers' ``Cache`` API, which in transformers 5 includes
+GPT-2, Llama, Qwen2/Qwen3 and SmolLM2 (Llama). A model that ignores the static cache is detected after the prefill and
+refused with an error that names the fix (``generation.backend: eager``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import StaticCache
+
+from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.generation import (
+    GenerationBackend,
+    Rollout,
+    StopCondition,
+    _all_done,
+    _next_token,
+    keyed_uniforms,
+    position_ids_from_mask,
+    register_backend,
+)
+
+COMPILED_LENGTH_MULTIPLE = 64
+"""With a compiled step, the cache length is rounded up to a multiple of this, so that prompts of a few different
+lengths share one compiled graph (every new shape compiles again)."""
+
+
+class OneDtypeStaticCache(StaticCache):
+    """transformers' ``StaticCache``, storing keys and values in one dtype when they arrive in two.
+
+    Under autocast, RoPE models (Llama, Qwen) produce float32 keys (the rotation runs in float32) and bfloat16 values;
+    the stock static layer allocates both buffers in the keys' dtype and then refuses the values. Here both are
+    stored in the wider of the two dtypes: the upcast is exact, and the attention (autocast) casts them back down,
+    so the numbers are those of the dynamic cache.
+    """
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if getattr(layer, "is_initialized", False):
+            dtype = layer.dtype
+        else:
+            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+        return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
+
+
+@dataclass
+class _ModelState:
+    """What the backend keeps per model between calls: the last cache (reused when the shape matches) and the
+    compiled step."""
+
+    cache: Any = None
+    cache_shape: tuple[Any, ...] | None = None
+    step: Callable[..., torch.Tensor] | None = None
+    compiled: bool = False
+
+
+def _decode_step(
+    model: torch.nn.Module, cache: Any, token: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """One token per row through the model with the static cache: [B, V] logits of the next token."""
+    out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1, :]
+
+
+def _compile_on(config: GenerationConfig, device: torch.device) -> bool:
+    return config.compile if config.compile is not None else device.type == "cuda"
+
+
+def _check_transformers() -> None:
+    """transformers 5 is where the static cache keeps its own write offset on the device (no ``cache_position`` to
+    pass, no per-step count of filled slots): the design this decoder is written and tested for."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).major < 5:
+        raise RuntimeError(
+            f"generation.backend='static' needs transformers >= 5 (found {transformers.__version__}): "
+            "`pip install -U 'transformers>=5'`, or use generation.backend='eager'."
+        )
+
+
+def _model_config(model: torch.nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise TypeError(
+            f"generation.backend='static' needs a Hugging Face causal LM (a transformers model, or a PEFT model "
+            f"wrapping one) to build its StaticCache; got {type(model).__name__} without a transformers config. Use "
+            "generation.backend='eager', which only needs the call signature of a causal LM."
+        )
+    return config
+
+
+class StaticBackend(GenerationBackend):
+    """``generation.backend: static``: preallocated cache and buffers, keyed sampling on the device, a host sync
+    every ``generation.sync_every`` tokens, an optional compiled decode step. Same tokens as ``eager``."""
+
+    name = "static"
+
+    def __init__(self) -> None:
+        self._states: weakref.WeakKeyDictionary[torch.nn.Module, _ModelState] = weakref.WeakKeyDictionary()
+
+    def release(self, model: torch.nn.Module) -> None:
+        """Free the cache and compiled step kept for ``model`` (e.g. before training needs the memory)."""
+        self._states.pop(model, None)
+
+    def _state(self, model: torch.nn.Module, config: GenerationConfig, device: torch.device) -> _ModelState:
+        state = self._states.setdefault(model, _ModelState())
+        compiled = _compile_on(config, device)
+        if state.step is None or state.compiled != compiled:
+            state.compiled = compiled
+            state.step = _decode_step
+            if compiled:
+                mode = "reduce-overhead" if device.type == "cuda" else None
+                state.step = torch.compile(_decode_step, mode=mode, dynamic=False)
+        return state
+
+    def _cache(self, model: torch.nn.Module, state: _ModelState, batch: int, length: int, device: torch.device) -> Any:
+        """An empty static cache of ``length`` positions for ``batch`` rows: the previous one, reset, when the shape
+        matches (fixed addresses for a CUDA graph), else a new one."""
+        config = _model_config(model)
+        # The cache takes the dtype of the keys it first sees: the parameters', or autocast's.
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        shape = (id(config), batch, length, next(model.parameters()).dtype, autocast, device)
+        if state.cache is not None and state.cache_shape == shape:
+            state.cache.reset()
+        else:
+            state.cache, state.cache_shape = None, None  # free the old one first
+            state.cache, state.cache_shape = OneDtypeStaticCache(config=config, max_cache_len=length), shape
+        return state.cache
+
+    def decode(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        config: GenerationConfig,
+        keys: torch.Tensor,
+        stops: StopCondition,
+        pad_token_id: int,
+        lockstep_group: dist.ProcessGroup | None,
+        active: bool = True,
+    ) -> Rollout:
+        batch, prompt_length = input_ids.shape
+        steps, device = config.max_new_tokens, input_ids.device
+        _check_transformers()
+        _model_config(model)
+        state = self._state(model, config, device)
+        length = prompt_length + steps
+        if state.compiled:
+            length = -(-length // COMPILED_LENGTH_MULTIPLE) * COMPILED_LENGTH_MULTIPLE
+        cache = self._cache(model, state, batch, length, device)
+        # Eager's uniforms (CPU generators, float64), moved once: the draws then happen on the device.
+        uniforms = keyed_uniforms(keys, steps).to(device, non_blocking=True) if config.do_sample else None
+        mask = attention_mask.new_ones(batch, length)
+        mask[:, :prompt_length] = attention_mask
+        position_ids = position_ids_from_mask(attention_mask)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        if out.past_key_values is not cache:
+            raise NotImplementedError(
+                f"{type(model).__name__} does not decode with transformers' StaticCache (it returned its own cache), "
+                "so generation.backend='static' cannot run it. Use generation.backend='eager'."
+            )
+        logits = out.logits[:, -1, :]
+        position = position_ids[:, -1:].clone()
+        tokens = torch.full((batch, steps), pad_token_id, dtype=input_ids.dtype, device=device)
+        logprobs = torch.zeros(batch, steps, device=device)
+        masks = torch.zeros(batch, steps, dtype=torch.bool, device=device)
+        done = torch.full((batch,), not active, dtype=torch.bool, device=device)
+        for step in range(steps):
+            log_probs = F.log_softmax(logits.float() / config.temperature, dim=-1)
+            token = _next_token(log_probs, config, uniforms, step)
+            token = torch.where(done, torch.full_like(token, pad_token_id), token)
+            masks[:, step] = ~done
+            logprobs[:, step] = log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done)
+            tokens[:, step] = token
+            done = done | stops.ended_window(tokens[:, max(0, step + 1 - stops.window) : step + 1])
+            if step == steps - 1 or ((step + 1) % config.sync_every == 0 and _all_done(done, lockstep_group)):
+                break
+            position.add_(1)
+            if state.compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            logits = state.step(model, cache, token.unsqueeze(-1), position, mask)
+        width = self._width(masks, lockstep_group)
+        response_mask = masks[:, :width].to(attention_mask.dtype)
+        return Rollout(
+            sequences=torch.cat([input_ids, tokens[:, :width]], dim=1),
+            attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+            response_mask=response_mask,
+            logprobs=logprobs[:, :width],
+            prompt_length=prompt_length,
+            stopped=done,
+        )
+
+    @staticmethod
+    def _width(masks: torch.Tensor, lockstep_group: dist.ProcessGroup | None) -> int:
+        """Eager's response width: the longest response (of the lockstep group, when there is one); at least 1."""
+        longest = masks.sum(1).max().reshape(1).to(torch.int64)
+        if lockstep_group is not None:
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=lockstep_group)
+        return max(int(longest.item()), 1)
+
+
+register_backend(StaticBackend())

@@ -1,0 +1,351 @@
+"""The generation backends: ``static`` (preallocated cache, device-side keyed sampling) against ``eager``.
+
+Every test builds real random-init Hugging Face models (GPT-2 and a Llama-style config with grouped-query attention)
+whose LM head gets a bias on EOS, so that rows end at different steps and some run to the limit. The GPU-marked tests
+run only where CUDA is available; CI skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.data import collate_left_padded
+from lightning_app_rlhf.generation import Rollout, generate, get_backend, sample_keys
+from lightning_app_rlhf.roles import ModelSpec, build_causal_lm
+
+PAD, EOS = 0, 2
+FAMILIES = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 64,
+             "bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": PAD},
+    "llama": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 512, "max_position_embeddings": 64,
+              "bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": PAD},
+}
+"""Two layers, 32 dims, the demo tokenizer's 512 tokens; Llama with 4 query and 2 key/value heads."""
+PROMPTS = ["name a fruit", "list some fruit please", "a", "the colour of the sky is", "dogs", "say hello to me"]
+SETTINGS = {
+    "sample": {},
+    "top_k_top_p_temperature": {"top_k": 20, "top_p": 0.9, "temperature": 0.7},
+    "greedy": {"do_sample": False},
+    "chunks_of_4": {"batch_size": 4},
+    "stop_strings_and_ids": {"stop_strings": ["e"], "stop_token_ids": [5]},
+}
+
+
+def with_eos_bias(model: nn.Module, bias: float) -> nn.Module:
+    """Give the (untied) LM head a bias of ``bias`` on EOS, so random-init responses end at different steps."""
+    head = model.lm_head
+    biased = nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[EOS] = bias
+    model.lm_head = biased
+    return model
+
+
+def build(family: str, bias: float = 3.0, seed: int = 0) -> nn.Module:
+    """A tiny random-init model of ``family`` (the package's builder: dropout off), EOS-biased."""
+    return with_eos_bias(build_causal_lm(ModelSpec(config=dict(FAMILIES[family]), init_seed=seed)), bias)
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer) -> dict[str, torch.Tensor]:
+    """Six prompts of 1 to 7 tokens, left-padded by the package's collate."""
+    items = [{"input_ids": tokenizer(p, add_special_tokens=False)["input_ids"], "index": i}
+             for i, p in enumerate(PROMPTS)]
+    return collate_left_padded(items, pad_token_id=PAD)
+
+
+def run(model: nn.Module, batch: dict[str, torch.Tensor], config: GenerationConfig, tokenizer=None) -> Rollout:
+    keys = sample_keys(7, 3, batch["index"])
+    return generate(model, batch["input_ids"], batch["attention_mask"], config, keys, EOS, PAD, tokenizer=tokenizer)
+
+
+def assert_same_rollout(got: Rollout, want: Rollout, atol: float = 1e-5) -> None:
+    """Same tokens, masks and stop flags; log-probs within float tolerance."""
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(got.attention_mask, want.attention_mask)
+    assert torch.equal(got.response_mask, want.response_mask)
+    assert torch.equal(got.stopped, want.stopped)
+    assert got.prompt_length == want.prompt_length
+    assert_close(got.logprobs, want.logprobs, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_static_gives_the_tokens_of_eager(family, setting, batch, tokenizer):
+    """Same keys: ``static`` samples exactly eager's tokens, masks and stop flags, with log-probs within 1e-5, for
+    left-padded prompts whose rows stop at EOS (or a stop string / id) at different steps or run to the limit."""
+    model = build(family, bias=0.3 if setting == "greedy" else 3.0)  # random-init logits spread only ~0.3
+    config = GenerationConfig(max_new_tokens=12, **SETTINGS[setting])
+    eager = run(model, batch, config, tokenizer)
+    static = run(model, batch, replace(config, backend="static"), tokenizer)
+    assert_same_rollout(static, eager)
+    assert batch["attention_mask"][:, 0].tolist().count(0) >= 4  # left padding on most rows
+    lengths = eager.response_mask.sum(1)
+    assert eager.stopped.any() and lengths.min() < lengths.max()  # some rows stop, at different steps
+    if setting in ("sample", "greedy"):
+        assert not eager.stopped.all() and lengths.max() == 12  # and one runs to the limit (a missing EOS)
+    for row in range(len(PROMPTS)):  # only pad after a row's end; a row not stopped was cut at the limit
+        length = int(lengths[row])
+        assert static.responses[row, length:].eq(PAD).all() and static.logprobs[row, length:].eq(0).all()
+        assert bool(static.stopped[row]) or length == 12
+        if length < 12:
+            assert static.stopped[row]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_static_under_bf16_autocast_gives_the_tokens_of_eager(family, batch):
+    """Under bf16 autocast (``precision: bf16-mixed``), where a RoPE model's keys come out float32 and its values
+    bfloat16, ``static`` stores both and still samples eager's tokens (log-probs within bf16 rounding)."""
+    model = build(family)
+    config = GenerationConfig(max_new_tokens=12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = run(model, batch, config)
+        static = run(model, batch, replace(config, backend="static"))
+    assert_same_rollout(static, eager, atol=2e-3)
+    assert eager.stopped.any() and not eager.stopped.all()
+
+
+def count_forwards(model: nn.Module) -> list[int]:
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("sync_every", [1, 3, 64])
+def test_sync_every_changes_only_the_number_of_decode_steps(sync_every, batch):
+    """The "all rows stopped?" check runs every ``sync_every`` tokens: the rollout is the same, and the decode
+    runs min(ceil(W / k) * k, T) forwards (W: the longest response) where eager runs W."""
+    model = build("gpt2", bias=6.0)  # every row stops early
+    config = GenerationConfig(max_new_tokens=20)
+    eager_calls = count_forwards(model)
+    eager = run(model, batch, config)
+    width = eager.response_mask.shape[1]
+    assert eager.stopped.all() and width < 20 and len(eager_calls) == width
+    eager_calls.clear()
+    static = run(model, batch, replace(config, backend="static", sync_every=sync_every))
+    assert_same_rollout(static, eager)
+    assert len(eager_calls) == min(math.ceil(width / sync_every) * sync_every, 20)
+
+
+def test_static_reuses_its_cache_and_resets_it(batch):
+    """A second call of the same shape reuses the preallocated cache (same storage: fixed addresses for a CUDA
+    graph) and still gives eager's tokens; another shape gets a new cache."""
+    backend = get_backend("static")
+    model = build("llama")
+    config = GenerationConfig(max_new_tokens=10, backend="static")
+    first = run(model, batch, config)
+    cache = backend._states[model].cache
+    pointer = cache.layers[0].keys.data_ptr()
+    second = run(model, {**batch, "index": batch["index"] + 100}, config)
+    assert backend._states[model].cache is cache and cache.layers[0].keys.data_ptr() == pointer
+    assert_same_rollout(second, run(model, {**batch, "index": batch["index"] + 100}, replace(config, backend="eager")))
+    assert not torch.equal(first.responses, second.responses)  # other keys, other tokens
+    run(model, batch, replace(config, max_new_tokens=11))
+    assert backend._states[model].cache is not cache
+    backend.release(model)
+    assert model not in backend._states
+
+
+def test_update_weights_copies_in_place_and_static_decodes_the_new_weights(batch):
+    """``update_weights`` copies a trained model's weights into a shadow without moving its storage, and the
+    shadow then samples the trained model's tokens."""
+    backend = get_backend("static")
+    trained, shadow = build("gpt2", seed=1), build("gpt2", seed=2)
+    config = GenerationConfig(max_new_tokens=10, backend="static")
+    before = run(shadow, batch, config)
+    pointers = [p.data_ptr() for p in shadow.parameters()]
+    copied = backend.update_weights(shadow, trained.named_parameters())
+    assert copied == sum(p.numel() * 4 for p in trained.parameters())
+    assert [p.data_ptr() for p in shadow.parameters()] == pointers
+    after = run(shadow, batch, config)
+    assert_same_rollout(after, run(trained, batch, replace(config, backend="eager")))
+    assert not torch.equal(before.responses, after.responses)
+    with pytest.raises(KeyError, match="no parameter or buffer 'head.weight'"):
+        backend.update_weights(shadow, {"head.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="shape"):
+        backend.update_weights(shadow, {"lm_head.bias": torch.zeros(3)})
+
+
+class CallSignatureOnly(nn.Module):
+    """Has a causal LM's call signature but no transformers config (eager can run such stand-ins)."""
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, **kwargs):
+        raise AssertionError("static must refuse before any forward")
+
+
+def test_static_refuses_a_model_without_a_transformers_config(batch):
+    with pytest.raises(TypeError, match="generation.backend='eager'"):
+        run(CallSignatureOnly(), batch, GenerationConfig(backend="static"))
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"backend": "vllm"}, "must be one of \\['eager', 'static'\\]"),
+    ({"sync_every": 0}, "sync_every must be an integer >= 1"),
+    ({"compile": "yes"}, "compile must be true, false or null"),
+])
+def test_generation_config_rejects_bad_backend_settings(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**fields)
+
+
+def test_eager_is_the_default_backend():
+    assert GenerationConfig().backend == "eager" and get_backend("eager").name == "eager"
+
+
+@pytest.mark.slow  # torch.compile on the CPU: ~20-70 s of compilation
+def test_compiled_static_decode_gives_the_tokens_of_eager(batch):
+    """``generation.compile: true`` on the CPU (inductor; the cache length rounded up to 64): eager's tokens."""
+    model = build("llama")
+    config = GenerationConfig(max_new_tokens=12)
+    eager = run(model, batch, config)
+    assert_same_rollout(run(model, batch, replace(config, backend="static", compile=True)), eager)
+
+
+def test_decode_harness_times_every_decoder_on_full_length_rows():
+    """``bench decode``: each decoder generates batch x new_tokens tokens (no stop), speed-ups are relative to
+    eager, and static samples eager's tokens on the harness's prompts."""
+    from lightning_app_rlhf.bench.decode import check_equal_tokens, compare_decoders, decode_table
+
+    rows = compare_decoders(["tiny", "llama-small"], [3], new_tokens=5, prompt_tokens=6,
+                            decoders=["eager", "static", "hf"], device="cpu", dtype="float32", warmup=0, repeats=1)
+    assert [(r["model"], r["decoder"]) for r in rows] == [(m, d) for m in ("tiny", "llama-small")
+                                                            for d in ("eager", "static", "hf")]
+    assert all(r["tokens"] == 15 and r["tokens_per_s"] == pytest.approx(15 / r["seconds"]) for r in rows)
+    assert [r["speedup_vs_eager"] for r in rows if r["decoder"] == "eager"] == [1.0, 1.0]
+    assert decode_table(rows).count("\n") == len(rows) + 1
+    assert check_equal_tokens("llama-small", 3, 5, 6, "cpu")
+
+
+# ---- a lockstep group (sharded model): ranks with different row counts stay paired ----
+
+
+def _lockstep_ranks(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = build("gpt2", bias=2.0)
+    rows = 5 if rank == 0 else 2  # rank 1 runs stand-in chunks
+    ids = torch.randint(3, 500, (rows, 6), generator=torch.Generator().manual_seed(rank))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    keys = sample_keys(0, 0, torch.arange(rows) + 10 * rank)
+    results = {}
+    for backend in ("eager", "static"):
+        config = GenerationConfig(max_new_tokens=10, batch_size=2, backend=backend, sync_every=3)
+        rollout = generate(model, ids, mask, config, keys, EOS, PAD, lockstep_group=dist.group.WORLD)
+        results[backend] = {"sequences": rollout.sequences.tolist(), "logprobs": rollout.logprobs.tolist(),
+                            "stopped": rollout.stopped.tolist()}
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def test_static_in_a_lockstep_group_matches_eager(tmp_path):
+    """2 gloo processes sharing a lockstep group (as FSDP2 ranks do), 5 and 2 rows in chunks of 2: rank 1 takes part
+    in the third chunk with a stand-in row. Both backends stay paired and give the same rollouts."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.start_processes(_lockstep_ranks, args=(2, port, str(tmp_path)), nprocs=2, join=False,
+                                 start_method="fork")
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail("The lockstep generation did not finish in 120 s (ranks out of step?).")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["static"]["sequences"] == result["eager"]["sequences"]
+        assert result["static"]["stopped"] == result["eager"]["stopped"]
+        assert_close(torch.tensor(result["static"]["logprobs"]), torch.tensor(result["eager"]["logprobs"]),
+                     atol=1e-5, rtol=1e-4)
+        assert len(result["eager"]["sequences"]) == (5, 2)[rank]
+
+
+# ---- placements: a Trainer run with the static backend keeps the trajectory ----
+
+
+@pytest.fixture(scope="module")
+def eager_one_process(tmp_path_factory):
+    """The PPO demo on one process with ``eager``: the trajectory every placement logs."""
+    from test_placements import run_demo
+
+    return run_demo(tmp_path_factory.mktemp("eager"), "eager", steps=2)
+
+
+FSDP2_FLATTENING = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "fsdp2")
+
+
+@pytest.mark.parametrize("strategy", [
+    pytest.param(("rlhf_flattening",), marks=pytest.mark.slow, id="flattening"),
+    pytest.param(("rlhf_interleaving",), marks=pytest.mark.slow, id="interleaving"),
+    pytest.param(("rlhf_separation",), id="separation"),  # generates on a shadow that reallocation refreshes
+    pytest.param(FSDP2_FLATTENING, marks=pytest.mark.slow, id="flattening-fsdp2"),  # a lockstep group
+])
+def test_static_backend_keeps_every_placements_trajectory(tmp_path, eager_one_process, strategy):
+    """``generation.backend: static`` on 2 processes logs, step by step, the values eager logs on one process."""
+    from test_placements import COMPARED, run_demo
+
+    rows = run_demo(tmp_path, "static", "--trainer.devices", "2", "--trainer.strategy", *strategy,
+                    "--model.generation.backend", "static", steps=2)
+    got = [r for r in rows if "reward/mean" in r]
+    want = [r for r in eager_one_process if "reward/mean" in r]
+    assert [r["step"] for r in got] == [0, 1]
+    for step, (row, reference) in enumerate(zip(got, want, strict=True)):
+        for metric in COMPARED:
+            assert row[metric] == pytest.approx(reference[metric], rel=1e-4, abs=1e-6), (strategy, step, metric)
+
+
+# ---- CUDA (the lent GPU machine; CI skips these) ----
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_static_gives_the_tokens_of_eager(family, batch):
+    """On CUDA, float32: the compiled (CUDA-graph) static decoder samples eager's tokens for the same keys."""
+    model = build(family).cuda()
+    cuda_batch = {key: value.cuda() for key, value in batch.items()}
+    config = GenerationConfig(max_new_tokens=16)
+    eager = run(model, cuda_batch, config)
+    for _ in range(2):  # the second call replays the captured graph on the reused cache
+        assert_same_rollout(run(model, cuda_batch, replace(config, backend="static")), eager, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bf16_static_decode_runs(batch):
+    """A bf16 Llama-style model decodes with the compiled static backend: valid masks, finite log-probs at or below
+    0, and mostly eager's tokens (bf16 rounding differs between the two attention lengths)."""
+    model = build("llama").to("cuda", torch.bfloat16)
+    cuda_batch = {key: value.cuda() for key, value in batch.items()}
+    config = GenerationConfig(max_new_tokens=16)
+    static = run(model, cuda_batch, replace(config, backend="static"))
+    eager = run(model, cuda_batch, config)
+    lengths = static.response_mask.sum(1)
+    columns = torch.arange(static.response_mask.shape[1], device="cuda")
+    assert torch.equal(static.response_mask.bool(), columns < lengths[:, None])  # a prefix of ones per row
+    assert torch.isfinite(static.logprobs).all() and (static.logprobs <= 0).all()
+    assert static.logprobs.dtype == torch.float32
+    assert torch.equal(static.responses[:, 0], eager.responses[:, 0])
