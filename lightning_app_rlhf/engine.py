@@ -37,6 +37,7 @@ from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.ppo import LossScale
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction
+from lightning_app_rlhf.tensor_parallel import TensorParallelCopy, received_bytes
 from lightning_app_rlhf.wrappers import RoleWrapper
 from lightning_app_rlhf.wrappers.base import SkippedUpdates
 
@@ -103,18 +104,27 @@ class RLHFEngine:
     def _generate(self, batch: dict[str, Any], rows: slice, iteration: int) -> Rollout:
         """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
         generation config, ``generation.stop_token_ids`` or ``generation.stop_strings``."""
-        actor = self.modules(ACTOR.name)
-        return generate(
-            actor,
-            batch["input_ids"][rows],
-            batch["attention_mask"][rows],
-            self.generation,
-            sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
-            eos_token_id=[self.tokenizer.eos_token_id, *model_eos_token_ids(actor)],
-            pad_token_id=self.tokenizer.pad_token_id,
-            lockstep_group=self._lockstep_group(ACTOR.name),
-            tokenizer=self.tokenizer,
-        )
+        actor = self._call_module(ACTOR.name)
+        lockstep = self._lockstep_group(ACTOR.name)
+        # The hybrid engine: a sharded actor generating on its own train group gathers its weights once for the
+        # rollout (plan.unshard_for_generation); its forwards then gather nothing, and under FSDP2 run no collective
+        # at all, so its ranks need not decode in lockstep.
+        once = self.placement.plan.unshard_for_generation and lockstep is not None and self._tp_copy(ACTOR.name) is None
+        wrapper = self.wrappers.get(ACTOR.name) if once else None
+        if wrapper is not None and not wrapper.lockstep_when_unsharded:
+            lockstep = None
+        with wrapper.unsharded() if wrapper is not None else contextlib.nullcontext():
+            return generate(
+                actor,
+                batch["input_ids"][rows],
+                batch["attention_mask"][rows],
+                self.generation,
+                sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
+                eos_token_id=[self.tokenizer.eos_token_id, *model_eos_token_ids(actor)],
+                pad_token_id=self.tokenizer.pad_token_id,
+                lockstep_group=lockstep,
+                tokenizer=self.tokenizer,
+            )
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
         """Every rank receives the whole rollout from the shards of ``actor.generate``'s ranks."""
@@ -181,12 +191,12 @@ class RLHFEngine:
     ) -> torch.Tensor:
         chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self._lockstep_group(role)}
         if role == REFERENCE.name:
-            return reference_forward(self.modules(role), shard, self.generation.temperature, **chunks)
+            return reference_forward(self._call_module(role), shard, self.generation.temperature, **chunks)
         if role == REWARD.name:
             fields = {name: values[rows] for name, values in (row_fields or {}).items()}
-            return reward_forward(self.modules(role) or self.reward_fn, shard, self.tokenizer, fields,
+            return reward_forward(self._call_module(role) or self.reward_fn, shard, self.tokenizer, fields,
                                   iteration=iteration, **chunks)
-        return critic_forward(self.modules(role), shard, **chunks)
+        return critic_forward(self._call_module(role), shard, **chunks)
 
     def _wrapper_of(self, role: str) -> RoleWrapper | None:
         """The wrapper whose weights a call of ``role`` runs on here: the role's own, or for a LoRA actor's
@@ -197,17 +207,58 @@ class RLHFEngine:
         return wrapper
 
     def _running(self, role: str) -> contextlib.AbstractContextManager[None]:
-        """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one."""
-        wrapper = self._wrapper_of(role)
+        """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one; none
+        around a tensor-parallel copy, which runs outside the wrapper."""
+        wrapper = self._wrapper_of(role) if self._tp_copy(role) is None else None
         return wrapper.running() if wrapper is not None else contextlib.nullcontext()
 
     def _lockstep_group(self, role: str) -> torch.distributed.ProcessGroup | None:
         """The group over which ``role``'s weights are sharded here, whose ranks must run the same number of
-        forwards (each gathers weights collectively); None when this rank holds them whole."""
+        forwards (each gathers weights collectively); None when this rank holds them whole. For a call with a
+        tensor-parallel degree: its replica's group (every forward is a collective over it)."""
+        copy = self._tp_copy(role)
+        if copy is not None:
+            return self.placement.tp_group(copy.call)
         wrapper = self._wrapper_of(role)
         if wrapper is None or not wrapper.shards_params or wrapper.group_size == 1:
             return None
         return wrapper.group
+
+    # ---- which module a call runs: the role's own, or its tensor-parallel copy ----
+
+    def _tp_copy(self, role: str) -> TensorParallelCopy | None:
+        """This rank's tensor-parallel copy for ``role``'s generate / forward call (None: the call runs on the role's
+        own module)."""
+        call = ACTOR.call("generate") if role == ACTOR.name else role + ".forward"
+        return self.placement.tp_copies.get(call)
+
+    def _call_module(self, role: str) -> nn.Module | None:
+        """The module ``role``'s generate / forward call runs on here: its tensor-parallel copy (given the current
+        trained weights first if it has none yet, e.g. after a resume) or the role's own module."""
+        copy = self._tp_copy(role)
+        if copy is None:
+            return self.modules(role)
+        if copy.stale:
+            self._refresh_layout(role, copy)
+        return copy.module
+
+    def _refresh_layout(self, role: str, copy: TensorParallelCopy) -> int:
+        """Redistribute ``role``'s current trainable weights into ``copy``'s tensor-parallel layout, bit for bit
+        (ReaLHF's parameter reallocation); returns the bytes this rank received for it.
+
+        On the role's train ranks the weights come whole from its wrapper (an all-gather over the train group when
+        sharded, where every train rank runs the call: the plan's rule for sharded roles); on a shadow rank from the
+        shadow, refreshed just before. Each rank then keeps only its slice: no further transfer."""
+        call = role + ".train"
+        if self.placement.runs(call):
+            wrapper = self.wrappers[role]
+            received = received_bytes(p for p in wrapper.module.parameters() if p.requires_grad)
+            with self.placement._collective(copy.call, "weight reallocation into the tensor-parallel layout"), \
+                    wrapper.running(), wrapper.full_parameters() as params:
+                copy.load(params)
+            return received
+        copy.load([p for p in self.modules(role).parameters() if p.requires_grad])
+        return 0
 
     # ---- train calls ----
 
@@ -266,7 +317,8 @@ class RLHFEngine:
         """Forward and backward of this rank's share of one minibatch, in micro-batches. Returns ``[loss, *stats]``
         (``names`` order) summed over its micro-batches: each is already a share of the whole minibatch's."""
         call = role + ".train"
-        ranks, my_rank = self.placement.group_size(call), self.placement.group_rank(call)
+        # Data-parallel shares: one per tensor-parallel replica (one per rank without a degree).
+        ranks, my_rank = self.placement.replicas(call), self.placement.replica(call)
         scale = LossScale(experience.response_mask[indices].sum().float(), len(indices),
                           self.generation.max_new_tokens)
         shard = indices.tensor_split(ranks)[my_rank]
@@ -312,7 +364,16 @@ class RLHFEngine:
     # ---- reallocation and memory ----
 
     def reallocate_shadows(self) -> list[int]:
-        """Refresh every shadow copy of a trained role after its update; bytes moved per role on this rank."""
+        """Refresh every shadow copy of a trained role after its update, then every tensor-parallel copy of it
+        (:meth:`_refresh_layout`); bytes moved per transfer on this rank."""
+        moved = self._reallocate_shadow_copies()
+        for role in self.algorithm.trainable_roles:
+            copy = self._tp_copy(role)
+            if copy is not None:
+                moved.append(self._refresh_layout(role, copy))
+        return moved
+
+    def _reallocate_shadow_copies(self) -> list[int]:
         moved = []
         for role in self.algorithm.trainable_roles:
             shadows = self.placement.plan.shadow_ranks(role)

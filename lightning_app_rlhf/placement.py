@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -180,6 +181,10 @@ class Placement:
         device: Where this rank's tensors live.
         groups: Call name -> process group of its ranks (None when the world has one rank).
         reallocation_groups: Trainable role -> group of its train leader plus its shadow ranks.
+        tp_groups: Call name -> the group of this rank's tensor-parallel replica, for the calls with a degree above 1
+            that this rank runs.
+        dp_groups: Train call name -> the group of the ranks that hold this rank's tensor slice in every replica (the
+            data dimension of its 2-D mesh), for the train calls with a tensor-parallel degree that this rank runs.
     """
 
     def __init__(
@@ -190,6 +195,8 @@ class Placement:
         groups: dict[str, dist.ProcessGroup | None] | None = None,
         reallocation_groups: dict[str, dist.ProcessGroup | None] | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        tp_groups: dict[str, dist.ProcessGroup] | None = None,
+        dp_groups: dict[str, dist.ProcessGroup] | None = None,
     ) -> None:
         self.plan = plan
         self.timeout = timeout
@@ -197,6 +204,11 @@ class Placement:
         self.device = device or torch.device("cpu")
         self.groups = groups or {}
         self.reallocation_groups = reallocation_groups or {}
+        self.tp_groups = tp_groups or {}
+        self.dp_groups = dp_groups or {}
+        self.tp_copies: dict[str, Any] = {}
+        """Call name -> this rank's :class:`~lightning_app_rlhf.tensor_parallel.TensorParallelCopy` of its role, for
+        the calls with a tensor-parallel degree above 1 that this rank runs (built by the strategy's set-up)."""
 
     @classmethod
     def single_process(cls, device: torch.device | None = None, roles: tuple[str, ...] | None = None) -> Placement:
@@ -229,10 +241,33 @@ class Placement:
         return self.plan.ranks(call)[0]
 
     def shard(self, call: str, batch_size: int) -> slice:
-        """The contiguous part of a global batch that this rank computes for ``call``."""
-        bounds = torch.linspace(0, batch_size, self.group_size(call) + 1).round().long().tolist()
-        i = self.group_rank(call)
+        """The contiguous part of a global batch that this rank computes for ``call``: its tensor-parallel replica's
+        part, the same on every rank of the replica (one part per rank without tensor parallelism)."""
+        bounds = torch.linspace(0, batch_size, self.replicas(call) + 1).round().long().tolist()
+        i = self.replica(call)
         return slice(bounds[i], bounds[i + 1])
+
+    # ---- tensor parallelism (PlacementPlan.tp) ----
+
+    def tp_degree(self, call: str) -> int:
+        """Ranks per tensor-parallel replica of ``call`` (1: every rank is its own replica)."""
+        return self.plan.tp_degree(call)
+
+    def replicas(self, call: str) -> int:
+        """Data-parallel replicas of ``call``: its group size over its tensor-parallel degree."""
+        return self.group_size(call) // self.tp_degree(call)
+
+    def replica(self, call: str) -> int:
+        """This rank's replica of ``call``: replica ``i`` is the call's ranks ``[i * t, (i + 1) * t)``."""
+        return self.group_rank(call) // self.tp_degree(call)
+
+    def replica_leaders(self, call: str) -> tuple[int, ...]:
+        """The first global rank of each replica of ``call``, in replica order: the ranks whose rows are gathered."""
+        return self.plan.ranks(call)[:: self.tp_degree(call)]
+
+    def tp_group(self, call: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's replica of ``call`` (None without tensor parallelism)."""
+        return self.tp_groups.get(call)
 
     @contextlib.contextmanager
     def _collective(self, call: str, what: str) -> Iterator[None]:
@@ -269,7 +304,7 @@ class Placement:
     def _gather_to_world(
         self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]
     ) -> dict[str, torch.Tensor]:
-        members = self.plan.ranks(call)
+        members = self.replica_leaders(call)  # a replica's ranks computed the same rows: take them once
         shapes = self._all_gather_shapes(local, specs)
         out = {}
         for i, (name, spec) in enumerate(specs.items()):
@@ -307,7 +342,10 @@ class Placement:
         return dict(zip(names, values.float().cpu()))
 
     def all_reduce_sum(self, call: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over ``call``'s group (only members call this)."""
+        """Sum a tensor over ``call``'s group (only members call this); with a tensor-parallel degree, over its
+        replicas (the ranks of a replica computed the same values: only the replica's first rank counts)."""
+        if self.tp_degree(call) > 1 and self.group_rank(call) % self.tp_degree(call):
+            tensor.zero_()
         if self.group_size(call) > 1:
             with self._collective(call, "all-reduce"):
                 dist.all_reduce(tensor, group=self.groups[call])
@@ -369,7 +407,36 @@ def create_placement(
         if shadows:
             ranks = sorted({plan.ranks(f"{role}.train")[0], *shadows})
             reallocation_groups[role] = dist.new_group(ranks, timeout=timeout)
-    return Placement(plan, rank, device, groups, reallocation_groups, timeout)
+    return Placement(plan, rank, device, groups, reallocation_groups, timeout, _tp_groups(plan, rank, timeout),
+                     _dp_groups(plan, rank, timeout))
+
+
+def _tp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:
+    """The group of every tensor-parallel replica, created on every rank in the same order (collective); returns
+    those of this rank's replicas, by call."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for call in (c for c in CALLS if plan.tp_degree(c) > 1 and c in plan.calls):
+        ranks, degree = plan.ranks(call), plan.tp_degree(call)
+        for start in range(0, len(ranks), degree):
+            replica = list(ranks[start : start + degree])
+            group = dist.new_group(replica, timeout=timeout)
+            if rank in replica:
+                mine[call] = group
+    return mine
+
+
+def _dp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:
+    """For each train call with a tensor-parallel degree ``t``: the groups of ranks ``ranks[j::t]`` (slice ``j`` of
+    every replica: a 2-D mesh's data dimension), created on every rank in the same order; returns this rank's."""
+    mine: dict[str, dist.ProcessGroup] = {}
+    for call in (c for c in CALLS if c.endswith(".train") and plan.tp_degree(c) > 1 and c in plan.calls):
+        ranks, degree = plan.ranks(call), plan.tp_degree(call)
+        for j in range(degree):
+            column = list(ranks[j::degree])
+            group = dist.new_group(column, timeout=timeout)
+            if rank in column:
+                mine[call] = group
+    return mine
 
 
 def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.device) -> torch.Tensor:

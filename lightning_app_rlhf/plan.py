@@ -147,6 +147,20 @@ class PlacementPlan:
         """The tensor-parallel degree of ``call`` (1 unless :attr:`tp` names it)."""
         return self.tp.get(call, 1)
 
+    def layout_reallocations(self) -> tuple[str, ...]:
+        """Calls of a trainable role with a tensor-parallel degree that run on ranks of its train call: they run on
+        a copy of the role in their own layout (even with the train call's degree, whose layout also shards over
+        the replicas), into which the trained weights are redistributed after every update (ReaLHF's
+        reallocation between layouts; shadow copies are :meth:`shadow_ranks`)."""
+        moved = []
+        for role in self.trainable_roles:
+            train = f"{role}.train"
+            for call, ranks in self.calls.items():
+                if role_of(call) == role and call != train and set(ranks) & set(self.calls[train]) \
+                        and self.tp_degree(call) > 1:
+                    moved.append(call)
+        return tuple(moved)
+
     def validate_shared_reference(self) -> None:
         """Raise a ``ValueError`` naming the fix if the reference cannot run on the actor's base model.
 

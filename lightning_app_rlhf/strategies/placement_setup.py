@@ -18,7 +18,9 @@ from torch import nn
 from lightning_app_rlhf.placement import Placement, create_placement, start_heartbeat
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLES
+from lightning_app_rlhf.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy, check_tensor_parallel
 from lightning_app_rlhf.wrappers import RoleWrapper, wrapper_class
+from lightning_app_rlhf.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
 
 
 def start_distributed(
@@ -61,14 +63,19 @@ def place(
                          f"num_nodes) so that they multiply to {plan.world_size}, or build the plan for {world_size} "
                          "ranks.")
     plan.check_roles(algorithm.roles, algorithm.name)
+    check_tensor_parallel(plan)
     return create_placement(plan, global_rank, root_device, timeout)
 
 
 def wrap_roles(module: nn.Module, placement: Placement, device: torch.device) -> None:
     """Wrap each trainable role this rank trains on its own train group (never the whole module), and shard the
     frozen roles the plan gives a wrapper over their forward call's group. The wrappers land in
-    ``module.role_wrappers``; the trained ones get their optimizers from ``module.attach_optimizers``."""
+    ``module.role_wrappers``; the trained ones get their optimizers from ``module.attach_optimizers``.
+
+    First, each call with a tensor-parallel degree that this rank runs gets its copy of the role
+    (``placement.tp_copies``), cut from the whole module before any wrapper shards it."""
     plan = placement.plan
+    build_tp_copies(module, placement, device)
     for role in module.trained_roles():
         wrapper = _wrapper(module, placement, role, f"{role}.train", device)
         wrapper.wrap()
@@ -78,9 +85,34 @@ def wrap_roles(module: nn.Module, placement: Placement, device: torch.device) ->
             _wrapper(module, placement, role, call, device).wrap_frozen()
 
 
+def build_tp_copies(module: nn.Module, placement: Placement, device: torch.device) -> None:
+    """This rank's :class:`TensorParallelCopy` of the role of every generate / forward call with ``tp > 1`` that it
+    runs (a train call with a degree cuts the role itself: :class:`TensorParallelFSDP2Wrapper`).
+
+    Raises a ``ValueError`` naming the fix when the role has no model here (a reward function) or its family no
+    ``tp_plan``."""
+    for call in placement.plan.tp:
+        if call not in INFERENCE_CALLS or not placement.runs(call):
+            continue
+        role = call.split(".")[0]
+        source = module.role_module(role)
+        if source is None:
+            raise ValueError(f"Call {call!r} has a tensor-parallel degree, but role {role!r} has no model here (a "
+                             f"reward function runs whole on each rank): remove {call!r} from the plan's `tp`.")
+        placement.tp_copies[call] = TensorParallelCopy.build(call, source, placement.tp_group(call),
+                                                             placement.tp_degree(call), device)
+
+
 def _wrapper(module: nn.Module, placement: Placement, role: str, call: str, device: torch.device) -> RoleWrapper:
     cls = wrapper_class(placement.plan.wrappers[role], role)
-    wrapper = cls(module.role_module(role), placement.groups.get(call), placement.group_size(call),
-                  placement.group_rank(call), device)
+    args = (module.role_module(role), placement.groups.get(call), placement.group_size(call),
+            placement.group_rank(call), device)
+    degree = placement.tp_degree(call)
+    if call.endswith(".train") and degree > 1:  # a data x tensor mesh (check_tensor_parallel: FSDP2 only)
+        ranks = torch.tensor(placement.plan.ranks(call)).view(-1, degree)
+        wrapper = TensorParallelFSDP2Wrapper(*args, tp_group=placement.tp_group(call),
+                                             dp_group=placement.dp_groups[call], mesh_ranks=ranks, call=call)
+    else:
+        wrapper = cls(*args)
     module.role_wrappers[role] = wrapper
     return wrapper

@@ -1,0 +1,203 @@
+"""Tensor parallelism per call, and reallocation of a role's weights into a call's tensor-parallel layout.
+
+A call with tensor-parallel degree ``t`` (``PlacementPlan.tp``) on ``n`` ranks runs as ``n / t`` data-parallel
+replicas; each replica's ``t`` ranks hold one DTensor tensor-parallel copy of the role, built with the model family's
+own Hugging Face ``tp_plan`` (``transformers.distributed.tensor_parallel.apply_tensor_parallelism``), and compute the
+same rows together. For generation and the scoring forwards the copy is a separate module: the role's own module
+keeps its training layout (DDP, FSDP2, a 2-D data x tensor mesh, a shadow), and after every update its trained
+weights are redistributed into the copy (ReaLHF's parameter reallocation), bit for bit. A train call with a degree
+cuts the role itself (:class:`~lightning_app_rlhf.wrappers.tensor_parallel.TensorParallelFSDP2Wrapper`). Plain
+PyTorch + transformers, no Lightning.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.role_table import TRAINABLE_ROLES, role_of
+from lightning_app_rlhf.roles import AdapterDisabledReference, ValueModel, is_lora
+
+INFERENCE_CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward")
+"""Generation and the scoring forwards: with a degree they run on a tensor-parallel copy of the role."""
+
+
+def check_tensor_parallel(plan: PlacementPlan) -> None:
+    """Raise a ``ValueError`` naming the fix for a ``tp`` degree the engine cannot run yet.
+
+    Args:
+        plan: The placement plan, already validated (every degree divides its call's group size).
+    """
+    for call, degree in plan.tp.items():
+        if call in INFERENCE_CALLS:
+            continue
+        role = role_of(call)
+        wrapper = plan.wrappers.get(role)
+        if wrapper != "fsdp2":
+            raise ValueError(
+                f"Call {call!r} has tensor-parallel degree {degree} with wrapper {wrapper!r}: tensor-parallel training "
+                f"runs FSDP2 over the replicas (a data x tensor mesh). Set wrappers: {{{role}: fsdp2}}, or remove "
+                f"{call!r} from the plan's `tp` (generation and the scoring forwards take a degree of their own).")
+        train = set(plan.ranks(call))
+        for other in plan.calls:
+            if role_of(other) == role and other != call and set(plan.ranks(other)) & train \
+                    and plan.tp_degree(other) == 1:
+                raise ValueError(
+                    f"{call!r} trains tensor-parallel (degree {degree}), so the role's module on ranks "
+                    f"{sorted(train)} is laid out for training; {other!r} runs there without a degree. Give "
+                    f"{other!r} a tensor-parallel degree too (its own copy, refreshed after every update), or run "
+                    "it on other ranks.")
+
+
+def hf_model(module: nn.Module, call: str) -> nn.Module:
+    """The Hugging Face model inside a role's module that the family's ``tp_plan`` shards.
+
+    Args:
+        module: The role's module on this rank (a causal LM, a :class:`ValueModel`, a sequence classifier).
+        call: The call, for the error message.
+    """
+    if isinstance(module, AdapterDisabledReference) or is_lora(module):
+        raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role carries LoRA adapters (or is the "
+                         "LoRA actor's base with adapters off), which the family's tp_plan does not cover: remove "
+                         f"{call!r} from the plan's `tp`, or train without `lora`.")
+    if isinstance(module, ValueModel):
+        return module.backbone  # the value head stays whole on every rank (one output column)
+    if not hasattr(module, "_resolve_parallel_plans"):
+        raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a {type(module).__name__}, not "
+                         "a Hugging Face model with a tp_plan: remove the call from the plan's `tp`.")
+    return module
+
+
+def family_tp_plan(model: nn.Module, degree: int, call: str) -> dict[str, str]:
+    """The model family's ``tp_plan``, expanded to one entry per module and parameter of ``model``.
+
+    Args:
+        model: A Hugging Face model.
+        degree: The tensor-parallel degree.
+        call: The call, for error messages.
+    """
+    from transformers.distributed import DistributedConfig
+
+    config = model.config
+    try:
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
+    except ValueError as err:
+        raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, but {type(model).__name__} "
+                         f"({config.model_type}) has no tp_plan in transformers: use a family that has one (llama, "
+                         f"mistral, qwen2, ...), or remove {call!r} from the plan's `tp`. ({err})") from err
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % degree:
+            raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, which does not divide the model's "
+                             f"{name}={heads}: each rank holds whole heads. Use a degree that divides {heads}.")
+    return plan
+
+
+class TensorParallelCopy:
+    """One call's tensor-parallel copy of a role on this rank: a DTensor module over the replica's ranks.
+
+    Args:
+        call: The call it runs.
+        module: The copy, its sharded parameters DTensors on ``mesh``.
+        mesh: The replica's 1-D device mesh.
+        trainable: The copy's parameters that mirror the role's trainable ones, in the role's ``parameters()`` order
+            (what :meth:`load` takes); frozen ones never change, so they never move.
+        stale: True until :meth:`load` gave it the current trained weights (a trainable role starts stale: a resumed
+            run loads its checkpoint into the role after the copy was built).
+    """
+
+    def __init__(self, call: str, module: nn.Module, mesh: DeviceMesh, trainable: list[nn.Parameter],
+                 stale: bool) -> None:
+        self.call = call
+        self.module = module
+        self.mesh = mesh
+        self.trainable = trainable
+        self.stale = stale
+
+    @classmethod
+    def build(cls, call: str, source: nn.Module, group: dist.ProcessGroup, degree: int,
+              device: torch.device) -> TensorParallelCopy:
+        """Copy ``source`` (whole on this rank, identical on every rank of the replica) and shard the copy with its
+        family's ``tp_plan`` over ``group``. Each rank keeps its slice of its own copy: nothing is sent.
+
+        Args:
+            call: The call the copy runs.
+            source: The role's module, not yet wrapped (sharding it first would leave no whole copy).
+            group: The replica's ranks.
+            degree: The tensor-parallel degree (the group's size).
+            device: This rank's device.
+        """
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        model = hf_model(source, call)
+        plan = family_tp_plan(model, degree, call)
+        trainable_names = [name for name, p in source.named_parameters() if p.requires_grad]
+        replica = copy.deepcopy(source)
+        mesh = DeviceMesh.from_group(group, device_type=device.type)
+        apply_tensor_parallelism(hf_model(replica, call), mesh, plan)
+        params = dict(replica.named_parameters())
+        trainable = [params[name] for name in trainable_names]
+        replica.requires_grad_(False)  # generation and scoring need no gradients
+        stale = role_of(call) in TRAINABLE_ROLES
+        return cls(call, replica, mesh, trainable, stale)
+
+    @torch.no_grad()
+    def load(self, full: Sequence[torch.Tensor]) -> int:
+        """Copy the role's full trainable weights into this rank's slices, bit for bit; return the bytes written.
+
+        Args:
+            full: The role's trainable parameters, whole, in its ``parameters()`` order.
+        """
+        if len(full) != len(self.trainable):
+            raise RuntimeError(f"The tensor-parallel copy of {self.call!r} holds {len(self.trainable)} trainable "
+                               f"parameters but the role gave {len(full)}: the copy no longer matches the role.")
+        written = 0
+        for target, source in zip(self.trainable, full):
+            if tuple(target.shape) != tuple(source.shape):
+                raise RuntimeError(f"The tensor-parallel copy of {self.call!r} has a parameter of shape "
+                                   f"{tuple(target.shape)} where the role has {tuple(source.shape)}.")
+            local = local_slice(source.detach(), target)
+            destination = target.to_local() if isinstance(target, DTensor) else target
+            destination.copy_(local)
+            written += destination.numel() * destination.element_size()
+        self.stale = False
+        return written
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The copy's trainable parameters, whole (an all-gather over the replica): for checks, not the hot path."""
+        return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in self.trainable]
+
+    def local_bytes(self) -> int:
+        """Bytes of the copy's parameters that this rank keeps."""
+        return sum(_local(p).numel() * p.element_size() for p in self.module.parameters())
+
+
+def local_slice(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of ``full`` in the layout of ``like`` (a DTensor: its mesh and placements, cut locally with no
+    communication, exactly as DTensor cuts uneven shards); ``full`` itself for a plain tensor."""
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def received_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank receives to hold ``params`` whole: each sharded parameter's full size minus its local shard
+    (a DTensor of FSDP2 or of a data x tensor mesh; a ZeRO-3 partition); 0 for tensors already whole here."""
+    total = 0
+    for p in params:
+        if isinstance(p, DTensor):
+            total += (p.numel() - p.to_local().numel()) * p.element_size()
+        elif hasattr(p, "ds_tensor"):  # DeepSpeed ZeRO-3: ds_numel elements in all, ds_tensor kept here
+            total += (p.ds_numel - p.ds_tensor.numel()) * p.element_size()
+    return total
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
