@@ -40,6 +40,7 @@ from lightning_app_rlhf.checkpoint import (
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
+from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
 from lightning_app_rlhf.strategies.sharded_checkpoint import (
@@ -169,6 +170,7 @@ class PlacementStrategy(ParallelStrategy):
             raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {self.world_size}. Plan for "
                              f"{self.world_size} ranks, or launch {plan.world_size} processes.")
         plan.check_roles(module.algorithm.roles, module.algorithm.name)
+        check_tensor_parallel(plan)
         module.placement = create_placement(plan, self.global_rank, self.root_device, self._timeout)
         self.placement_plan = plan
 
