@@ -40,6 +40,11 @@ SWEEP_MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
 SWEEP_CLUSTERS = ("1x8xA100-80GB", "2x8xA100-80GB", "4x8xA100-80GB", "8x8xA100-80GB")
 SWEEP_LORA_RANK = 128
 """The sweep trains LoRA adapters of this rank unless ``--lora_rank`` says otherwise (as APP)."""
+REALHF_CASES = (("llama2-7b", "1x8xH100-80GB"), ("llama2-13b", "2x8xH100-80GB"), ("llama2-34b", "4x8xH100-80GB"),
+                ("llama2-70b", "8x8xH100-80GB"), ("llama2-70b", "16x8xH100-80GB"))
+"""ReaLHF's scaling experiment: the model grows with the GPUs (actor, critic, reference and reward of one size)."""
+REALHF_LENGTHS = ((128, 512), (384, 256), (896, 128))
+"""ReaLHF's released benchmark: (generated tokens, prompts per iteration); prompts of 128 tokens, 4 minibatches."""
 DEFAULT_CLUSTER = "1x8xA100-80GB"
 """The cluster of a named-size plan without ``--cluster``."""
 NAMED_SIZE_DEFAULTS: dict[str, Any] = {
@@ -92,18 +97,25 @@ class PlanOptions:
     only)."""
     seed: int = 0
     """Seeds the MCMC chain."""
-    time_budget: float = 5.0
-    """Seconds the MCMC chain may run."""
+    mcmc_steps: int = 2000
+    """Proposals of the MCMC chain (its budget: the same seed and steps give the same plan on any machine)."""
+    time_budget: float | None = None
+    """An outer safety: seconds after which the MCMC chain stops even before --mcmc_steps (reported under the
+    tables when it does; the answer then depends on the machine's speed). Default: none."""
     top_k: int = 5
     """Searched plans shown besides the presets."""
     json: bool = False
     """Print JSON instead of tables."""
+    realhf_sweep: bool = False
+    """Named sizes only: plan ReaLHF's benchmark, LLaMA-2 7B on 1x8 to 70B on 16x8 H100-80GB, full fine-tuning of
+    actor and critic of one size, prompts of 128 tokens, 128/384/896 generated tokens with 512/256/128 prompts, 4
+    minibatches, and print the markdown table of docs/planner.md (APP search and --mcmc_steps, 300 unless given)."""
     sweep: bool = False
     """Named sizes only: plan LLaMA 7B-65B actor + critic (the actor alone for a critic-free --algorithm) on 1x8 to
     8x8 A100-80GB with LoRA rank 128 (unless --lora_rank), and print the markdown table of docs/planner.md."""
     actor: str | None = None
-    """Named sizes: the actor's size, one of llama-7b, llama-13b, llama-33b, llama-65b, gpt2-tiny, gpt2-small, a
-    local model directory or a config.json (default: llama-7b)."""
+    """Named sizes: the actor's size, one of llama-7b, llama-13b, llama-33b, llama-65b, llama2-7b, llama2-13b,
+    llama2-34b, llama2-70b, gpt2-tiny, gpt2-small, a local model directory or a config.json (default: llama-7b)."""
     critic: str | None = None
     """Named sizes: the critic's size, --algorithm ppo only (default: the actor's)."""
     reference: str | None = None
@@ -217,8 +229,9 @@ def check_no_named_sizes(options: PlanOptions) -> None:
                 f"--{flag} describes a named-size workload, but a training config (--config, --model.*, --data.*) "
                 f"describes this one: set {config_key} instead, or plan named sizes without a training config."
             )
-    if options.sweep:
-        raise ValueError("--sweep plans the LLaMA table of named sizes, not a training config: drop --config "
+    if options.sweep or options.realhf_sweep:
+        flag = "--sweep" if options.sweep else "--realhf_sweep"
+        raise ValueError(f"{flag} plans a LLaMA table of named sizes, not a training config: drop --config "
                          "(and --model.*, --data.*) to run it.")
 
 
@@ -293,6 +306,7 @@ def search(options: PlanOptions, cluster: Cluster, workload: Workload) -> Planne
         search=options.search,
         seed=options.seed,
         time_budget_s=options.time_budget,
+        mcmc_steps=options.mcmc_steps,
         top_k=options.top_k,
     )
 
@@ -369,6 +383,10 @@ def run_plan_command(options: PlanOptions, training_run: Callable[[], TrainingRu
             rows = sweep(options)
             print(json_module.dumps(rows, indent=1)) if options.json else print_sweep(rows)
             return 0
+        if options.realhf_sweep and training_run is None:
+            rows = realhf_sweep(options)
+            print(json_module.dumps(rows, indent=1)) if options.json else print_realhf_sweep(rows)
+            return 0
         if training_run is None:
             report = plan_named_sizes(options)
         else:
@@ -424,7 +442,7 @@ def print_report(report: PlanReport) -> None:
             "*" if c is result.best else "",
             c.source,
             c.plan.name,
-            " ".join(role_wrappers(c.plan.wrappers)),
+            " ".join(role_wrappers(c.plan.wrappers)) + ("" if c.plan.unshard_for_generation else " gen:gather/step"),
             str(c.choice.generation_batch or "all"),
             str(c.choice.micro_batch or "all"),
             _seconds_per_iteration(e.iteration_s) if e.fits else "-",
@@ -433,13 +451,19 @@ def print_report(report: PlanReport) -> None:
             f"{flat.iteration_s / e.iteration_s:.2f}x" if fits_both else "-",
             e.rejected or "",
         )
-        ranks.add_row(str(number), c.plan.name, *(ranks_text(c.plan.ranks(call)) for call in w.calls))
+        ranks.add_row(str(number), c.plan.name, *(_call_cell(c.plan, call) for call in w.calls))
     console = Console(width=200)
     console.print(heading, markup=False, highlight=False, soft_wrap=True)
     console.print(plans)
     console.print(ranks)
     for line in summary_lines(report, candidates):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _call_cell(plan: PlacementPlan, call: str) -> str:
+    """A call's ranks, with its tensor-parallel degree where above 1 (``0-7 tp4``: two replicas of 4 ranks)."""
+    t = plan.tp_degree(call)
+    return ranks_text(plan.ranks(call)) + (f" tp{t}" if t > 1 else "")
 
 
 def summary_lines(report: PlanReport, candidates: list[Candidate]) -> list[str]:
@@ -499,6 +523,50 @@ def sweep(options: PlanOptions) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def realhf_sweep(options: PlanOptions) -> list[dict[str, Any]]:
+    """Every case of :data:`REALHF_CASES` x :data:`REALHF_LENGTHS`; one row each."""
+    rows = []
+    steps = options.mcmc_steps if options.mcmc_steps != PlanOptions.mcmc_steps else 300
+    for model, cluster in REALHF_CASES:
+        for generation_length, batch_size in REALHF_LENGTHS:
+            case = replace(options, cluster=cluster, actor=model, critic=model, batch_size=batch_size,
+                           prompt_length=128, generation_length=generation_length, num_minibatches=4,
+                           search="both", mcmc_steps=steps)
+            try:
+                result = plan_named_sizes(case).result
+            except PlannerError as err:
+                rows.append({"model": model, "cluster": cluster, "generation_length": generation_length,
+                             "batch_size": batch_size, "error": str(err)})
+                continue
+            best, flat = result.best, result.presets["flattening"]
+            rows.append({
+                "model": model, "cluster": cluster, "generation_length": generation_length, "batch_size": batch_size,
+                "best": f"{best.plan.name}: {' '.join(call_ranks(best.plan))}",
+                "wrappers": " ".join(role_wrappers(best.plan.wrappers))
+                + ("" if best.plan.unshard_for_generation else " (gen: gather per step)"),
+                "iteration_s": best.iteration_s, "peak_memory_gib": best.estimate.peak_bytes / 2**30,
+                "flattening_s": flat.iteration_s if flat.estimate.fits else None,
+                "flattening": " ".join(role_wrappers(flat.plan.wrappers)) + " " + " ".join(
+                    f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}:tp{t}" for c, t in flat.plan.tp.items()),
+                "search_s": result.search_s,
+            })  # fmt: skip
+    return rows
+
+
+def print_realhf_sweep(rows: list[dict[str, Any]]) -> None:
+    """The ReaLHF sweep as the markdown table of docs/planner.md."""
+    print("| model | cluster | gen x batch | chosen plan (ranks per call, TP degree) | wrappers | iter s | peak GiB | "
+          "flattening s (its best layout) | search s |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | --- | ---: |")
+    for r in rows:
+        case = f"| {r['model']} | {r['cluster']} | {r['generation_length']} x {r['batch_size']} |"
+        if "error" in r:
+            print(f"{case} does not fit: {r['error']} | | | | | |")
+            continue
+        print(f"{case} {r['best']} | {r['wrappers']} | {r['iteration_s']:.1f} | {r['peak_memory_gib']:.1f} | "
+              f"{_seconds(r['flattening_s'])} ({r['flattening']}) | {r['search_s']:.1f} |")
 
 
 def print_sweep(rows: list[dict[str, Any]]) -> None:

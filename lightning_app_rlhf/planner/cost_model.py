@@ -6,8 +6,8 @@ Read top to bottom:
 2. Memory per rank: weights, gradients, optimizer state, activations, KV cache (:meth:`CostModel.memory`).
 3. Per-call time: compute from a measured :class:`~lightning_app_rlhf.planner.profiler.Profile` or an analytic
    fallback (FLOPs and bytes against the device's ceilings), plus data-parallel / ZeRO communication.
-4. The task graph of the engine (``RLHFModule.training_step``) and a discrete-event schedule of it
-   (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
+4. The task graph of the engine, priced from its own description of an iteration
+   (:func:`~lightning_app_rlhf.iteration.iteration_steps`), and a discrete-event schedule of it (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
    processes that outnumber the cores share them.
 
 Everything iterates over the workload's roles and calls (the role table's, less the critic's for a critic-free
@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_app_rlhf.iteration import Step, iteration_steps, relayout_calls
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
+from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.wrappers import WRAPPERS
 
 if TYPE_CHECKING:
@@ -38,6 +40,9 @@ BANDWIDTH_EFFICIENCY = 0.7
 """Fraction of peak memory bandwidth a decode step reaches (analytic fallback only)."""
 UNROLLED_ITERATIONS = 4
 """Iterations the schedule unrolls; the estimate is the steady state between the 2nd and the last."""
+TP_ALL_REDUCES_PER_LAYER = 2
+"""Megatron-style tensor parallelism all-reduces the activations twice per transformer layer in a forward (after
+the attention and after the MLP), and twice more in the backward."""
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,16 @@ class PlanChoice:
         wrappers = "/".join(plan.wrappers[r] for r in plan.trainable_roles)
         wrappers += "".join(f" {r}:{plan.wrappers[r]}" for r in FROZEN_ROLES if r in plan.wrappers)
         batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
-        return f"{plan.name} [{wrappers}] {' '.join(call_ranks(plan))} {batches}"
+        gather = "" if plan.unshard_for_generation else " gather-per-step"
+        return f"{plan.name} [{wrappers}] {' '.join(call_ranks(plan))}{gather} {batches}"
 
 
 def call_ranks(plan: PlacementPlan) -> list[str]:
-    """``["actor.generate 0-7", "reference.forward 0-3", ...]``: every call of ``plan`` by its full name with its
-    ranks, in phase order. The planner's tables, labels and sweep print calls this way (the tuner's log line and the
-    placement summary name them the same)."""
-    return [f"{call} {ranks_text(plan.ranks(call))}" for call in calls_of(plan.roles)]
+    """``["actor.generate 0-7 tp4", "reference.forward 0-3", ...]``: every call of ``plan`` by its full name with its
+    ranks and its tensor-parallel degree where above 1, in phase order. The planner's tables, labels and sweep print
+    calls this way (the tuner's log line and the placement summary name them the same)."""
+    return [f"{call} {ranks_text(plan.ranks(call))}" + (f" tp{plan.tp_degree(call)}" if plan.tp_degree(call) > 1 else "")
+            for call in calls_of(plan.roles)]
 
 
 def role_wrappers(wrappers: dict[str, str]) -> list[str]:
@@ -186,6 +193,7 @@ class CostModel:
         self.collective_latency = self.device.collective_latency_s
         usable = 1.0 if cluster.cores_per_node is not None else GPU_USABLE_MEMORY
         self.capacity = int(cluster.device.memory_bytes * usable)
+        self._role_bytes: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}
 
     # ---- memory
 
@@ -227,41 +235,65 @@ class CostModel:
             holders = {r for c in plan.calls if role_of(c) == role for r in plan.ranks(c)}
             reference_on_actor = role == REFERENCE.name and self._reference_on_actor(plan)
             whole = w.held_params(role) * shape.dtype_bytes
+            t = plan.tp_degree(f"{role}.train") if trainable else 1  # DP x TP training: FSDP2 over n / t replicas
             for rank in sorted(holders):
                 row = rows[rank]
                 if reference_on_actor:
                     row.roles[role] = "actor base, adapters off"
                 elif rank in group:
-                    weights, grads, optimizer = self.role_bytes(role, wrapper, n, group.index(rank))
-                    row.weights += weights
-                    row.grads += grads
-                    row.optimizer += optimizer
-                    sharded = _shards_params(wrapper) and n > 1
+                    dp, dp_rank = n // t, group.index(rank) // t
+                    weights, grads, optimizer = self.role_bytes(role, wrapper, dp, dp_rank)
+                    row.weights += weights // t
+                    row.grads += grads // t
+                    row.optimizer += optimizer // t
+                    sharded = _shards_params(wrapper) and dp > 1
+                    tp = f" tp{t}" if t > 1 else ""
                     if trainable:
-                        row.roles[role] = f"shard 1/{n} {wrapper}" if sharded else f"trained {wrapper}"
+                        row.roles[role] = (f"shard 1/{dp} {wrapper}" if sharded else f"trained {wrapper}") + tp
                     else:
-                        row.roles[role] = f"frozen shard 1/{n} {wrapper}" if sharded else "frozen"
+                        row.roles[role] = (f"frozen shard 1/{dp} {wrapper}" if sharded else "frozen") + tp
                 else:
                     row.weights += whole
                     row.roles[role] = "shadow" if trainable else "frozen"
+                # A generate / forward call with a degree runs on a tensor-parallel copy of its own, beside the
+                # role's module (which a shadow's refresh and the wrapper still need): 1/t of the weights more.
+                for call in plan.tp:
+                    if role_of(call) == role and not call.endswith(".train") and rank in plan.ranks(call):
+                        row.weights += whole // plan.tp_degree(call)
+                        row.roles[role] += f" +tp{plan.tp_degree(call)} copy"
         return rows
 
     def role_bytes(self, role: str, wrapper: str, group_size: int, group_rank: int) -> tuple[int, int, int]:
         """``(weights, gradients, optimizer)`` bytes of ``role`` on the rank ``group_rank`` of a group of
         ``group_size`` ranks wrapped with ``wrapper``: the registry class's ``predicted_bytes`` over the role's
         parameter shapes (gradients and optimizer state for a trainable role only)."""
-        w = self.workload
-        shape = w.shape(role)
-        if shape is None:
-            return 0, 0, 0
-        shapes, trainable = w.parameters(role)
-        return WRAPPERS[wrapper].predicted_bytes(
-            shapes, trainable, shape.dtype_bytes, group_size, group_rank, w.optimizer_slots, role in w.trainable
-        )
+        key = (role, wrapper, group_size, group_rank)
+        if key not in self._role_bytes:  # the searches ask for the same few groups thousands of times
+            w = self.workload
+            shape = w.shape(role)
+            if shape is None:
+                return 0, 0, 0
+            shapes, trainable = w.parameters(role)
+            self._role_bytes[key] = WRAPPERS[wrapper].predicted_bytes(
+                shapes, trainable, shape.dtype_bytes, group_size, group_rank, w.optimizer_slots, role in w.trainable
+            )
+        return self._role_bytes[key]
 
     def check_plan(self, plan: PlacementPlan) -> None:
-        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles."""
+        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles and keeps every
+        tensor-parallel replica within a node (its all-reduces run at every layer: NVLink, not the network)."""
         plan.check_roles(self.workload.roles, self.workload.algorithm)
+        check_tensor_parallel(plan)  # what the engine runs: TP training only over FSDP2, ...
+        for call, t in plan.tp.items():
+            if self.workload.shape(role_of(call)) is None:
+                raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a Python function.")
+            ranks = plan.ranks(call)
+            for i in range(0, len(ranks), t):
+                replica = ranks[i : i + t]
+                if len({self.cluster.node_of(r) for r in replica}) > 1:
+                    raise ValueError(f"Call {call!r} has a tensor-parallel replica on ranks {list(replica)}, which "
+                                     "span nodes: keep tensor parallelism within a node (a smaller degree, or "
+                                     "node-aligned ranks).")
 
     @staticmethod
     def _bucket_ranks(plan: PlacementPlan) -> set[int]:
@@ -279,27 +311,32 @@ class CostModel:
         shape = w.shape(role_of(call))
         if shape is None:
             return 0, 0
-        n = len(plan.ranks(call))
+        t = plan.tp_degree(call)
+        n = len(plan.ranks(call)) // t  # data-parallel replicas: each shards the batch, t ranks per replica
         s, db = w.sequence_length, shape.dtype_bytes
         gathered = 2 * shape.param_bytes // shape.layers if self._sharded_call(plan, call) else 0
         if call == ACTOR.call("generate"):
+            if self.unshards_once(plan):  # the whole weights, gathered once for the rollout (less the own shard)
+                gathered = w.held_params(ACTOR.name) * db - self.role_bytes(ACTOR.name, plan.wrappers[ACTOR.name],
+                                                                             n, 0)[0]
             g = min(choice.generation_batch or ceil_div(w.samples, n), ceil_div(w.samples, n))
             logits = (
                 2 * g * shape.vocab * 4 + g * w.prompt_length * shape.vocab * db
-            )  # prefill logits, fp32 softmax
+            ) // t  # prefill logits, fp32 softmax; vocab-parallel under TP
             return (
                 logits + 4 * g * w.prompt_length * shape.hidden * db + gathered,
-                shape.kv_bytes_per_token * g * s,
+                shape.kv_bytes_per_token * g * s // t,  # TP splits the KV heads
             )
         if call.endswith(".forward"):
             b = self._micro(choice, ceil_div(w.samples, n))
-            head = 2 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
-            attention = 0 if w.flash_attention else shape.heads * s * s * b * db
+            head = 2 * b * w.generation_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
+            attention = 0 if w.flash_attention else shape.heads * s * s * b * db // t
             return 4 * b * s * shape.hidden * db + attention + head + gathered, 0
         b = self._micro(choice, ceil_div(w.samples // w.num_minibatches, n))
-        scores = 0 if w.flash_attention else 2.5 * shape.heads * s * s * b
-        per_layer = (17 * s * b * shape.hidden + scores) * db  # Korthikanti et al. 2022, without recompute
-        head = 3 * b * w.generation_length * shape.head_outputs * 4 if shape.kind == "causal_lm" else 0
+        scores = 0 if w.flash_attention else 2.5 * shape.heads * s * s * b / t
+        # Korthikanti et al. 2022, without recompute: 10 sbh bytes replicated, 24 sbh split by tensor parallelism.
+        per_layer = ((5 + 12 / t) * s * b * shape.hidden + scores) * db
+        head = 3 * b * w.generation_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
         if w.gradient_checkpointing:  # every layer's input, plus one layer recomputed in full
             return int(shape.layers * s * b * shape.hidden * db + per_layer + head) + gathered, 0
         return int(shape.layers * per_layer + head) + gathered, 0
@@ -315,6 +352,8 @@ class CostModel:
         or with LoRA a reference forward on the ranks of a sharded actor (it runs the actor's base)."""
         role = role_of(call)
         ranks = set(plan.ranks(call))
+        if plan.tp_degree(call) > 1 and not call.endswith(".train"):
+            return False  # it runs on a tensor-parallel copy of its own, not on the wrapper's shards
         if role in FROZEN_ROLES:
             if role == REFERENCE.name and self._reference_on_actor(plan):
                 actor_train = ACTOR.call("train")
@@ -323,7 +362,12 @@ class CostModel:
         if not _shards_params(plan.wrappers.get(role)):
             return False
         train = plan.ranks(f"{role}.train")
-        return len(train) > 1 and ranks == set(train)
+        return len(train) // plan.tp_degree(f"{role}.train") > 1 and ranks == set(train)
+
+    def unshards_once(self, plan: PlacementPlan) -> bool:
+        """Whether the actor generates on its own sharded (FSDP2 / ZeRO-3) train group with its weights gathered once
+        per rollout (``plan.unshard_for_generation``) rather than once per decoding step."""
+        return plan.unshard_for_generation and self._sharded_call(plan, ACTOR.call("generate"))
 
     def _reference_on_actor(self, plan: PlacementPlan) -> bool:
         """With LoRA: the reference forward runs the actor's own base (adapters off), so it holds no weights. That
@@ -410,15 +454,34 @@ class CostModel:
             return self.device.all_reduce_bandwidth
         return self.cluster.bandwidth(ranks)
 
-    def sharded_gather_s(self, ranks: tuple[int, ...], shape: RoleShape) -> float:
+    def sharded_gather_s(self, ranks: tuple[int, ...], shape: RoleShape, tp: int = 1) -> float:
         """Gather a sharded (FSDP2 / ZeRO-3) role's weights for one pass: one all-gather per wrapped unit (each
-        transformer block, then the root), so ``layers + 1`` collectives' latency for the whole model's bytes."""
+        transformer block, then the root), so ``layers + 1`` collectives' latency for the whole model's bytes (its
+        ``1 / tp`` under tensor parallelism, gathered over one TP rank's data-parallel group ``ranks``)."""
         if len(ranks) <= 1:
             return 0.0
         return (
-            self.all_gather_s(ranks, shape.param_bytes)
+            self.all_gather_s(ranks, shape.param_bytes / tp)
             + shape.layers * (len(ranks) - 1) * self.collective_latency
         )
+
+    def tp_all_reduce_s(self, replica: tuple[int, ...], nbytes: float) -> float:
+        """One tensor-parallel all-reduce of ``nbytes`` of activations over a replica's ranks (one node): ring
+        bandwidth at the intra-node bandwidth, tree latency (small messages: NCCL's LL / tree protocols)."""
+        t = len(replica)
+        if t <= 1:
+            return 0.0
+        return 2 * (t - 1) / t * nbytes / self.bucket_bandwidth(replica) + _log2(t) * self.collective_latency
+
+    def tp_pass_s(self, plan: PlacementPlan, call: str, shape: RoleShape, tokens: int, passes: int = 1) -> float:
+        """Tensor-parallel communication of ``passes`` forward passes over ``tokens`` tokens (all sequences of the
+        micro-batch together): :data:`TP_ALL_REDUCES_PER_LAYER` all-reduces of the activations per layer."""
+        t = plan.tp_degree(call)
+        if t <= 1:
+            return 0.0
+        replica = plan.ranks(call)[:t]
+        per_layer = TP_ALL_REDUCES_PER_LAYER * self.tp_all_reduce_s(replica, tokens * shape.hidden * shape.dtype_bytes)
+        return passes * shape.layers * per_layer
 
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
         if len(ranks) <= 1:
@@ -431,22 +494,29 @@ class CostModel:
         """(compute seconds, communication seconds) of ``call`` on one of its ranks."""
         w, plan = self.workload, choice.plan
         ranks = plan.ranks(call)
-        n = len(ranks)
+        t = plan.tp_degree(call)
+        n = len(ranks) // t  # data-parallel replicas; each of a replica's t ranks computes 1/t of every op
         role = role_of(call)
         shape = w.shape(role)
         local = ceil_div(w.samples, n)
         sharded = shape is not None and self._sharded_call(plan, call)
         if call == ACTOR.call("generate"):
             g = min(choice.generation_batch or local, local)
-            compute, forwards = 0.0, 0
+            compute, forwards, tp_comm = 0.0, 0, 0.0
             for start in range(0, local, g):
                 b = min(g, local - start)
                 mid_context = w.prompt_length + (w.generation_length + 1) // 2
-                compute += self.op_time(shape, "prefill", b, w.prompt_length)
-                compute += (w.generation_length - 1) * self.op_time(shape, "decode", b, mid_context)
+                compute += self.op_time(shape, "prefill", b, w.prompt_length) / t
+                compute += (w.generation_length - 1) * self.op_time(shape, "decode", b, mid_context) / t
+                tp_comm += self.tp_pass_s(plan, call, shape, b * w.prompt_length)
+                tp_comm += (w.generation_length - 1) * self.tp_pass_s(plan, call, shape, b)
                 forwards += w.generation_length
-            # A sharded generator gathers its weights for every forward (FSDP2's lockstep decode in generation.py).
-            return compute, forwards * self.sharded_gather_s(ranks, shape) if sharded else 0.0
+            if not sharded:
+                return compute, tp_comm
+            if self.unshards_once(plan):  # the hybrid engine: one gather of the weights for the whole rollout
+                return compute, tp_comm + self.sharded_gather_s(ranks, shape)
+            # Otherwise it gathers its weights for every forward (FSDP2's lockstep decode in generation.py).
+            return compute, tp_comm + forwards * self.sharded_gather_s(ranks, shape)
         if call == REWARD.call("forward") and shape is None:
             measured = self.profile.ops.get("reward_fn") if self.profile is not None else None
             per_sample = measured["sample"][0][2] if measured else w.reward_fn_s_per_sample
@@ -454,38 +524,49 @@ class CostModel:
         if call.endswith(".forward"):
             b = self._micro(choice, local)
             compute = sum(
-                self.op_time(shape, "forward", min(b, local - i), w.sequence_length)
+                self.op_time(shape, "forward", min(b, local - i), w.sequence_length) / t
                 for i in range(0, local, b)
             )
-            return compute, ceil_div(local, b) * self.sharded_gather_s(ranks, shape) if sharded else 0.0
+            comm = sum(self.tp_pass_s(plan, call, shape, min(b, local - i) * w.sequence_length)
+                       for i in range(0, local, b))
+            if sharded:
+                comm += ceil_div(local, b) * self.sharded_gather_s(ranks[::t], shape, t)
+            return compute, comm
         return self._train_time(choice, call, shape, ranks)
 
     def _train_time(
         self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
     ) -> tuple[float, float]:
-        w, n = self.workload, len(ranks)
-        wrapper = WRAPPERS[choice.plan.wrappers[role_of(call)]]
+        plan = choice.plan
+        t = plan.tp_degree(call)
+        w, n = self.workload, len(ranks) // t  # DP x TP: n replicas of t ranks; the wrapper works over the n
+        dp_ranks = ranks[::t]  # one TP rank's data-parallel group
+        wrapper = WRAPPERS[plan.wrappers[role_of(call)]]
         local = ceil_div(w.samples // w.num_minibatches, n)
         b = self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
         micro_steps = ceil_div(local, b)
         compute = sum(
-            self.op_time(shape, "train", min(b, local - i), w.sequence_length) for i in range(0, local, b)
+            self.op_time(shape, "train", min(b, local - i), w.sequence_length) / t for i in range(0, local, b)
         )
-        trained = w.trainable_params(role_of(call))
+        # Forward and backward (and the recomputed forward with gradient checkpointing) all-reduce activations.
+        passes = 2 + w.gradient_checkpointing
+        tp_comm = sum(self.tp_pass_s(plan, call, shape, min(b, local - i) * w.sequence_length, passes)
+                      for i in range(0, local, b))
+        trained = ceil_div(w.trainable_params(role_of(call)), t)
         local_params = ceil_div(trained, n) if wrapper.shards_optimizer and n > 1 else trained
         compute += self.op_time(shape, "optimizer", local_params, 0)
         trained_bytes = trained * shape.dtype_bytes
         if wrapper.shards_params:  # gather for forward and backward, reduce-scatter grads, per micro-batch
             comm = micro_steps * (
-                2 * self.sharded_gather_s(ranks, shape) + self.all_gather_s(ranks, trained_bytes)
+                2 * self.sharded_gather_s(dp_ranks, shape, t) + self.all_gather_s(dp_ranks, trained_bytes)
             )
             comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
-            measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" else None
-            comm = measured if measured is not None else self.all_reduce_s(ranks, trained_bytes)
+            measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" and t == 1 else None
+            comm = measured if measured is not None else self.all_reduce_s(dp_ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
-        return steps * compute, steps * comm + stats
+        return steps * compute, steps * (comm + tp_comm) + stats
 
     def _measured_ddp_step(self, shape: RoleShape, group: int) -> float | None:
         """Seconds DDP adds to one optimizer step on ``group`` ranks, where the profile measured it
@@ -495,19 +576,37 @@ class CostModel:
         return self.profile.time(shape, "ddp_step", group, 1)
 
     def reallocate_time(self, plan: PlacementPlan, role: str) -> tuple[tuple[int, ...], float]:
-        """(ranks involved, seconds) to refresh the shadow copies of a trained role; no ranks when it has none."""
+        """(ranks involved, seconds) to bring a trained role's new weights to its other layouts, as the engine does
+        after every update: the shadow copies get a broadcast from the train leader (after a gather of the full
+        weights when the training layout shards them: FSDP2, ZeRO-3 or tensor parallel); then every tensor-parallel
+        copy (:func:`~lightning_app_rlhf.iteration.relayout_calls`) takes its ``1/t`` slice, on the train ranks from
+        the full weights (gathered again when sharded), elsewhere from the shadow (a local copy). No ranks when every
+        call runs on the trained weights as they are."""
         shape = self.workload.shape(role)
         shadows = plan.shadow_ranks(role)
-        if not shadows or shape is None:
+        relayout = relayout_calls(plan, role)
+        if (not shadows and not relayout) or shape is None:
             return (), 0.0
         train = plan.ranks(f"{role}.train")
         moved = self.workload.trainable_params(role) * shape.dtype_bytes  # only trainable parameters move
-        seconds = self.broadcast_s((train[0], *shadows), moved)
-        seconds += ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
-        if _shards_params(plan.wrappers[role]) and len(train) > 1:
-            seconds += self.all_gather_s(train, moved)  # full_tensor() of every trainable shard
-            return tuple(sorted({*train, *shadows})), seconds
-        return tuple(sorted({train[0], *shadows})), seconds
+        sharded = (_shards_params(plan.wrappers[role]) and len(train) > 1) or plan.tp_degree(f"{role}.train") > 1
+        local_copy_bandwidth = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
+        seconds, ranks = 0.0, set()
+        if shadows:
+            seconds += self.broadcast_s((train[0], *shadows), moved)
+            seconds += ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
+            ranks |= {train[0], *shadows}
+            if sharded:
+                seconds += self.all_gather_s(train, moved)  # full_tensor() of every trainable shard
+                ranks |= set(train)
+        for call in relayout:
+            on_train = set(plan.ranks(call)) & set(train)
+            if on_train and sharded:
+                seconds += self.all_gather_s(train, moved)
+                ranks |= set(train)
+            seconds += moved / plan.tp_degree(call) / local_copy_bandwidth  # each rank keeps its slice
+            ranks |= set(plan.ranks(call))
+        return tuple(sorted(ranks)), seconds
 
     def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int, tensors: int = 1) -> float:
         """``Placement.gather_to_world``: every rank all-gathers the shapes, then each of the call's ``tensors``
@@ -520,58 +619,44 @@ class CostModel:
     # ---- the schedule
 
     def tasks(self, choice: PlanChoice) -> list[Task]:
-        """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order.
-
-        It follows ``RLHFModule.training_step``: generate; gather the rollout to every rank (a world collective);
-        each rank runs its forwards (reference, reward, and the critic where the algorithm has one); one world
-        gather per forward; each train call in role-table order (``actor.train``, then ``critic.train`` where there
-        is a critic), each followed by a world broadcast of its statistics; then the shadow copies are refreshed.
-        With ``overlap`` the train calls of the previous rollout run before the rollout gather.
-        """
-        plan, w = choice.plan, self.workload
+        """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order: the
+        steps of :func:`~lightning_app_rlhf.iteration.iteration_steps` (the engine's iteration, checked against
+        traced runs), each priced by :meth:`step_task`."""
+        plan = choice.plan
         self.check_plan(plan)
-        world = tuple(range(plan.world_size))
-        t_gen = w.generation_length
-        generate = ACTOR.call("generate")
-        forwards = [c for c in w.calls if c.endswith(".forward")]
-        # Bytes per sample of each call's gathered result: the rollout's responses, response mask (int64) and
-        # logprobs; a per-token float for the reference's logprobs and the critic's values; one score.
-        gathers = {generate: t_gen * (8 + 8 + 4), REWARD.call("forward"): 4}
         tasks: list[Task] = []
-
-        def add(name: str, ranks: tuple[int, ...], seconds: float, compute: bool = True) -> None:
-            tasks.append(Task(name, ranks, seconds, compute))
-
-        def call(iteration: int, name: str) -> None:
-            compute, comm = self.call_time(choice, name)
-            add(f"{name}#{iteration}", plan.ranks(name), compute)
-            if comm:
-                add(f"{name}:comm#{iteration}", plan.ranks(name), comm, compute=False)
-
-        def train(iteration: int) -> None:
-            for role in w.trainable:
-                call(iteration, f"{role}.train")
-                add(f"{role}.stats#{iteration}", world, self.broadcast_s(world, 64), compute=False)
-
         for i in range(UNROLLED_ITERATIONS):
-            call(i, generate)
-            if plan.overlap and i > 0:
-                train(i)  # on the rollout of iteration i - 1
-            add(f"gather.rollout#{i}", world, self.world_gather_s(plan, generate, gathers[generate], tensors=3),
-                compute=False)
-            for name in forwards:
-                call(i, name)
-            for name in forwards:
-                add(f"gather.{role_of(name)}#{i}", world,
-                    self.world_gather_s(plan, name, gathers.get(name, t_gen * 4)), compute=False)
-            if not plan.overlap:
-                train(i)
-            if not plan.overlap or i > 0:
-                for role in w.trainable:
-                    ranks, seconds = self.reallocate_time(plan, role)
-                    if ranks:
-                        add(f"{role}.reallocate#{i}", ranks, seconds, compute=False)
+            for step in iteration_steps(plan, first=i == 0):
+                tasks += self.step_tasks(choice, step, i)
         return tasks
+
+    def step_tasks(self, choice: PlanChoice, step: Step, iteration: int) -> list[Task]:
+        """The tasks of one step of iteration ``iteration``: a call's compute (then its communication, on the same
+        ranks), a world gather of a call's result, a statistics or learning-rate broadcast, a reallocation."""
+        plan, w = choice.plan, self.workload
+        world = tuple(range(plan.world_size))
+        tag = f"#{iteration}"
+        if step.kind == "call":
+            compute, comm = self.call_time(choice, step.name)
+            tasks = [Task(step.name + tag, step.ranks, compute)]
+            return tasks + [Task(f"{step.name}:comm{tag}", step.ranks, comm, compute=False)] if comm else tasks
+        if step.kind == "gather":
+            # Bytes per sample of each call's gathered result: the rollout's responses, response mask (int64),
+            # logprobs and stop flag (4 tensors); one float per token for the reference's logprobs and the
+            # critic's values; one score.
+            t_gen = w.generation_length
+            per_row = {ACTOR.call("generate"): (t_gen * (8 + 8 + 4) + 1, 4), REWARD.call("forward"): (4, 1)}
+            nbytes, tensors = per_row.get(step.name, (t_gen * 4, 1))
+            name = "gather.rollout" if step.name == ACTOR.call("generate") else f"gather.{role_of(step.name)}"
+            return [Task(name + tag, world, self.world_gather_s(plan, step.name, nbytes, tensors), compute=False)]
+        if step.kind == "broadcast":
+            nbytes = 64 if step.what == "stats" else 24  # a few float64 statistics; three learning-rate values
+            name = f"{role_of(step.name)}.{step.what}"
+            return [Task(name + tag, world, self.broadcast_s(world, nbytes), compute=False)]
+        if step.kind == "reallocate":
+            ranks, seconds = self.reallocate_time(plan, step.name)
+            return [Task(f"{step.name}.reallocate{tag}", ranks, seconds, compute=False)] if ranks else []
+        raise ValueError(f"Unknown step kind {step.kind!r}.")
 
     def evaluate(self, choice: PlanChoice) -> Estimate:
         """Predict time and memory of ``choice``; a plan that does not fit is rejected with its breakdown."""

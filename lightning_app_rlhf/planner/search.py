@@ -2,7 +2,10 @@
 
 :func:`plan_placement` evaluates the three presets, runs the searches, and returns a :class:`PlannerResult` whose
 ``best`` is a :class:`~lightning_app_rlhf.planner.cost_model.PlanChoice` (a ``PlacementPlan`` plus batch sizes).
-Both searches are deterministic under a seed (MCMC as long as its step limit, not its time budget, ends it).
+Both searches are deterministic: the grid has no randomness, and the MCMC chain runs exactly its ``steps`` proposals
+under a seed and reads no clock (an optional wall-time limit is an outer safety, reported in the result's rules
+when it ends the chain). Every plan is searched with its tensor-parallel degrees per call (powers of two up to a
+node) and, for a sharded actor generating on its own train group, with both unshard choices.
 They place the workload's roles only: a critic-free workload (``Workload(critic=None)``) gets plans without
 ``critic.*`` calls.
 """
@@ -82,6 +85,8 @@ class Candidate:
             "calls": {c: list(plan.ranks(c)) for c in calls_of(plan.roles)},
             "wrappers": dict(plan.wrappers),
             "overlap": plan.overlap,
+            "tp": dict(plan.tp),
+            "unshard_for_generation": plan.unshard_for_generation,
             "generation_batch": self.choice.generation_batch,
             "micro_batch": self.choice.micro_batch,
             "iteration_s": e.iteration_s if e.fits else None,
@@ -159,7 +164,7 @@ def plan_placement(
     *,
     search: str = "both",
     seed: int = 0,
-    time_budget_s: float = 10.0,
+    time_budget_s: float | None = None,
     profile: Profile | None = None,
     top_k: int = 5,
     mcmc_steps: int = 2000,
@@ -174,10 +179,12 @@ def plan_placement(
             :func:`~lightning_app_rlhf.planner.workload.workload_from_module`).
         search: ``app`` (prior rules + grid), ``mcmc`` (ReaLHF), ``both``, or ``presets`` only.
         seed: Seeds the MCMC chain.
-        time_budget_s: Wall-time bound of the MCMC chain.
+        time_budget_s: An outer safety on the MCMC chain's wall time (None: none). The chain's budget is
+            ``mcmc_steps``; a chain this limit stops early is reported in the result's ``rules`` (and its answer then
+            depends on the machine's speed).
         profile: Measured op times; None uses the analytic model.
         top_k: Searched plans kept besides the presets.
-        mcmc_steps: Proposals of the MCMC chain (it also stops at ``time_budget_s``).
+        mcmc_steps: Proposals the MCMC chain makes: its budget.
         beta: MCMC inverse temperature: a plan ``d`` times slower (relative) is accepted with ``exp(-beta * d)``.
 
     Raises:
@@ -192,20 +199,24 @@ def plan_placement(
     searched: list[Candidate] = []
     rules: list[str] = []
     if search in ("app", "both"):
-        searched += app_search(model, rules)
-    if search in ("app", "both"):
-        searched += role_block_plans(model)
+        searched += with_tp(model, [*app_search(model, rules), *role_block_plans(model)])
     if search in ("mcmc", "both"):
         seeds = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
-        searched += mcmc_search(
-            model,
-            seed=seed,
-            steps=mcmc_steps,
-            time_budget_s=time_budget_s,
-            beta=beta,
-            top_k=top_k,
-            seeds=[c.plan for c in seeds[:3]],
-        )
+        try:
+            searched += mcmc_search(
+                model,
+                seed=seed,
+                steps=mcmc_steps,
+                time_budget_s=time_budget_s,
+                beta=beta,
+                top_k=top_k,
+                seeds=[c.plan for c in seeds[:3]],
+                report=rules,
+            )
+        except PlannerError:
+            if seeds:
+                raise
+            # nothing fits anywhere: the error below names the closest preset
     fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
     if not fitting:
         closest = min(presets.values(), key=lambda c: c.estimate.peak_bytes)
@@ -306,15 +317,94 @@ def _fitting(model: CostModel, plan: PlacementPlan, what: str, shard: int) -> in
 
 
 def evaluate(model: CostModel, plan: PlacementPlan) -> Estimate:
-    return model.evaluate(choose_batches(model, plan))
+    """The estimate of ``plan`` with its largest fitting batch sizes; where the actor generates on its own sharded
+    train group, the better of gathering its weights once per rollout (more memory) or per decoding step."""
+    return _pick([model.evaluate(choose_batches(model, p)) for p in unshard_options(model, plan)])
+
+
+def unshard_options(model: CostModel, plan: PlacementPlan) -> list[PlacementPlan]:
+    """``plan`` with both ``unshard_for_generation`` choices where they differ (a sharded actor generating on its
+    own train group), else ``plan`` alone."""
+    once = dataclasses.replace(plan, unshard_for_generation=True)
+    if not model.unshards_once(once):
+        return [plan]
+    return [once, dataclasses.replace(plan, unshard_for_generation=False)]
+
+
+def _pick(estimates: list[Estimate]) -> Estimate:
+    """The fastest estimate that fits, else the one with the least memory."""
+    fitting = [e for e in estimates if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: e.iteration_s)
+    return min(estimates, key=lambda e: e.peak_bytes)
 
 
 def _best_of(model: CostModel, plans: list[PlacementPlan], source: str) -> Candidate:
-    estimates = [evaluate(model, p) for p in plans]
-    fitting = [e for e in estimates if e.fits]
-    if fitting:
-        return Candidate(min(fitting, key=lambda e: e.iteration_s), source)
-    return Candidate(min(estimates, key=lambda e: e.peak_bytes), source)
+    return Candidate(_pick([evaluate(model, v) for p in plans for v in tp_variants(model, p)]), source)
+
+
+# ---------------------------------------------------------------- tensor parallelism per call
+
+
+def tp_degrees(model: CostModel) -> list[int]:
+    """Tensor-parallel degrees the search gives a call: powers of two up to a node's devices that divide every
+    model's attention and key/value heads."""
+    shapes = [model.workload.shape(r) for r in model.workload.roles]
+    heads = [h for s in shapes if s is not None for h in (s.heads, s.kv_heads)]
+    per_node = model.cluster.devices_per_node
+    return [t for t in (2**k for k in range(per_node.bit_length())) if t <= per_node and all(h % t == 0 for h in heads)]
+
+
+def tp_variants(model: CostModel, plan: PlacementPlan) -> list[PlacementPlan]:
+    """``plan`` (its own degrees) and, for every degree ``t > 1`` of :func:`tp_degrees`: generation alone ``t``-way
+    tensor parallel, generation and the scoring forwards, and every call (training DP x TP). Degrees a call's group
+    cannot take, or replicas that would span nodes, are left out."""
+    out = [plan]
+    generate = ACTOR.call("generate")
+    modelled = [c for c in plan.calls if model.workload.shape(role_of(c)) is not None]  # a reward function: no TP
+    scoring = [c for c in modelled if not c.endswith(".train")]
+    for t in tp_degrees(model)[1:]:
+        for calls in ([generate], scoring, modelled):
+            tp = {c: t for c in calls if len(plan.ranks(c)) % t == 0}
+            if not tp or generate not in tp:
+                continue
+            try:
+                # Generation on its TP copy never gathers shards: the unshard choice no longer applies.
+                variant = dataclasses.replace(plan, tp={**plan.tp, **tp}, unshard_for_generation=True)
+                model.check_plan(variant)
+            except ValueError:
+                continue
+            if variant not in out:
+                out.append(variant)
+    return out
+
+
+def with_tp(model: CostModel, candidates: list[Candidate], keep: int = 8) -> list[Candidate]:
+    """``candidates`` plus the :func:`tp_variants` of the ``keep`` most promising distinct ones (the fastest that
+    fit, then the rest by their overflow-penalised time) and of the ``keep / 2`` most promising of each source
+    (``app``, ``blocks``): a grid over every degree of every plan would cost ``3 x log2(node)`` times the grid."""
+    ranked = sorted(_distinct(candidates, len(candidates)), key=lambda c: (_penalised(c.estimate), c.choice.label))
+    # The best of each source too: a layout that is slow without TP (a node-sized block generating with sharded
+    # weights) can be the fastest with it.
+    chosen = ranked[:keep] + [c for source in sorted({c.source for c in ranked})
+                              for c in [c for c in ranked if c.source == source][: keep // 2]]
+    # Role blocks are few: rank them by their widest variant, every call at the largest degree (a block too slow or
+    # too big without TP can be the best plan with it).
+    blocks = [c for c in ranked if c.source == "blocks"]
+    widest = [(_penalised(evaluate(model, v)), c) for c in blocks for v in tp_variants(model, c.plan)[-1:]]
+    chosen += [c for _, c in sorted(widest, key=lambda x: (x[0], x[1].choice.label))[: keep // 2]]
+    refined = [
+        Candidate(evaluate(model, v), c.source)
+        for c in _distinct(chosen, len(chosen)) for v in tp_variants(model, c.plan)[1:]
+    ]
+    return [*candidates, *refined]
+
+
+def _penalised(e: Estimate) -> float:
+    """Seconds per iteration, times ``1 + OVERFLOW_PENALTY x`` the fraction a plan overflows memory by."""
+    if e.fits:
+        return e.iteration_s
+    return e.iteration_s * (1 + OVERFLOW_PENALTY * (e.peak_bytes / e.capacity_bytes - 1))
 
 
 def _wrappers(model: CostModel) -> list[str]:
@@ -405,10 +495,11 @@ def app_search(model: CostModel, rules: list[str]) -> list[Candidate]:
     shadows = sum(w.held_params(r) * w.shape(r).dtype_bytes for r in w.trainable) + (
         0 if len(_frozen_choices(model)) > 1 else frozen
     )
-    if shadows > capacity:
+    widest = tp_degrees(model)[-1]  # a generation copy split over a node by tensor parallelism
+    if shadows > capacity * widest:
         rules.append(
-            f"separation skipped: the generation group holds whole copies of the models "
-            f"({gib(shadows)}), more than a device ({gib(capacity)})"
+            f"separation skipped: the generation group holds copies of the models ({gib(shadows)}), more than "
+            f"{widest} device(s) hold ({gib(capacity)} each), the widest tensor-parallel replica"
         )
     elif n < 4:
         rules.append(
@@ -472,23 +563,45 @@ def mcmc_search(
     *,
     seed: int = 0,
     steps: int = 2000,
-    time_budget_s: float = 10.0,
+    time_budget_s: float | None = None,
     beta: float = 10.0,
     top_k: int = 5,
     seeds: list[PlacementPlan] | None = None,
+    report: list[str] | None = None,
 ) -> list[Candidate]:
-    """ReaLHF's search: a state gives every call of the workload a device group, every trainable role a wrapper and
-    every frozen role a wrapper or none (:class:`_StateLayout`). It starts from each call's individually fastest
-    group, proposes changing one call's group, one wrapper, or (a third of the time) moving a trainable role's train
-    group together with every call of that role that runs on it (a sharded role must run a call on all of its train
-    ranks or none, so single-call moves cannot relocate it), and accepts a plan ``d`` slower (relative) with
-    probability ``exp(-beta * d)``. When one of ``seeds`` (e.g. the APP grid's best) is faster than the start and
-    expressible in the chain's groups, the chain starts there instead. Returns the ``top_k`` best plans that fit,
-    fastest first, then the start (source ``mcmc start``)."""
+    """ReaLHF's search: a state gives every call of the workload a device group and a tensor-parallel degree, every
+    trainable role a wrapper and every frozen role a wrapper or none (:class:`_StateLayout`); each state is priced
+    with its better unshard choice (:func:`evaluate`).
+
+    It starts from a plan that fits: the better of each call's individually fastest group and ``seeds`` (e.g. the
+    APP grid's best), or when neither fits the first of a list of whole-cluster plans that does
+    (:func:`_valid_start`). Each of its ``steps`` proposals changes one call's group, one call's degree, one wrapper,
+    or (a third of the time) moves a trainable role's train group together with every call of that role that runs
+    on it (a sharded role must run a call on all of its train ranks or none, so single-call moves cannot relocate
+    it); a plan ``d`` slower (relative; one that does not fit counts its overflow as a penalty) is accepted with
+    probability ``exp(-beta * d)``. The chain reads no clock: its answer depends on ``seed`` and ``steps`` only.
+
+    Args:
+        model: The cost model.
+        seed: Seeds the proposals.
+        steps: Proposals to make: the budget.
+        time_budget_s: An outer safety (None: none): the chain stops after this many seconds of wall time even
+            before ``steps``, and says so in ``report``.
+        beta: Inverse temperature.
+        top_k: Plans returned.
+        seeds: Plans to start from where they are expressible in the chain's groups and better than its own start.
+        report: Lines for the result's rules: where the chain started, and a stop by ``time_budget_s``.
+
+    Returns:
+        The ``top_k`` best plans that fit, fastest first, then the start (source ``mcmc start``).
+
+    Raises:
+        PlannerError: No start plan fits (the message names the closest).
+    """
     rng = random.Random(seed)
     groups = device_groups(model.cluster)
     wrappers = _wrappers(model)
-    layout = _StateLayout.of(model.workload, _frozen_choices(model))
+    layout = _StateLayout.of(model.workload, _frozen_choices(model), tp_degrees(model))
     n = model.cluster.world_size
     cache: dict[tuple, Estimate | None] = {}
 
@@ -499,24 +612,23 @@ def mcmc_search(
 
     def cost(state: tuple) -> float:
         e = estimate(state)
-        if e is None:
-            return math.inf
-        if not e.fits:  # a soft penalty, so the chain can cross infeasible plans: worse the more it overflows
-            return e.iteration_s * (1 + OVERFLOW_PENALTY * (e.peak_bytes / e.capacity_bytes - 1))
-        return e.iteration_s
+        return math.inf if e is None else _penalised(e)
 
-    current = _fastest_start(model, layout, groups, wrappers, estimate)
+    current, how = _valid_start(model, layout, groups, wrappers, estimate, seeds or [])
     current_cost = cost(current)
     start_state = current
-    for plan in seeds or []:
-        state = _state_of(plan, layout, groups, wrappers)
-        if state is not None and cost(state) < current_cost:
-            current, current_cost = state, cost(state)
+    if report is not None:
+        report.append(f"mcmc: {steps} steps from {how} ({current_cost:.3g} s/iteration), seed {seed}")
     calls, trainable = layout.calls, layout.trainable
-    deadline = time.perf_counter() + time_budget_s
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
+    made = accepted = 0
     for _ in range(steps):
-        if time.perf_counter() > deadline:
+        if deadline is not None and time.perf_counter() > deadline:
+            if report is not None:
+                report.append(f"mcmc: stopped by its {time_budget_s:g} s time limit after {made} of {steps} steps, so "
+                              "this answer depends on the machine's speed: give it fewer steps or more time")
             break
+        made += 1
         proposal = list(current)
         slot = rng.randrange(layout.size)
         if rng.random() < 1 / 3:  # move a trainable role's train group and the calls that share it
@@ -531,18 +643,55 @@ def mcmc_search(
             proposal[slot] = rng.randrange(len(groups))
         elif slot < len(calls) + len(trainable):
             proposal[slot] = rng.randrange(len(wrappers))
-        else:
+        elif slot < len(calls) + len(trainable) + len(layout.frozen):
             proposal[slot] = rng.randrange(len(layout.frozen_choices))
+        else:
+            proposal[slot] = rng.randrange(len(layout.degrees))
         proposal = tuple(proposal)
         new_cost = cost(proposal)
         if math.isinf(new_cost):
             continue
-        delta = (new_cost - current_cost) / current_cost if math.isfinite(current_cost) else -1.0
+        delta = (new_cost - current_cost) / current_cost
         if delta <= 0 or rng.random() < math.exp(-beta * delta):
             current, current_cost = proposal, new_cost
+            accepted += 1
+    if report is not None:
+        report.append(f"mcmc: {made} proposals made, {accepted} accepted, {len(cache)} distinct plans priced")
     ranked = sorted((s for s, e in cache.items() if e is not None and e.fits), key=lambda s: (cost(s), s))
     best = [Candidate(cache[s], "mcmc") for s in ranked[:top_k]]
-    return [*best, Candidate(cache[start_state], "mcmc start")] if cache[start_state] is not None else best
+    return [*best, Candidate(cache[start_state], "mcmc start")]
+
+
+def _valid_start(
+    model: CostModel, layout: _StateLayout, groups: list, wrappers: list[str], estimate: Any,
+    seeds: list[PlacementPlan],
+) -> tuple[tuple, str]:
+    """A start state that fits, and how it was found: each call's fastest group (:func:`_fastest_start`) when it
+    fits and no seed is faster; else the fastest seed that fits; else the first whole-cluster plan that fits, every
+    call on every rank with each wrapper, frozen choice and degree in turn."""
+    def fitting(state: tuple | None) -> Estimate | None:
+        e = estimate(state) if state is not None else None
+        return e if e is not None and e.fits else None
+
+    options = [(_fastest_start(model, layout, groups, wrappers, estimate), "each call's fastest group")]
+    options += [(_state_of(p, layout, groups, wrappers), f"the seed {p.name}") for p in seeds]
+    valid = [(fitting(state).iteration_s, i, state, how) for i, (state, how) in enumerate(options) if fitting(state)]
+    if valid:
+        _, _, state, how = min(valid)
+        return state, how
+    everyone = groups.index(tuple(range(model.cluster.world_size)))
+    for degree in range(len(layout.degrees)):
+        for frozen in range(len(layout.frozen_choices)):
+            for wrapper in range(len(wrappers)):
+                state = (*[everyone] * len(layout.calls), *[wrapper] * len(layout.trainable),
+                         *[frozen] * len(layout.frozen), *[degree] * len(layout.calls))
+                if fitting(state):
+                    return state, "every call on every rank"
+    raise PlannerError(
+        f"The MCMC search found no plan of {model.workload.name} that fits on {model.cluster.name} to start from: "
+        "neither each call's fastest group, nor the seeds, nor every call on every rank with any wrapper and "
+        "tensor-parallel degree. Use more or larger devices, smaller models, or shorter sequences."
+    )
 
 
 @dataclass(frozen=True)
@@ -558,14 +707,16 @@ class _StateLayout:
     """The workload's frozen roles."""
     frozen_choices: tuple[str | None, ...] = (None,)
     """A frozen role's options (:func:`_frozen_choices`): held whole, or a wrapper that shards it."""
+    degrees: tuple[int, ...] = (1,)
+    """A call's tensor-parallel degrees (:func:`tp_degrees`); the state's last entries index them, one per call."""
 
     @classmethod
-    def of(cls, workload: Workload, frozen_choices: list[str | None]) -> _StateLayout:
-        return cls(workload.calls, workload.trainable, _frozen_roles(workload), tuple(frozen_choices))
+    def of(cls, workload: Workload, frozen_choices: list[str | None], degrees: list[int]) -> _StateLayout:
+        return cls(workload.calls, workload.trainable, _frozen_roles(workload), tuple(frozen_choices), tuple(degrees))
 
     @property
     def size(self) -> int:
-        return len(self.calls) + len(self.trainable) + len(self.frozen)
+        return 2 * len(self.calls) + len(self.trainable) + len(self.frozen)
 
 
 def _evaluate_state(
@@ -583,10 +734,13 @@ def _evaluate_state(
             if role == REFERENCE.name and model.workload.reference_is_actor_base:
                 return None
             roles[role] = frozen
+    offset += len(layout.frozen)
+    tp = {c: layout.degrees[state[offset + i]] for i, c in enumerate(layout.calls)}
     try:
-        plan = PlacementPlan(n, calls, roles, name="mcmc")
+        plan = PlacementPlan(n, calls, roles, name="mcmc", tp=tp)
+        model.check_plan(plan)
     except ValueError:
-        return None  # ranks left idle, or a sharded role split across its own group
+        return None  # ranks left idle, a sharded role split across its own group, a degree that does not fit
     return evaluate(model, plan)
 
 
@@ -597,9 +751,10 @@ def _state_of(plan: PlacementPlan, layout: _StateLayout, groups: list, wrappers:
         calls = [index[plan.ranks(c)] for c in layout.calls]
         trained = [wrappers.index(plan.wrappers[r]) for r in layout.trainable]
         frozen = [layout.frozen_choices.index(plan.wrappers.get(r)) for r in layout.frozen]
+        degrees = [layout.degrees.index(plan.tp_degree(c)) for c in layout.calls]
     except (KeyError, ValueError):
         return None
-    return (*calls, *trained, *frozen)
+    return (*calls, *trained, *frozen, *degrees)
 
 
 def _fastest_start(
@@ -622,12 +777,13 @@ def _fastest_start(
             compute, comm = model.call_time(choose_batches(model, plan), call)
             times.append((compute + comm, -len(group), i))
         state.append(min(times)[2])
+    degrees = [0] * len(layout.calls)
     for frozen in range(len(layout.frozen_choices)):
         for wrapper_index in range(len(wrappers)):
             for ref in (0, frozen):
                 choices = tuple(ref if r == REFERENCE.name else frozen for r in layout.frozen)
-                candidate = (*state, *[wrapper_index] * len(layout.trainable), *choices)
+                candidate = (*state, *[wrapper_index] * len(layout.trainable), *choices, *degrees)
                 e = estimate(candidate)
                 if e is not None and e.fits:
                     return candidate
-    return (*state, *[len(wrappers) - 1] * len(layout.trainable), *[0] * len(layout.frozen))
+    return (*state, *[len(wrappers) - 1] * len(layout.trainable), *[0] * len(layout.frozen), *degrees)

@@ -165,6 +165,42 @@ NAMED_SIZES: dict[str, dict[str, Any]] = {
         "intermediate_size": 22016,
         "vocab_size": 32000,
     },
+    # LLaMA-2 sizes (ReaLHF's experiments), 4k context; 34B (Code Llama's shape) and 70B use grouped-query
+    # attention with 8 key/value heads.
+    "llama2-7b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+    },
+    "llama2-13b": {
+        "model_type": "llama",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "intermediate_size": 13824,
+        "vocab_size": 32000,
+    },
+    "llama2-34b": {
+        "model_type": "llama",
+        "num_hidden_layers": 48,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 22016,
+        "vocab_size": 32000,
+    },
+    "llama2-70b": {
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 32000,
+    },
     # Our demo model (examples/configs/demo_cpu.yaml) and GPT-2 small.
     "gpt2-tiny": {
         "model_type": "gpt2",
