@@ -34,8 +34,10 @@ class PlacementTuner(Callback):
     Args:
         search: ``both`` (APP grid + ReaLHF MCMC), ``app``, ``mcmc``, or ``presets`` (the three presets only).
         seed: Seeds the MCMC chain; the choice is deterministic under it for a given profile.
-        time_budget_s: Wall-time bound of the MCMC search.
-        mcmc_steps: Proposals of the MCMC chain (it also stops at ``time_budget_s``).
+        time_budget_s: An outer bound on the MCMC chain's wall time (None: none). The chain's budget is
+            ``mcmc_steps``, so that its answer does not depend on the machine's load; a chain stopped by this bound
+            says so in the tuner's report.
+        mcmc_steps: Proposals of the MCMC chain: its budget.
         profile: Measure this machine's op times first (a few seconds; cached on disk per hardware and model
             shape). ``False`` uses the analytic model only.
         cluster: Describe the devices instead of reading the running job, e.g. ``"1x8xA100-80GB"``; its device
@@ -48,7 +50,7 @@ class PlacementTuner(Callback):
         self,
         search: str = "both",
         seed: int = 0,
-        time_budget_s: float = 10.0,
+        time_budget_s: float | None = None,
         mcmc_steps: int = 2000,
         profile: bool = True,
         cluster: str | None = None,
@@ -58,7 +60,7 @@ class PlacementTuner(Callback):
 
         if search not in SEARCHES:
             raise ValueError(f"search must be one of {sorted(SEARCHES)}, got {search!r}.")
-        if time_budget_s <= 0:
+        if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}.")
         self.search = search
         self.seed = seed
