@@ -109,8 +109,7 @@ def critic_forward(
     :func:`reference_forward`)."""
 
     def forward(part: Rollout) -> torch.Tensor:
-        values = critic(part.sequences, part.attention_mask, position_ids_from_mask(part.attention_mask))
-        return values[:, part.prompt_length - 1 : -1] * part.response_mask
+        return critic_values(critic, part) * part.response_mask
 
     return _in_chunks(forward, rollout, batch_size, lockstep_group)
 
@@ -294,13 +293,22 @@ class Experience:
 
 
 def policy_logprobs(
-    actor: nn.Module, batch: Experience, temperature: float
+    actor: nn.Module, batch: Experience, temperature: float, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The actor's log-probabilities [B, T] of the sampled response tokens (with gradients) and its entropies
-    [B, T], at the sampling temperature: the forward of the ``actor.train`` call."""
+    [B, T], at the sampling temperature: the forward of the ``actor.train`` call.
+
+    One float32 ``log_softmax`` over the vocabulary serves both, with the ops of :func:`ppo.logprobs_from_logits`
+    and :func:`ppo.entropy_from_logits` (the same numbers, one pass fewer). ``entropy_grad=False`` (no entropy term in
+    the loss): the entropy is a statistic, computed without a graph, so backward skips it."""
     logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length)
     responses = batch.sequences[:, batch.prompt_length :]
-    return ppo.logprobs_from_logits(logits, responses, temperature), ppo.entropy_from_logits(logits, temperature)
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 is x: skip the pass
+    logp = torch.nn.functional.log_softmax(scaled, dim=-1)
+    logprobs = logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logprobs, entropy
 
 
 def critic_loss(
@@ -308,8 +316,20 @@ def critic_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The ``critic.train`` loss on one minibatch (or shard, see :func:`actor_loss`): the clipped value loss,
     scaled by ``value_loss_coef``."""
+    return critic_loss_from_values(critic_values(critic, batch), batch, config, token_count)
+
+
+def critic_values(critic: nn.Module, batch: Experience | Rollout) -> torch.Tensor:
+    """The critic's values [B, T] of the states before each response token, unmasked, with gradients when enabled:
+    the forward of ``critic.train`` (and of ``critic.forward``, masked)."""
     values = critic(batch.sequences, batch.attention_mask, position_ids_from_mask(batch.attention_mask))
-    values = values[:, batch.prompt_length - 1 : -1]
+    return values[:, batch.prompt_length - 1 : -1]
+
+
+def critic_loss_from_values(
+    values: torch.Tensor, batch: Experience, config: PPOConfig, token_count: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`critic_loss` on values already computed (with gradients) for ``batch``'s rows."""
     loss, clipfrac = ppo.value_loss(
         values, batch.values, batch.returns, batch.response_mask, config.clip_range_value, token_count
     )

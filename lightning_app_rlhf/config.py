@@ -143,6 +143,11 @@ class PPOConfig:
     """Samples per forward and backward pass on one rank: each rank's share of a minibatch runs in micro-batches
     of at most this size, with the gradients accumulated over them before one optimizer step (the same update as
     one pass). None: the whole share at once."""
+    reuse_critic_forward: bool = True
+    """With one epoch and one minibatch (and ``critic.forward`` on ``critic.train``'s ranks, one ``ddp`` forward per
+    rank: no chunks, no micro-batches, no tensor-parallel degree, no overlap), the critic's scoring forward is its
+    training forward: run it once, with gradients, and train on it (one critic forward fewer per iteration; the same
+    update within float tolerance). False: always run both."""
     clip_range: float = 0.2
     """Policy ratio clipping epsilon."""
     clip_range_value: float = 0.2
@@ -201,6 +206,8 @@ class PPOConfig:
         for name in ("ppo_epochs", "num_minibatches", "kl_horizon"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}.")
+        if type(self.reuse_critic_forward) is not bool:
+            raise ValueError(f"ppo.reuse_critic_forward must be true or false, got {self.reuse_critic_forward!r}.")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"ppo.micro_batch_size must be >= 1 or None (no micro-batches), got "
                              f"{self.micro_batch_size}.")

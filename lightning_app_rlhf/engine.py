@@ -13,7 +13,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,8 @@ from lightning_app_rlhf.algorithms import Algorithm
 from lightning_app_rlhf.calls import (
     Experience,
     critic_forward,
+    critic_loss_from_values,
+    critic_values,
     minibatch_permutation,
     reference_forward,
     reward_forward,
@@ -36,7 +38,7 @@ from lightning_app_rlhf.memory import RoleMemory, role_memory
 from lightning_app_rlhf.placement import Placement, TensorSpec
 from lightning_app_rlhf.ppo import LossScale
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
-from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction
+from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction, precision_context
 from lightning_app_rlhf.tensor_parallel import TensorParallelCopy, received_bytes
 from lightning_app_rlhf.wrappers import RoleWrapper
 from lightning_app_rlhf.wrappers.base import SkippedUpdates
@@ -75,6 +77,11 @@ class RLHFEngine:
             shards here.
         reward_fn: The reward function, when the reward is not a model.
         seed: Keys the sampling noise and the minibatch order.
+        precisions: Role -> its precision (``32-true``, ``bf16-mixed``, ``bf16-true``); every call of the role runs
+            under its autocast (:func:`~lightning_app_rlhf.roles.precision_context`). A role not named keeps the
+            caller's.
+        shadow_precisions: Trained role -> ``bf16-true`` where its shadows are held in bfloat16: the weights are
+            rounded to bfloat16 before they are sent to them.
     """
 
     placement: Placement
@@ -87,6 +94,13 @@ class RLHFEngine:
     wrappers: dict[str, RoleWrapper]
     reward_fn: RewardFunction | None
     seed: int
+    precisions: dict[str, str] = field(default_factory=dict)
+    shadow_precisions: dict[str, str] = field(default_factory=dict)
+    _batch_rows: int = field(default=0, init=False, repr=False)
+    """Rows of the rollout being scored (the train call's one minibatch)."""
+    _kept_values: KeptValues | None = field(default=None, init=False, repr=False)
+    """The critic's scoring forward of this iteration, with its graph, kept for its train call
+    (:attr:`reuses_critic_forward`)."""
 
     # ---- actor.generate ----
 
@@ -152,6 +166,7 @@ class RLHFEngine:
         """The forward calls of the algorithm's roles, each on its group's ranks, gathered to every rank; then the
         algorithm's advantages on every rank (cheap, and it saves a broadcast). Also returns the raw scores [B]."""
         roles = [role for role in FORWARD_OUTPUTS if role in self.algorithm.roles]
+        self._batch_rows = len(rollout.sequences)
         # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
         parts = {role: self.forward_shard(role, rollout, row_fields, iteration) for role in roles}
         length = rollout.response_mask.shape[1]
@@ -196,7 +211,37 @@ class RLHFEngine:
             fields = {name: values[rows] for name, values in (row_fields or {}).items()}
             return reward_forward(self._call_module(role) or self.reward_fn, shard, self.tokenizer, fields,
                                   iteration=iteration, **chunks)
+        if self.reuses_critic_forward and iteration is not None:
+            return self._kept_critic_forward(shard, rows, iteration)
         return critic_forward(self._call_module(role), shard, **chunks)
+
+    @property
+    def reuses_critic_forward(self) -> bool:
+        """Whether the critic's scoring forward is also its training forward (``ppo.reuse_critic_forward``): one epoch
+        and one minibatch (the train call's only forward sees the weights the scoring forward saw), the same ranks for
+        both calls and one plain forward per rank (``ddp``, no chunks, no micro-batches, no tensor-parallel degree),
+        and no one-step overlap (which trains on the previous rollout). The same answer on every rank."""
+        plan, config, critic = self.placement.plan, self.config, CRITIC.name
+        if not (config.reuse_critic_forward and critic in self.algorithm.trainable_roles and config.ppo_epochs == 1
+                and config.num_minibatches == 1 and not plan.overlap):
+            return False
+        forward, train = critic + ".forward", critic + ".train"
+        ranks = plan.ranks(train)
+        if list(plan.ranks(forward)) != list(ranks) or plan.wrappers.get(critic, "ddp") != "ddp":
+            return False
+        if any(plan.tp.get(call, 1) > 1 for call in (forward, train)):
+            return False
+        largest_shard = -(-self._batch_rows // len(ranks)) if self._batch_rows else 0
+        one_chunk = self.generation.batch_size is None or self.generation.batch_size >= largest_shard
+        return one_chunk and micro_batch_count(self._batch_rows, len(ranks), config.micro_batch_size) == 1
+
+    def _kept_critic_forward(self, shard: Rollout, rows: slice, iteration: int) -> torch.Tensor:
+        """The critic's values on this rank's shard, through its train module with gradients: the graph is kept for
+        ``critic.train`` (:meth:`_accumulate_gradients`); the scores are the detached values, masked."""
+        with torch.enable_grad():
+            values = critic_values(self.wrappers[CRITIC.name].train_module, shard)
+        self._kept_values = KeptValues(iteration, rows, values)
+        return values.detach() * shard.response_mask
 
     def _wrapper_of(self, role: str) -> RoleWrapper | None:
         """The wrapper whose weights a call of ``role`` runs on here: the role's own, or for a LoRA actor's
@@ -206,11 +251,19 @@ class RLHFEngine:
             wrapper = self.wrappers.get(ACTOR.name)
         return wrapper
 
-    def _running(self, role: str) -> contextlib.AbstractContextManager[None]:
-        """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one; none
-        around a tensor-parallel copy, which runs outside the wrapper."""
+    @contextlib.contextmanager
+    def _running(self, role: str) -> Iterator[None]:
+        """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one (none
+        around a tensor-parallel copy, which runs outside the wrapper); inside it, the role's autocast."""
         wrapper = self._wrapper_of(role) if self._tp_copy(role) is None else None
-        return wrapper.running() if wrapper is not None else contextlib.nullcontext()
+        with wrapper.running() if wrapper is not None else contextlib.nullcontext(), self._precision(role):
+            yield
+
+    def _precision(self, role: str) -> contextlib.AbstractContextManager[None]:
+        """``role``'s autocast (:func:`~lightning_app_rlhf.roles.precision_context`); the caller's when it has no
+        precision here."""
+        precision = self.precisions.get(role)
+        return precision_context(precision, self.placement.device) if precision else contextlib.nullcontext()
 
     def _lockstep_group(self, role: str) -> torch.distributed.ProcessGroup | None:
         """The group over which ``role``'s weights are sharded here, whose ranks must run the same number of
@@ -300,6 +353,8 @@ class RLHFEngine:
                 skipped += 1
             if wrapper.skipped.diverged is not None:
                 break
+        if role == CRITIC.name:
+            self._kept_values = None  # not kept past its train call, used or not
         means = totals / steps if steps else totals.fill_(math.nan if skipped else 0.0)
         flags = torch.tensor([float(skipped), float(wrapper.skipped.diverged is not None)], device=totals.device)
         return {**dict(zip(names, means)), SKIPPED_UPDATES: flags[0], _DIVERGED: flags[1]}
@@ -324,9 +379,19 @@ class RLHFEngine:
         shard = indices.tensor_split(ranks)[my_rank]
         micro = shard.tensor_split(micro_batch_count(len(indices), ranks, self.config.micro_batch_size))
         sums = torch.zeros(1 + len(names), device=experience.advantages.device)
+        kept = self._kept_values if role == CRITIC.name else None
+        if kept is not None and kept.iteration == experience.iteration:
+            # The scoring forward was this one (reuses_critic_forward): this rank's loss on the rows it scored. The
+            # group's summed gradient is the same whichever rank takes which rows (the scale is the minibatch's).
+            micro = [torch.arange(kept.rows.start, kept.rows.stop, device=indices.device)]
         for i, rows in enumerate(micro):
             with wrapper.accumulating(last=i == len(micro) - 1):
-                loss, stats = self.algorithm.loss(role, wrapper.train_module, experience.minibatch(rows), scale)
+                batch = experience.minibatch(rows)
+                with self._precision(role):
+                    if kept is not None and kept.iteration == experience.iteration:
+                        loss, stats = critic_loss_from_values(kept.values, batch, self.config, scale.tokens)
+                    else:
+                        loss, stats = self.algorithm.loss(role, wrapper.train_module, batch, scale)
                 wrapper.backward(loss * ranks)
             zero = loss.new_zeros(())
             sums += torch.stack([loss.detach().float(), *(stats.get(n, zero).detach().float() for n in names)])
@@ -381,6 +446,8 @@ class RLHFEngine:
                 continue
             if self.placement.runs(role + ".train"):
                 with self.wrappers[role].full_parameters() as params:  # a gather over the group when sharded
+                    if role in self.shadow_precisions:  # bf16 shadows: round here, send half the bytes
+                        params = [p.detach().to(torch.bfloat16) for p in params]
                     moved.append(self.placement.reallocate_weights(role, params))
             elif self.placement.rank in shadows:
                 shadow = [p for p in self.modules(role).parameters() if p.requires_grad]
@@ -405,6 +472,17 @@ class RLHFEngine:
         everyone: list[Any] = [None] * self.placement.plan.world_size
         torch.distributed.all_gather_object(everyone, mine)
         return everyone
+
+
+@dataclass
+class KeptValues:
+    """The critic's scoring forward on this rank's rows, with its graph, for its train call."""
+
+    iteration: int
+    rows: slice
+    """This rank's rows of the rollout (its ``critic.forward`` shard)."""
+    values: torch.Tensor
+    """[rows, T] unmasked values, with gradients."""
 
 
 def micro_batch_count(minibatch: int, ranks: int, micro_batch_size: int | None) -> int:

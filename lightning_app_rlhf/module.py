@@ -53,9 +53,12 @@ from lightning_app_rlhf.roles import (
     check_no_lora,
     check_vocabularies,
     freeze,
+    hold_in,
     is_lora,
     load_tokenizer,
+    reference_source,
     resolve_import,
+    role_precisions,
     tokenizer_files,
 )
 from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper
@@ -84,7 +87,8 @@ class RLHFModule(pl.LightningModule):
         critic: The value model's backbone (``ppo`` only). Defaults to the actor's spec (a fresh copy, with a value
             head, and the actor's LoRA settings if it has any).
         reference: The frozen reference policy. Defaults to an exact copy of the initial actor; for a LoRA actor,
-            to the actor's own base model with its adapters disabled (no second copy).
+            to the actor's own base model with its adapters disabled (no second copy). ``{"precision": "bf16-true"}``
+            (no path or config): the actor's copy at that precision.
         reward_model: A sequence classifier with one label. Give this or ``reward_fn``.
         reward_fn: ``(prompts, responses, **row_fields) -> scores`` on decoded text, or its import path. It also
             receives the prompt rows' other fields (e.g. ``answer``) when its signature names them.
@@ -133,10 +137,11 @@ class RLHFModule(pl.LightningModule):
         self.ppo = _as_config(PPOConfig, ppo)
         self.algorithm = build_algorithm(algorithm, self.ppo, self.generation)
         self._check_critic_arguments(critic, critic_optimizer, critic_scheduler)
-        self.actor_spec = as_model_spec(actor)
-        self.critic_spec = (as_model_spec(critic) if critic is not None else self.actor_spec) if self.has_critic else None
-        self.reference_spec = as_model_spec(reference) if reference is not None else None
-        self.reward_spec = as_model_spec(reward_model) if reward_model is not None else None
+        self.actor_spec = as_model_spec(actor, "actor")
+        self.critic_spec = (as_model_spec(critic, "critic") if critic is not None else self.actor_spec) if self.has_critic else None
+        # {"precision": ...} alone: the actor's copy, held at that precision.
+        self.reference_spec, self.reference_precision = reference_source(reference)
+        self.reward_spec = as_model_spec(reward_model, "reward model") if reward_model is not None else None
         self._check_lora_specs()
         self.reward_fn: RewardFunction | None = resolve_import(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
@@ -214,6 +219,10 @@ class RLHFModule(pl.LightningModule):
                              "(from the config's model section too), or use algorithm='ppo'.")
 
     def _check_lora_specs(self) -> None:
+        if self.reference_shares_actor and self.reference_precision is not None:
+            raise ValueError("A LoRA actor's reference is its own base model with the adapters off, so it computes at "
+                             "the actor's precision: remove the reference's `precision`, or give a `reference` model "
+                             "spec of its own.")
         check_no_lora("reference", self.reference_spec)
         check_no_lora("reward_model", self.reward_spec)
         if self.reference_shares_actor and self.actor_spec.lora.get("bias", "none") != "none":
@@ -241,21 +250,53 @@ class RLHFModule(pl.LightningModule):
         # Each rank builds only the roles its calls need; random init is seeded per role, so every copy of
         # a role (trained weights or a shadow) starts identical on every rank.
         if placement.holds(ACTOR.name):
-            self.actor = build_causal_lm(self.actor_spec)
+            self.actor = self._as_shadow(ACTOR.name, build_causal_lm(self.actor_spec))
         if placement.holds(REFERENCE.name):
             self.reference = self._build_reference()
         if self.has_critic and placement.holds(CRITIC.name):
-            self.critic = build_critic(self.critic_spec)
+            self.critic = self._as_shadow(CRITIC.name, build_critic(self.critic_spec))
         if self.reward_spec is not None and placement.holds(REWARD.name):
             self.reward_model = build_reward_model(self.reward_spec, self.tokenizer.pad_token_id)
         check_vocabularies(self.tokenizer, self.actor, self.reference, self.critic, self.reward_model)
 
+    def _as_shadow(self, role: str, module: nn.Module) -> nn.Module:
+        """A trained role built on a rank that does not train it (a Separation shadow), held at the role's
+        ``shadow_precision``."""
+        spec = self.actor_spec if role == ACTOR.name else self.critic_spec
+        return module if self._placement().runs(f"{role}.train") else hold_in(module, spec.shadow_precision)
+
     def _build_reference(self) -> nn.Module:
         if self.reference_shares_actor:
             return AdapterDisabledReference(self.actor)  # type: ignore[return-value]
-        if self.reference_spec is None and self.actor is not None:
-            return build_reference(self.actor, None)
-        return freeze(build_causal_lm(self.reference_spec or self.actor_spec))
+        if self.reference_spec is None:
+            # A copy of the initial actor: the actor here unless it is a shadow cast to bf16, else built from its spec
+            # (the same seeded weights).
+            if self.actor is not None and next(self.actor.parameters()).dtype == self.actor_spec.param_dtype:
+                return hold_in(build_reference(self.actor, None), self.reference_precision)
+            spec = dataclasses.replace(self.actor_spec, precision=self.reference_precision, shadow_precision=None)
+            return freeze(build_causal_lm(spec))
+        return freeze(build_causal_lm(self.reference_spec))
+
+    def role_precisions(self) -> dict[str, str]:
+        """Each model role's precision (``32-true``, ``bf16-mixed`` or ``bf16-true``): its spec's, else the
+        ``Trainer``'s or Fabric's ``precision`` (docs/api.md, "Precision"). Raises a ``ValueError`` naming the fix for
+        a combination that cannot hold."""
+        run = "32-true"
+        if self._trainer is not None:
+            run = self.trainer.precision
+        elif self._fabric is not None:
+            run = self._fabric.strategy.precision.precision
+        explicit: dict[str, str | None] = {ACTOR.name: self.actor_spec.precision}
+        if self.has_critic:
+            explicit[CRITIC.name] = self.critic_spec.precision
+        explicit[REFERENCE.name] = (self.reference_spec.precision if self.reference_spec is not None
+                                    else self.reference_precision)
+        if self.reward_spec is not None:
+            explicit[REWARD.name] = self.reward_spec.precision
+        resolved = role_precisions(explicit, self.algorithm.trainable_roles, run)
+        if self.reference_shares_actor:
+            resolved[REFERENCE.name] = resolved[ACTOR.name]
+        return resolved
 
     @override
     def setup(self, stage: str) -> None:
@@ -265,6 +306,7 @@ class RLHFModule(pl.LightningModule):
         if precision.startswith("16"):
             raise ValueError(f"precision={precision!r} needs a gradient scaler, which the update does not use. "
                              "Use precision='bf16-mixed' (or 'bf16-true', '32-true').")
+        self.role_precisions()  # a contradictory per-role precision fails here, before any model is built
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         batch_size = getattr(datamodule, "batch_size", None)
         if stage == "fit" and batch_size is not None:
@@ -391,7 +433,14 @@ class RLHFModule(pl.LightningModule):
     def engine(self) -> RLHFEngine:
         """The model calls of one iteration over the roles this rank holds now."""
         return RLHFEngine(self._placement(), self.algorithm, self.generation, self.ppo, self.tokenizer, self.shaping,
-                          self.role_module, self._wrappers(), self.reward_fn, self.seed)
+                          self.role_module, self._wrappers(), self.reward_fn, self.seed,
+                          precisions=self.role_precisions(), shadow_precisions=self.shadow_precisions())
+
+    def shadow_precisions(self) -> dict[str, str]:
+        """Trained role -> the precision its non-training copies are held at, where it is ``bf16-true``."""
+        specs = {ACTOR.name: self.actor_spec, CRITIC.name: self.critic_spec}
+        return {role: "bf16-true" for role in self.algorithm.trainable_roles
+                if specs[role] is not None and specs[role].shadow_precision == "bf16-true"}
 
     def _wrappers(self) -> dict[str, RoleWrapper]:
         """The strategy's wrappers; under a Trainer without a placement strategy (one process), plain ones."""
@@ -517,7 +566,8 @@ class RLHFModule(pl.LightningModule):
     def _sample_and_score(self, batch: dict[str, Any]) -> tuple[Rollout, torch.Tensor]:
         """``actor.generate`` (with ``eval_generation``) and ``reward.forward`` on a batch, on their groups."""
         engine = RLHFEngine(self._placement(), self.algorithm, self.eval_generation, self.ppo, self.tokenizer,
-                            self.shaping, self.role_module, self.role_wrappers, self.reward_fn, self.seed)
+                            self.shaping, self.role_module, self.role_wrappers, self.reward_fn, self.seed,
+                            precisions=self.role_precisions(), shadow_precisions=self.shadow_precisions())
         return engine.sample_and_score(repeat_samples(batch, 1), self.iteration)
 
     def _train(
@@ -528,7 +578,10 @@ class RLHFModule(pl.LightningModule):
         if experience is None or not bool(experience.response_mask.any()):
             return {SKIPPED_UPDATES: 0.0}, None
         stats: dict[str, Any] = {SKIPPED_UPDATES: 0.0}
-        for role in self.algorithm.trainable_roles:
+        roles = list(self.algorithm.trainable_roles)
+        if engine.reuses_critic_forward:  # the critic's kept forward graph goes with its train call: that first
+            roles.sort(key=lambda role: role != CRITIC.name)
+        for role in roles:
             role_stats = engine.train_role(role, experience)
             stats[SKIPPED_UPDATES] += role_stats.pop(SKIPPED_UPDATES)
             stats.update(role_stats)

@@ -37,6 +37,12 @@ from transformers import (
 )
 from transformers.activations import GELUTanh, NewGELUActivation
 
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+"""The precisions a role takes (``ModelSpec.precision``), spelled as Lightning's ``precision`` argument."""
+_LIGHTNING_PRECISIONS = {"32": "32-true", "32-true": "32-true", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
+                         "bf16-true": "bf16-true"}
+"""Lightning's spellings of the precisions a run can take, to ours."""
+
 RewardFunction = Callable[[list[str], list[str]], "Sequence[float] | torch.Tensor"]
 """``(prompts, responses) -> one score per sample``, on decoded text."""
 
@@ -54,6 +60,16 @@ class ModelSpec:
     """Seed for random initialisation, so every rank and every placement builds the same weights."""
     dtype: str = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16``."""
+    precision: str | None = None
+    """How this role computes (docs/api.md, "Precision"): ``32-true`` (float32), ``bf16-mixed`` (float32 weights,
+    forwards under bf16 autocast; a trained role keeps float32 master weights and optimizer state) or ``bf16-true``
+    (weights held in bfloat16: frozen roles only, the reference and the reward model). Log-probabilities, values and
+    scores come out in float32 whatever it is. None: the ``Trainer``'s (or Fabric's) ``precision``."""
+    shadow_precision: str | None = None
+    """A trained role's copies that never train: Separation's shadows (generation and scoring on other ranks) and the
+    tensor-parallel copies of its generate / forward calls. ``bf16-true`` holds them in bfloat16, rounded from the
+    trained float32 weights at every reallocation (half the bytes move); None or ``32-true``: the trained weights'
+    dtype."""
     gguf_file: str | None = None
     """A GGUF file inside ``path`` to load instead of ``config.json`` + weights; it is dequantized to ``dtype``.
     Needs the ``gguf`` package."""
@@ -64,11 +80,12 @@ class ModelSpec:
     every dropout (PPO ratios need the same function at rollout and update). Needs ``peft``."""
 
     def __post_init__(self) -> None:
-        if self.path is None and "model_type" not in self.config:
+        if self.path is None and "model_type" not in self.config and not (self.copies_actor and self.precision):
             raise ValueError(
                 "A model spec needs either `path` (a local Hugging Face model directory) or `config` with a "
                 "`model_type` for random init, e.g. {'model_type': 'gpt2', 'n_layer': 2, 'n_embd': 64, "
-                f"'n_head': 4, 'vocab_size': 512}}. Got config={self.config}."
+                f"'n_head': 4, 'vocab_size': 512}}. Got config={self.config}. (A reference may give only "
+                "`precision`: the actor's copy at that precision.)"
             )
         if self.path is not None and not os.path.isdir(self.path):
             raise FileNotFoundError(
@@ -77,6 +94,7 @@ class ModelSpec:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
+        self._check_precision()
         if self.gguf_file is not None:
             if self.path is None or not os.path.isfile(os.path.join(self.path, self.gguf_file)):
                 raise FileNotFoundError(f"gguf_file={self.gguf_file!r} must name a file inside `path` ({self.path!r}).")
@@ -84,6 +102,28 @@ class ModelSpec:
                 raise ImportError("Loading a GGUF file needs the gguf package: `pip install gguf`.")
         if self.lora is not None:
             lora_config(self.lora, task_type=None)  # bad fields fail here, before any model is built
+
+    def _check_precision(self) -> None:
+        if self.precision not in (None, *PRECISIONS):
+            raise ValueError(f"precision must be one of {list(PRECISIONS)} or None (the Trainer's), got "
+                             f"{self.precision!r}.")
+        if self.shadow_precision not in (None, "32-true", "bf16-true"):
+            raise ValueError(f"shadow_precision must be '32-true', 'bf16-true' or None (the trained weights' dtype), "
+                             f"got {self.shadow_precision!r}.")
+        if self.dtype == "bfloat16" and self.precision in ("32-true", "bf16-mixed"):
+            raise ValueError(f"dtype='bfloat16' holds the weights in bfloat16, but precision={self.precision!r} "
+                             "keeps them in float32: drop `dtype` (bf16-mixed keeps float32 weights and computes "
+                             "in bf16), or set precision='bf16-true'.")
+
+    @property
+    def copies_actor(self) -> bool:
+        """Neither ``path`` nor ``config``: the actor's weights (a reference spec that sets only its precision)."""
+        return self.path is None and not self.config
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the role's weights are built in: bfloat16 for ``dtype='bfloat16'`` or ``precision='bf16-true'``."""
+        return torch.bfloat16 if self.precision == "bf16-true" else getattr(torch, self.dtype)
 
     @property
     def trusts_remote_code(self) -> bool:
@@ -119,13 +159,80 @@ def _no_remote_code(source: str, fix: str, trusted: bool) -> Iterator[None]:
                          f"{fix}.") from err
 
 
-def as_model_spec(spec: ModelSpec | dict[str, Any] | str) -> ModelSpec:
-    """Accept a :class:`ModelSpec`, its fields as a dict, or a local path."""
-    if isinstance(spec, ModelSpec):
-        return spec
+def reference_source(reference: ModelSpec | dict[str, Any] | str | None) -> tuple[ModelSpec | None, str | None]:
+    """The reference's own spec, or None for a copy of the initial actor; and that copy's precision.
+
+    ``{"precision": "bf16-true"}`` (no ``path`` nor ``config``) asks for the actor's copy held in bfloat16."""
+    if isinstance(reference, dict) and not {"path", "config"} & reference.keys():
+        unknown = sorted(reference.keys() - {"precision"})
+        if unknown:
+            raise ValueError(f"reference={reference!r}: without `path` or `config` the reference is a copy of the "
+                             f"actor and takes only `precision`, not {unknown}. Give a full model spec for a "
+                             "reference of its own.")
+        precision = reference.get("precision")
+        if precision not in (None, *PRECISIONS):
+            raise ValueError(f"reference precision must be one of {list(PRECISIONS)} or None, got {precision!r}.")
+        return None, precision
+    spec = as_model_spec(reference) if reference is not None else None
+    if spec is not None and spec.copies_actor:  # also the saved hyperparameters of such a reference
+        return None, spec.precision
+    return spec, None
+
+
+def role_precisions(explicit: dict[str, str | None], trained: Sequence[str], run_precision: Any) -> dict[str, str]:
+    """Each role's precision: its own setting, else the run's (the ``Trainer``'s or Fabric's ``precision``).
+
+    Args:
+        explicit: Role -> its ``ModelSpec.precision`` (None where unset), for the roles that are models.
+        trained: The roles that train.
+        run_precision: The ``Trainer``'s (or Fabric's) ``precision``.
+
+    Raises:
+        ValueError: A combination that cannot hold, with the fix: a trained role in ``bf16-true`` (no float32 master
+            weights), or a role set to another precision under ``precision='bf16-true'`` (which casts every role).
+    """
+    run = _LIGHTNING_PRECISIONS.get(str(run_precision))
+    if run is None:
+        raise ValueError(f"precision={run_precision!r} is not supported: use '32-true', 'bf16-mixed' or 'bf16-true' "
+                         "(fp16 needs a gradient scaler, which the update does not use).")
+    resolved = {}
+    for role, chosen in explicit.items():
+        if run == "bf16-true" and chosen not in (None, "bf16-true"):
+            raise ValueError(f"precision='bf16-true' casts every role to bfloat16, so the {role}'s "
+                             f"precision={chosen!r} cannot hold. Use precision='bf16-mixed' or '32-true' for the run "
+                             "and set precision='bf16-true' on the frozen roles' specs, or remove the "
+                             f"{role}'s precision.")
+        if role in trained and chosen == "bf16-true":
+            raise ValueError(f"The {role} trains, and precision='bf16-true' would leave it without float32 master "
+                             "weights (AdamW updates below bfloat16's resolution are lost): use precision="
+                             "'bf16-mixed' (float32 weights, bf16 compute). For generation in bfloat16, set "
+                             "shadow_precision='bf16-true'.")
+        resolved[role] = chosen or run
+    return resolved
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The autocast a role's call runs under: bf16 for ``bf16-mixed``, none otherwise (also inside a ``Trainer``'s
+    bf16 autocast, which a ``32-true`` role turns off for its calls; ``bf16-true`` weights are bf16 already)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+
+
+def hold_in(module: nn.Module, precision: str | None) -> nn.Module:
+    """``module`` cast to bfloat16 for ``bf16-true`` (in place); unchanged otherwise."""
+    return module.to(torch.bfloat16) if precision == "bf16-true" else module
+
+
+def as_model_spec(spec: ModelSpec | dict[str, Any] | str, role: str | None = None) -> ModelSpec:
+    """Accept a :class:`ModelSpec`, its fields as a dict, or a local path. With ``role``: refuse a spec without
+    weights (only a reference may be the actor's copy)."""
     if isinstance(spec, str):
-        return ModelSpec(path=spec)
-    return ModelSpec(**spec)
+        spec = ModelSpec(path=spec)
+    elif not isinstance(spec, ModelSpec):
+        spec = ModelSpec(**spec)
+    if role is not None and spec.copies_actor:
+        raise ValueError(f"The {role}'s spec gives only a precision, but only the reference can be a copy of the "
+                         f"actor: give the {role} a `path` or a `config`.")
+    return spec
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -137,7 +244,7 @@ def disable_dropout(model: nn.Module) -> None:
 
 def _build(auto_class: Any, spec: ModelSpec, lora_task_type: str | None = None, **config_overrides: Any) -> nn.Module:
     config = spec.load_config(**config_overrides)
-    dtype = getattr(torch, spec.dtype)
+    dtype = spec.param_dtype
     # Seeded even when loading: weights missing from a checkpoint (a new classification head) and LoRA's A
     # matrices are random, and every rank must build the same ones.
     with torch.random.fork_rng(devices=[]):
@@ -272,7 +379,9 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        # The head outside autocast, in its own dtype: values in float32 under bf16-mixed.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
 def build_critic(spec: ModelSpec) -> ValueModel:

@@ -96,7 +96,9 @@ class Algorithm:
         minibatch's ``scale``), and its statistics."""
         if role != ACTOR.name:
             raise ValueError(f"Algorithm {self.name!r} trains {list(self.trainable_roles)}, not {role!r}.")
-        logprobs, entropy = policy_logprobs(model, batch, self.generation.temperature)
+        # No entropy term in the loss: the entropy is only logged, so no graph for it (backward skips a vocab pass).
+        logprobs, entropy = policy_logprobs(model, batch, self.generation.temperature,
+                                            entropy_grad=self.config.entropy_coef != 0)
         return self.policy_loss(logprobs, entropy, batch, scale)
 
     def policy_loss(

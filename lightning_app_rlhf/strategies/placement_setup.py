@@ -18,6 +18,7 @@ from torch import nn
 from lightning_app_rlhf.placement import Placement, create_placement, start_heartbeat
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLES
+from lightning_app_rlhf.roles import hold_in
 from lightning_app_rlhf.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy, check_tensor_parallel
 from lightning_app_rlhf.wrappers import RoleWrapper, wrapper_class
 from lightning_app_rlhf.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
@@ -87,7 +88,8 @@ def wrap_roles(module: nn.Module, placement: Placement, device: torch.device) ->
 
 def build_tp_copies(module: nn.Module, placement: Placement, device: torch.device) -> None:
     """This rank's :class:`TensorParallelCopy` of the role of every generate / forward call with ``tp > 1`` that it
-    runs (a train call with a degree cuts the role itself: :class:`TensorParallelFSDP2Wrapper`).
+    runs (a train call with a degree cuts the role itself: :class:`TensorParallelFSDP2Wrapper`), held in bfloat16
+    where the role's ``shadow_precision`` is ``bf16-true``.
 
     Raises a ``ValueError`` naming the fix when the role has no model here (a reward function) or its family no
     ``tp_plan``."""
@@ -99,8 +101,10 @@ def build_tp_copies(module: nn.Module, placement: Placement, device: torch.devic
         if source is None:
             raise ValueError(f"Call {call!r} has a tensor-parallel degree, but role {role!r} has no model here (a "
                              f"reward function runs whole on each rank): remove {call!r} from the plan's `tp`.")
-        placement.tp_copies[call] = TensorParallelCopy.build(call, source, placement.tp_group(call),
-                                                             placement.tp_degree(call), device)
+        copy = TensorParallelCopy.build(call, source, placement.tp_group(call), placement.tp_degree(call), device)
+        # A trained role's copy is refreshed from float32 weights (a cast on copy), so it may be held in bf16.
+        hold_in(copy.module, module.shadow_precisions().get(role))
+        placement.tp_copies[call] = copy
 
 
 def _wrapper(module: nn.Module, placement: Placement, role: str, call: str, device: torch.device) -> RoleWrapper:
