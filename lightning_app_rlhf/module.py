@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
@@ -68,6 +69,9 @@ ModelSource = ModelSpec | dict[str, Any] | str
 EPOCH_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
 """Also logged as ``{name}_epoch``: the mean over the epoch's iterations, for ``ModelCheckpoint`` and
 ``EarlyStopping`` to judge the epoch rather than its last batch."""
+EPOCH_SYNC_ADVICE = (r"It is recommended to use `self\.log\('((val|test)/(reward/mean|response/length_mean)|"
+                     r"(reward/mean|kl/mean|response/length_mean)_epoch)', \.\.\., sync_dist=True\)`")
+"""Lightning's warning about our epoch metrics, which are equal on every rank (silenced in :meth:`RLHFModule.setup`)."""
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -301,6 +305,10 @@ class RLHFModule(pl.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         self._refuse_tuner_callbacks()
+        # Our epoch-level metrics are already global and equal on every rank (gathered, then logged everywhere), so
+        # Lightning's advice to sync them across devices does not apply (the placement strategies leave
+        # `is_distributed` unset on purpose: see PlacementStrategy).
+        warnings.filterwarnings("ignore", message=EPOCH_SYNC_ADVICE, category=PossibleUserWarning)
         self._use_atomic_checkpoint_io()
         precision = str(getattr(self.trainer, "precision", "32-true")) if self._trainer is not None else "32-true"
         if precision.startswith("16"):
