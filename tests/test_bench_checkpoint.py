@@ -52,6 +52,7 @@ def test_callback_sees_the_peak_inside_the_save(tmp_path, force_sampling):
     assert 0.05 <= save["seconds"] < 5
 
 
+@pytest.mark.slow  # a benchmark entry's smoke run, like the TRL one
 def test_checkpoint_subcommand_records_every_save_on_every_rank(tmp_path, monkeypatch):
     from lightning_app_rlhf.bench.__main__ import checkpoint_memory
 

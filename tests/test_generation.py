@@ -630,7 +630,10 @@ def test_engine_generate_stops_at_generation_config_ids(tokenizer):
     generation_config.eos_token_id and generation.stop_token_ids; all rows done before the limit ends the loop."""
     model = ScriptedLM([[5, 6, 3, 3, 3], [4, EOS, 3, 3, 3], [4, 3, 7, 3, 3]], vocab=16)
     model.generation_config = SimpleNamespace(eos_token_id=[EOS, 6])  # as Llama 3 / Qwen list several
-    engine = RLHFEngine(placement=None, algorithm=None, generation=GenerationConfig(max_new_tokens=5, top_k=1,
+    from lightning_app_rlhf.placement import Placement
+
+    engine = RLHFEngine(placement=Placement.single_process(), algorithm=None,
+                        generation=GenerationConfig(max_new_tokens=5, top_k=1,
                         stop_token_ids=[7]), config=None, tokenizer=tokenizer, shaping=None,
                         modules=lambda role: model, wrappers={}, reward_fn=None, seed=0)
     batch = {"input_ids": torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]]),

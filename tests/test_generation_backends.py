@@ -298,7 +298,7 @@ FSDP2_FLATTENING = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--train
 @pytest.mark.parametrize("strategy", [
     pytest.param(("rlhf_flattening",), marks=pytest.mark.slow, id="flattening"),
     pytest.param(("rlhf_interleaving",), marks=pytest.mark.slow, id="interleaving"),
-    pytest.param(("rlhf_separation",), id="separation"),  # generates on a shadow that reallocation refreshes
+    pytest.param(("rlhf_separation",), marks=pytest.mark.slow, id="separation"),  # a shadow
     pytest.param(FSDP2_FLATTENING, marks=pytest.mark.slow, id="flattening-fsdp2"),  # a lockstep group
 ])
 def test_static_backend_keeps_every_placements_trajectory(tmp_path, eager_one_process, strategy):

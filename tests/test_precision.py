@@ -228,6 +228,7 @@ def test_a_32_true_reward_model_under_a_bf16_mixed_trainer(tokenizer):
 # ---- bf16 copies that never train: Separation's shadows and tensor-parallel copies ----
 
 
+@pytest.mark.slow  # 2 processes; the bf16 TP-copy test covers the rounding of reallocated weights
 def test_bf16_shadows_halve_the_reallocated_bytes(tmp_path):
     """Separation on 2 processes with ``actor.shadow_precision: bf16-true`` (the critic shares the actor's spec):
     the shadows are refreshed with bf16 weights, exactly half the bytes of the float32 run, every logged value is

@@ -312,6 +312,7 @@ def test_fsdp2_training_layout_reallocates_bit_exactly_into_tp_layouts(tmp_path,
     assert all(r["reallocate/bytes"] == received for r in rows), (received, [r["reallocate/bytes"] for r in rows])
 
 
+@pytest.mark.slow  # DP x TP training; the default run covers TP generation and the FSDP2 -> TP reallocation
 def test_tp2_training_on_a_data_by_tensor_mesh_follows_flattening(tmp_path, flattening):
     """Actor and critic train on a 2 x 2 mesh (FSDP2 over the 2 replicas, each a 2-way tensor-parallel cut); their
     generate / forward calls run on TP=2 copies refreshed bit for bit after every update; the trajectory is
