@@ -40,7 +40,6 @@ from lightning_app_rlhf.checkpoint import (
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
-from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
 from lightning_app_rlhf.strategies.sharded_checkpoint import (
@@ -54,6 +53,7 @@ from lightning_app_rlhf.strategies.sharded_checkpoint import (
     save_shards,
     staging_directory,
 )
+from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 
 
 class PlacementStrategy(ParallelStrategy):
