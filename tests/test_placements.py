@@ -193,7 +193,10 @@ def test_batches_too_small_for_the_groups_are_rejected(tokenizer, tiny_gpt2_conf
         module._check_minibatches(2)
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])  # + test_wrappers.py
+# Slow: the default run checks shadow digests after every update in test_wrappers.py (zero3-separation-4) and
+# test_tensor_parallel.py (FSDP2 -> TP copies).
+@pytest.mark.parametrize("wrapper", [pytest.param("ddp", marks=pytest.mark.slow),
+                                     pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path, wrapper):
     """Under Separation (DDP or FSDP2 training on ranks 2-3), after every update the shadows on ranks 0-1 hold the
     trained actor and critic bytes exactly, and the weights change from one iteration to the next."""
