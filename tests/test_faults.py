@@ -217,7 +217,7 @@ time.sleep(0.05)
 def test_a_process_exits_cleanly_while_its_heartbeats_beat():
     """A process whose heartbeat threads are inside store calls when its main thread ends exits with status 0: the
     interpreter waits for them (a daemon thread stopped mid-call at finalization aborts the process: "terminate
-    called without an active exception": 9 of 15 runs of this script on an idle machine when they were daemons)."""
+    called without an active exception": 9 of 15 runs of this script when they were daemons)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for _ in range(3):
         result = subprocess.run([sys.executable, "-c", EXIT_WHILE_BEATING], env=env, capture_output=True, text=True,
