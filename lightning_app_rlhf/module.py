@@ -586,10 +586,9 @@ class RLHFModule(pl.LightningModule):
         if experience is None or not bool(experience.response_mask.any()):
             return {SKIPPED_UPDATES: 0.0}, None
         stats: dict[str, Any] = {SKIPPED_UPDATES: 0.0}
-        roles = list(self.algorithm.trainable_roles)
-        if engine.reuses_critic_forward:  # the critic's kept forward graph goes with its train call: that first
-            roles.sort(key=lambda role: role != CRITIC.name)
-        for role in roles:
+        # Role-table order, as lightning_app_rlhf.iteration describes it (with a reused critic forward, its graph is
+        # kept through the actor's train call).
+        for role in self.algorithm.trainable_roles:
             role_stats = engine.train_role(role, experience)
             stats[SKIPPED_UPDATES] += role_stats.pop(SKIPPED_UPDATES)
             stats.update(role_stats)
