@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,12 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
     specs = {"responses": TensorSpec(torch.long, 2), "logprobs": TensorSpec(torch.float32, 2)}
     gathered = placement.gather_to_world("actor.generate", {"responses": part.responses, "logprobs": part.logprobs},
                                          specs)
+    # The static backend on the same copy: its cache is laid out for the rank's local heads.
+    part = generate(copies["actor.generate"].module, input_ids[rows], attention_mask[rows],
+                    replace(config, backend="static"), keys[rows], eos_token_id=2, pad_token_id=0,
+                    lockstep_group=placement.tp_group("actor.generate"))
+    static = placement.gather_to_world("actor.generate", {"responses": part.responses, "logprobs": part.logprobs},
+                                       specs)
     width = whole.responses.shape[1]
     scored = {}
     for role, forward in (("reference", reference_forward), ("critic", critic_forward), ("reward", reward_forward)):
@@ -160,6 +167,8 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
         "leaders": list(placement.replica_leaders("actor.generate")),
         "tokens_equal": torch.equal(gathered["responses"][:, :width], whole.responses),
         "logprob_diff": (gathered["logprobs"][:, :width] - whole.logprobs).abs().max().item(),
+        "static_tokens_equal": torch.equal(static["responses"][:, :width], whole.responses),
+        "static_logprob_diff": (static["logprobs"][:, :width] - whole.logprobs).abs().max().item(),
         "reference_diff": scored["reference"], "critic_diff": scored["critic"], "reward_diff": scored["reward"],
         "exact": exact, "written": written, "actor_bytes": sum(p.numel() * 4 for p in actor.parameters()),
         "picked": picked, "lockstep": lockstep,
@@ -168,12 +177,12 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-DIFFERENCES = ("logprob_diff", "reference_diff", "critic_diff", "reward_diff")
+DIFFERENCES = ("logprob_diff", "static_logprob_diff", "reference_diff", "critic_diff", "reward_diff")
 
 
 def test_tp_copies_generate_and_score_like_whole_models(tmp_path):
     """4 ranks, degree 2: ranks 0-1 and 2-3 each generate rows 0-3 / 4-7 together; gathered once per replica, the
-    tokens equal the whole actor's and the log-probabilities, reference log-probabilities and critic values agree to
+    tokens (``eager`` and ``static`` backends) equal the whole actor's and the log-probabilities, reference log-probabilities and critic values agree to
     float tolerance, and so do the reward model's scores. A copy takes new trained weights bit for bit, each rank
     writing only its slice."""
     import torch.multiprocessing as mp
@@ -194,7 +203,7 @@ def test_tp_copies_generate_and_score_like_whole_models(tmp_path):
     assert [r["rows"] for r in ranks] == [[0, 4], [0, 4], [4, 8], [4, 8]]
     assert all(r["leaders"] == [0, 2] for r in ranks)
     for r in ranks:
-        assert r["tokens_equal"] and r["exact"] and r["picked"] and r["lockstep"], r
+        assert r["tokens_equal"] and r["static_tokens_equal"] and r["exact"] and r["picked"] and r["lockstep"], r
         assert max(r[key] for key in DIFFERENCES) < 1e-5, r
         # Embedding, projections and head are split in two; only the norms are whole on both ranks.
         assert 0.5 * r["actor_bytes"] < r["written"] < 0.52 * r["actor_bytes"], r

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,6 +82,13 @@ def decode_once(decoder: str, model: nn.Module, ids: torch.Tensor, mask: torch.T
     keys = sample_keys(0, 0, torch.arange(ids.shape[0]))
     rollout = generate(model, ids, mask, config, keys, eos_token_id=[], pad_token_id=SPECIAL_TOKENS["pad_token_id"])
     return int(rollout.response_mask.sum())
+
+
+def device_name(device: str, info: dict[str, Any]) -> str:
+    """The measured device in words: the GPU's name on CUDA, else the CPU's with its cores."""
+    if device.startswith("cuda") and info.get("gpu"):
+        return str(info["gpu"])
+    return f"{info['cpu']}, {info['cores']} cores"
 
 
 def _sync(device: str) -> None:
@@ -177,6 +185,37 @@ def decode_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def draw_decode_plot(rows: list[dict[str, Any]], device_name: str, path: Path) -> None:
+    """Tokens/s of every decoder, grouped by model and batch size (log scale), with the measured device named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["model"], r["batch_size"]) for r in rows))
+    decoders = list(dict.fromkeys(r["decoder"] for r in rows))
+    width = 0.8 / len(decoders)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(groups) + 2), 4))
+    for k, decoder in enumerate(decoders):
+        by_group = {(r["model"], r["batch_size"]): r for r in rows if r["decoder"] == decoder}
+        present = [(i, by_group[g]) for i, g in enumerate(groups) if g in by_group]
+        medians = [r["tokens_per_s"] for _, r in present]
+        # Error bars: the slowest and the fastest timed call.
+        low = [m - r["tokens"] / r["seconds_max"] for m, (_, r) in zip(medians, present)]
+        high = [r["tokens"] / r["seconds_min"] - m for m, (_, r) in zip(medians, present)]
+        ax.bar([i + k * width for i, _ in present], medians, width, yerr=[low, high], capsize=2, label=decoder)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], [f"{m}\nbatch {b}" for m, b in groups])
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens/s (log)")
+    dtype = rows[0]["dtype"]
+    ax.set_title(f"Decoders, {rows[0]['new_tokens']} new tokens, {dtype}: {device_name}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def check_equal_tokens(model_name: str, batch_size: int, new_tokens: int, prompt_tokens: int, device: str) -> bool:
     """Whether ``static`` samples ``eager``'s tokens on this model (the harness states it next to the speed)."""
     model = build_model(model_name, device, torch.float32)
@@ -202,6 +241,7 @@ def decode(
     repeats: int = 3,
     peak_bandwidth_gbs: float | None = None,
     out: str = "bench_results/decode.json",
+    plot: str | None = None,
 ) -> list[dict[str, Any]]:
     """``eager`` vs ``static`` vs Hugging Face ``generate()``: tokens/s of one sampling call, every row generating
     ``new_tokens`` tokens (no stop token).
@@ -222,10 +262,10 @@ def decode(
         repeats: Timed calls; the median is reported, with min and max.
         peak_bandwidth_gbs: The device's peak memory bandwidth (GB/s), to report the fraction reached.
         out: Where the JSON results go (with the markdown table next to it, ``.md``).
+        plot: Where to draw the tokens/s bar chart (PNG), if set.
     """
     import json
     import sys
-    from pathlib import Path
 
     from lightning_app_rlhf.bench.results import machine
 
@@ -235,9 +275,12 @@ def decode(
     equal = check_equal_tokens(models[0], batch_sizes[0], min(new_tokens, 32), prompt_tokens, device)
     table = decode_table(rows)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps({"machine": machine(), "threads": threads, "static_tokens_equal_eager": equal,
+    info = machine()
+    Path(out).write_text(json.dumps({"machine": info, "threads": threads, "static_tokens_equal_eager": equal,
                                      "decode": rows}, indent=2))
     Path(out).with_suffix(".md").write_text(table + "\n")
+    if plot:
+        draw_decode_plot(rows, device_name(device, info), Path(plot))
     print(table, file=sys.stderr)
     print(f"static gives eager's tokens on {models[0]}: {equal}", file=sys.stderr)
     return rows
