@@ -31,7 +31,9 @@ from lightning_app_rlhf.checkpoint import (
     check_checkpoint_file,
     checkpoint_file,
     rank_state,
+    recv_state,
     seal,
+    send_state,
     verify,
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
@@ -631,16 +633,54 @@ class RLHFModule(pl.LightningModule):
         return path
 
     def _gather_sharded_actor(self) -> dict[str, torch.Tensor]:
-        """The sharded actor's full weights, on the CPU (every rank of ``actor.train`` takes part)."""
+        """The sharded actor's full weights (every rank of ``actor.train`` takes part)."""
         if self.actor_spec.lora is not None:
             raise ValueError(f"Exporting a LoRA actor sharded with {self._placement().plan.wrappers[ACTOR.name]} is "
                              "not supported: train a LoRA actor with wrapper 'ddp' (its adapters are small).")
-        names = [name for name, p in self.actor.named_parameters() if p.requires_grad]
-        if len(names) != len(list(self.actor.parameters())):
+        if not all(p.requires_grad for p in self.actor.parameters()):
             raise ValueError("Exporting a sharded actor with frozen parameters is not supported: train every "
                              "parameter, or use wrapper 'ddp'.")
-        with self.role_wrappers[ACTOR.name].full_parameters() as params:
-            return {name: p.detach().cpu().clone() for name, p in zip(names, params)}
+        return self._full_trainable_weights(ACTOR.name)
+
+    def _full_trainable_weights(self, role: str) -> dict[str, torch.Tensor]:
+        """The trainable parameters of a sharded role, whole, by name: a collective over its train group."""
+        names = [name for name, p in self.role_module(role).named_parameters() if p.requires_grad]
+        with self.role_wrappers[role].full_parameters() as params:
+            return {name: p.detach().clone() for name, p in zip(names, params, strict=True)}
+
+    def gather_trained_weights(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """Each trained role's weights, whole and on the CPU, on global rank 0 (None on the other ranks): what a
+        ``fork`` or ``spawn`` launch hands back to the main process. Collective: every rank calls it.
+
+        A whole role comes from the leader of its train call, all of its state dict; a sharded role (FSDP2, ZeRO-3)
+        is gathered over its train group first, its trainable parameters only (frozen ones never change)."""
+        placement = self._placement()
+        gathered: dict[str, dict[str, torch.Tensor]] = {}
+        for role in self.algorithm.trainable_roles:
+            leader = placement.leader(f"{role}.train")
+            state = None
+            if placement.sharded_here(role):
+                state = self._full_trainable_weights(role)
+            elif placement.rank == leader:
+                state = {name: tensor.detach() for name, tensor in self.role_module(role).state_dict().items()}
+            if leader != 0 and placement.rank == leader:
+                send_state(state, dst=0)
+            elif leader != 0 and placement.rank == 0:
+                state = recv_state(leader, placement.device)
+            if placement.rank == 0:
+                gathered[role] = {name: tensor.cpu() for name, tensor in state.items()}
+        return gathered if placement.rank == 0 else None
+
+    def load_trained_weights(self, weights: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Load what :meth:`gather_trained_weights` returned, building every role first where none is built (the
+        main process of a ``fork`` or ``spawn`` launch, where no model was built)."""
+        if all(self.role_module(role) is None for role in self.algorithm.roles):
+            self.configure_model()
+        for role, state in weights.items():
+            result = self.role_module(role).load_state_dict(state, strict=False)
+            if result.unexpected_keys:
+                raise RuntimeError(f"The trained {role} does not match the {role} built here: unexpected weights "
+                                   f"{result.unexpected_keys[:5]}. Build the module with the same model specs.")
 
     # ---- Trainer or Fabric ----
 

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -41,6 +41,7 @@ from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
+from lightning_app_rlhf.strategies.placement_launcher import PlacementMultiProcessingLauncher
 from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
 from lightning_app_rlhf.strategies.sharded_checkpoint import (
     PendingRestore,
@@ -69,7 +70,8 @@ class PlacementStrategy(ParallelStrategy):
             algorithm (no ``critic.*`` calls for a critic-free one).
         timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
         start_method: ``popen`` re-runs the script per process (the default, as DDP); ``fork``/``spawn`` for
-            notebooks and tests.
+            notebooks and tests, after which the main process's module holds the trained roles
+            (:class:`~lightning_app_rlhf.strategies.placement_launcher.PlacementMultiProcessingLauncher`).
         process_group_backend: ``gloo``/``nccl``; default by device.
         threads_per_process: CPU threads per process (default: cores / local processes).
         checkpoint_io: Writes and reads checkpoint files. Default: :class:`AtomicCheckpointIO` (local files
@@ -143,7 +145,7 @@ class PlacementStrategy(ParallelStrategy):
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = PlacementMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
