@@ -10,6 +10,7 @@ loop and the optimizers: :class:`~lightning_app_rlhf.RLHFModule` binds it to Lig
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -41,7 +42,7 @@ from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction, precision_context
 from lightning_app_rlhf.tensor_parallel import TensorParallelCopy, received_bytes
 from lightning_app_rlhf.wrappers import RoleWrapper
-from lightning_app_rlhf.wrappers.base import SkippedUpdates
+from lightning_app_rlhf.wrappers.base import REALLOCATION_BUCKET_NUMEL, SkippedUpdates, parameter_buckets
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""
@@ -299,16 +300,17 @@ class RLHFEngine:
         """Redistribute ``role``'s current trainable weights into ``copy``'s tensor-parallel layout, bit for bit
         (ReaLHF's parameter reallocation); returns the bytes this rank received for it.
 
-        On the role's train ranks the weights come whole from its wrapper (an all-gather over the train group when
-        sharded, where every train rank runs the call: the plan's rule for sharded roles); on a shadow rank from the
-        shadow, refreshed just before. Each rank then keeps only its slice: no further transfer."""
+        On the role's train ranks the weights come whole from its wrapper, a bucket at a time (an all-gather over the
+        train group per bucket when sharded, where every train rank runs the call: the plan's rule for sharded roles);
+        on a shadow rank from the shadow, refreshed just before. Each rank keeps only its slice: no further
+        transfer, and a sharded role is never whole on a rank."""
         call = role + ".train"
         if self.placement.runs(call):
             wrapper = self.wrappers[role]
             received = received_bytes(p for p in wrapper.module.parameters() if p.requires_grad)
             with self.placement._collective(copy.call, "weight reallocation into the tensor-parallel layout"), \
-                    wrapper.running(), wrapper.full_parameters() as params:
-                copy.load(params)
+                    wrapper.running():
+                copy.load(itertools.chain.from_iterable(wrapper.full_parameter_buckets()))
             return received
         copy.load([p for p in self.modules(role).parameters() if p.requires_grad])
         return 0
@@ -445,13 +447,10 @@ class RLHFEngine:
             if not shadows:
                 continue
             if self.placement.runs(role + ".train"):
-                with self.wrappers[role].full_parameters() as params:  # a gather over the group when sharded
-                    if role in self.shadow_precisions:  # bf16 shadows: round here, send half the bytes
-                        params = [p.detach().to(torch.bfloat16) for p in params]
-                    moved.append(self.placement.reallocate_weights(role, params))
+                buckets = trained_buckets(self.wrappers[role], self.shadow_precisions.get(role))
+                moved.append(self.placement.reallocate_weights(role, buckets))
             elif self.placement.rank in shadows:
-                shadow = [p for p in self.modules(role).parameters() if p.requires_grad]
-                moved.append(self.placement.reallocate_weights(role, shadow))
+                moved.append(self.placement.reallocate_weights(role, shadow_buckets(self.modules(role))))
         return moved
 
     def gather_memory(self) -> list[list[RoleMemory]]:
@@ -472,6 +471,21 @@ class RLHFEngine:
         everyone: list[Any] = [None] * self.placement.plan.world_size
         torch.distributed.all_gather_object(everyone, mine)
         return everyone
+
+
+def trained_buckets(wrapper: RoleWrapper, shadow_precision: str | None) -> Iterator[list[torch.Tensor]]:
+    """A trained role's weights, whole, a bucket at a time from its wrapper (a gather per bucket when sharded), in
+    its shadows' precision: what :meth:`Placement.reallocate_weights` sends to them."""
+    for bucket in wrapper.full_parameter_buckets():
+        if shadow_precision == "bf16-true":  # bf16 shadows: round here, send half the bytes
+            bucket = [p.detach().to(torch.bfloat16) for p in bucket]
+        yield bucket
+
+
+def shadow_buckets(shadow: nn.Module) -> list[list[torch.Tensor]]:
+    """A shadow's trainable parameters in the buckets its train leader sends (:func:`trained_buckets`)."""
+    params = [p for p in shadow.parameters() if p.requires_grad]
+    return [params[bucket] for bucket in parameter_buckets(params, REALLOCATION_BUCKET_NUMEL)]
 
 
 @dataclass

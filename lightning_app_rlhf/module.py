@@ -643,10 +643,11 @@ class RLHFModule(pl.LightningModule):
         return self._full_trainable_weights(ACTOR.name)
 
     def _full_trainable_weights(self, role: str) -> dict[str, torch.Tensor]:
-        """The trainable parameters of a sharded role, whole, by name: a collective over its train group."""
-        names = [name for name, p in self.role_module(role).named_parameters() if p.requires_grad]
-        with self.role_wrappers[role].full_parameters() as params:
-            return {name: p.detach().clone() for name, p in zip(names, params, strict=True)}
+        """The trainable parameters of a sharded role, whole, by name, on the CPU: a collective over its train
+        group, a bucket at a time (the device never holds the whole role)."""
+        names = iter([name for name, p in self.role_module(role).named_parameters() if p.requires_grad])
+        return {next(names): p.detach().cpu().clone() for bucket in self.role_wrappers[role].full_parameter_buckets()
+                for p in bucket}
 
     def gather_trained_weights(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """Each trained role's weights, whole and on the CPU, on global rank 0 (None on the other ranks): what a
@@ -664,7 +665,7 @@ class RLHFModule(pl.LightningModule):
             elif placement.rank == leader:
                 state = {name: tensor.detach() for name, tensor in self.role_module(role).state_dict().items()}
             if leader != 0 and placement.rank == leader:
-                send_state(state, dst=0)
+                send_state({name: tensor.to(placement.device) for name, tensor in state.items()}, dst=0)
             elif leader != 0 and placement.rank == 0:
                 state = recv_state(leader, placement.device)
             if placement.rank == 0:

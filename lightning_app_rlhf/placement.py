@@ -353,26 +353,29 @@ class Placement:
 
     # ---- weight reallocation ----
 
-    def reallocate_weights(self, role: str, params: list[torch.Tensor], bucket_bytes: int = 100 << 20) -> int:
+    def reallocate_weights(self, role: str, buckets: Iterable[list[torch.Tensor]]) -> int:
         """Send ``role``'s trained weights from its train leader to every shadow copy; return bytes moved.
 
-        Train ranks pass the trainable parameters, full (their wrapper's ``full_parameters()``); shadow ranks pass
-        their shadow's trainable parameters, in the same order. Frozen parameters never change and never move.
-        Ranks outside both must not call this.
+        ``buckets``: the trainable parameters, in ``parameters()`` order, cut by
+        :func:`~lightning_app_rlhf.wrappers.base.parameter_buckets` (one broadcast each). Train ranks pass their
+        wrapper's :meth:`~lightning_app_rlhf.wrappers.base.RoleWrapper.full_parameter_buckets` (a sharded group's
+        ranks all draw them: each bucket is a gather), shadow ranks their shadow's parameters in the same buckets.
+        Frozen parameters never change and never move. Ranks outside both must not call this.
         """
         group = self.reallocation_groups.get(role)
         if group is None and not self.plan.shadow_ranks(role):
+            for _ in buckets:  # a sharded train group still gathers each bucket together
+                pass
             return 0
         with self._collective(f"{role}.train", "weight reallocation"):
-            return self._reallocate(role, params, group, bucket_bytes)
+            return self._reallocate(role, buckets, group)
 
-    def _reallocate(self, role: str, params: list[torch.Tensor], group: dist.ProcessGroup | None,
-                    bucket_bytes: int) -> int:
+    def _reallocate(self, role: str, buckets: Iterable[list[torch.Tensor]], group: dist.ProcessGroup | None) -> int:
         train_leader = self.leader(f"{role}.train")
-        if self.runs(f"{role}.train") and self.rank != train_leader:
-            return 0
         moved = 0
-        for bucket in _buckets(params, bucket_bytes):
+        for bucket in buckets:
+            if self.runs(f"{role}.train") and self.rank != train_leader:
+                continue  # it took part in the bucket's gather; the leader sends
             flat = torch.cat([p.detach().reshape(-1) for p in bucket])
             dist.broadcast(flat, src=train_leader, group=group)
             if self.rank != train_leader:
@@ -446,15 +449,3 @@ def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.
     return out
 
 
-def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Group parameters of one dtype into buckets of at most ``bucket_bytes`` (one oversized param alone)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].dtype != p.dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets

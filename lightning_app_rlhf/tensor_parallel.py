@@ -13,7 +13,7 @@ PyTorch + transformers, no Lightning.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -149,16 +149,14 @@ class TensorParallelCopy:
         return cls(call, replica, mesh, trainable, stale)
 
     @torch.no_grad()
-    def load(self, full: Sequence[torch.Tensor]) -> int:
+    def load(self, full: Iterable[torch.Tensor]) -> int:
         """Copy the role's full trainable weights into this rank's slices, bit for bit; return the bytes written.
 
         Args:
-            full: The role's trainable parameters, whole, in its ``parameters()`` order.
+            full: The role's trainable parameters, whole, in its ``parameters()`` order; each is used once, as it
+                comes (a stream of buckets keeps only one whole bucket alive).
         """
-        if len(full) != len(self.trainable):
-            raise RuntimeError(f"The tensor-parallel copy of {self.call!r} holds {len(self.trainable)} trainable "
-                               f"parameters but the role gave {len(full)}: the copy no longer matches the role.")
-        written = 0
+        written, count = 0, 0
         for target, source in zip(self.trainable, full):
             if tuple(target.shape) != tuple(source.shape):
                 raise RuntimeError(f"The tensor-parallel copy of {self.call!r} has a parameter of shape "
@@ -167,6 +165,10 @@ class TensorParallelCopy:
             destination = target.to_local() if isinstance(target, DTensor) else target
             destination.copy_(local)
             written += destination.numel() * destination.element_size()
+            count += 1
+        if count != len(self.trainable):
+            raise RuntimeError(f"The tensor-parallel copy of {self.call!r} holds {len(self.trainable)} trainable "
+                               f"parameters but the role gave {count}: the copy no longer matches the role.")
         self.stale = False
         return written
 

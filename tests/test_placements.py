@@ -69,7 +69,7 @@ def grpo_one_process(tmp_path_factory):
     return run_demo(tmp_path_factory.mktemp("grpo"), "single", *GRPO_BATCH, config="demo_grpo_cpu.yaml")
 
 
-@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])  # 2 processes: test_wrappers.py
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])  # PPO covers 4 by default
 def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devices, grpo_one_process):
     """GRPO (G=4, no critic): 3 prompts x 4 samples, so on 2 and 4 ranks a prompt's group spans shards. Every
     placement logs the values of a single process step by step; under Separation only the actor's bytes move;

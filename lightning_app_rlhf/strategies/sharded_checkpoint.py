@@ -34,6 +34,7 @@ from lightning_app_rlhf.checkpoint import (
     home_call,
     shard_files,
 )
+from lightning_app_rlhf.engine import shadow_buckets, trained_buckets
 from lightning_app_rlhf.files import remove_path, replace_atomically
 from lightning_app_rlhf.role_table import ROLES, TRAINABLE_ROLES
 from lightning_app_rlhf.wrappers.sharded_io import load_dcp, load_full
@@ -162,10 +163,10 @@ def restore_special_roles(module: Any, restore: PendingRestore, checkpoint: dict
         if restore.modes.get(role) != "shards" or not placement.plan.shadow_ranks(role):
             continue
         if placement.runs(f"{role}.train"):
-            with module.role_wrappers[role].full_parameters() as params:
-                placement.reallocate_weights(role, params)
+            placement.reallocate_weights(role, trained_buckets(module.role_wrappers[role],
+                                                                module.shadow_precisions().get(role)))
         elif placement.rank in placement.plan.shadow_ranks(role):
-            placement.reallocate_weights(role, [p for p in module.role_module(role).parameters() if p.requires_grad])
+            placement.reallocate_weights(role, shadow_buckets(module.role_module(role)))
     restore.done = True
 
 

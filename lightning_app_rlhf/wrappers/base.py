@@ -19,6 +19,10 @@ from lightning_app_rlhf.wrappers.sharded_io import load_dcp, save_dcp
 Backward = Callable[[torch.Tensor], None]
 OptimizerStep = Callable[[torch.optim.Optimizer], None]
 
+REALLOCATION_BUCKET_NUMEL = 25 << 20
+"""Elements per bucket when a role's full weights stream out of its wrapper (100 MiB of float32): a sharded role is
+never whole on a rank to reallocate it, only one bucket of it (or one larger parameter)."""
+
 OPTIMIZER_SLOTS = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 1, torch.optim.RMSprop: 1}
 """State tensors per parameter element kept by common optimizers (SGD counts its momentum buffer)."""
 
@@ -191,6 +195,14 @@ class RoleWrapper(ABC):
         are sharded); valid inside the block."""
         yield [p for p in self.module.parameters() if p.requires_grad]
 
+    def full_parameter_buckets(self, bucket_numel: int = REALLOCATION_BUCKET_NUMEL) -> Iterator[list[torch.Tensor]]:
+        """The trainable parameters, full, in ``parameters()`` order, one bucket of :func:`parameter_buckets` at a
+        time: a bucket is valid until the next one is drawn, so a sharded role is never whole on a rank at once.
+        Collective over the group when sharded (a gather per bucket): every rank of it draws every bucket."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for bucket in parameter_buckets(params, bucket_numel):
+            yield params[bucket]
+
     # ---- checkpoints ----
 
     def save_sharded(self, directory: str | os.PathLike[str], optimizer: bool = True) -> None:
@@ -246,6 +258,23 @@ class RoleWrapper(ABC):
     def local_numel(cls, shape: tuple[int, ...], group_size: int, group_rank: int) -> int:
         """Elements of one parameter that a rank keeps (all of them unless the wrapper shards parameters)."""
         return math.prod(shape)
+
+
+def parameter_buckets(params: Sequence[torch.Tensor], bucket_numel: int) -> list[slice]:
+    """Consecutive runs of ``params`` of one dtype and at most ``bucket_numel`` elements together (a larger parameter
+    alone), counted on the full shapes (a DTensor's global size, a ZeRO-3 partition's ``ds_numel``): the same runs on
+    a rank that holds shards as on one that holds whole copies of the same parameters."""
+    buckets: list[slice] = []
+    start, size = 0, 0
+    for i, p in enumerate(params):
+        numel = getattr(p, "ds_numel", None) or p.numel()
+        if i > start and (size + numel > bucket_numel or params[i - 1].dtype != p.dtype):
+            buckets.append(slice(start, i))
+            start, size = i, 0
+        size += numel
+    if start < len(params):
+        buckets.append(slice(start, len(params)))
+    return buckets
 
 
 def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:

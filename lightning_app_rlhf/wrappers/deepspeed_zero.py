@@ -19,7 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from lightning_app_rlhf.wrappers.base import RoleWrapper, StepResult, optimizer_slots
+from lightning_app_rlhf.wrappers.base import (
+    REALLOCATION_BUCKET_NUMEL,
+    RoleWrapper,
+    StepResult,
+    optimizer_slots,
+    parameter_buckets,
+)
 from lightning_app_rlhf.wrappers.sharded_io import DEEPSPEED_TAG, deepspeed_load, weights_only_deepspeed
 
 ALIGNMENT = 2
@@ -131,6 +137,18 @@ class ZeroWrapper(RoleWrapper):
 
         with self.running(), deepspeed.zero.GatheredParameters(params):
             yield params
+
+    @override
+    def full_parameter_buckets(self, bucket_numel: int = REALLOCATION_BUCKET_NUMEL) -> Iterator[list[torch.Tensor]]:
+        if self.engine is None or self.stage < 3:
+            yield from super().full_parameter_buckets(bucket_numel)
+            return
+        import deepspeed
+
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for bucket in parameter_buckets(params, bucket_numel):
+            with self.running(), deepspeed.zero.GatheredParameters(params[bucket]):
+                yield params[bucket]
 
     @override
     @contextlib.contextmanager

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from typing_extensions import override
 
-from lightning_app_rlhf.wrappers.base import RoleWrapper
+from lightning_app_rlhf.wrappers.base import REALLOCATION_BUCKET_NUMEL, RoleWrapper, parameter_buckets
 
 
 class FSDP2Wrapper(RoleWrapper):
@@ -54,6 +54,12 @@ class FSDP2Wrapper(RoleWrapper):
     def full_parameters(self) -> Iterator[list[torch.Tensor]]:
         params = [p for p in self.module.parameters() if p.requires_grad]
         yield [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+
+    @override
+    def full_parameter_buckets(self, bucket_numel: int = REALLOCATION_BUCKET_NUMEL) -> Iterator[list[torch.Tensor]]:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for bucket in parameter_buckets(params, bucket_numel):
+            yield [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params[bucket]]
 
     @classmethod
     @override
