@@ -9,7 +9,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 

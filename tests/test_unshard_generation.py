@@ -47,7 +47,7 @@ class Collectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = str(func.overloadpacket)
-        if name.startswith("c10d."):
+        if name.startswith(("c10d.", "_c10d_functional.")):
             self.ops[name] += 1
         if name == ALL_GATHER:
             self.gathered_bytes += args[0].numel() * args[0].element_size()
@@ -340,3 +340,60 @@ def test_flattening_with_a_zero3_actor_gathers_once_per_rollout_and_trains_the_s
     values, unchanged bytes."""
     _check_engine_run(tmp_path, "zero3", EMBED)
 
+
+
+# ---- reallocation streams a sharded role: one bucket whole at a time ----
+
+
+def test_parameter_buckets_cut_consecutive_runs_by_full_size_and_dtype():
+    """Hand-counted: at most 100 elements a bucket, a larger parameter alone, a dtype change starts a bucket."""
+    from lightning_app_rlhf.wrappers.base import parameter_buckets
+
+    params = [torch.zeros(60), torch.zeros(40), torch.zeros(10), torch.zeros(150), torch.zeros(5),
+              torch.zeros(5, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16)]
+    assert parameter_buckets(params, 100) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5), slice(5, 7)]
+    assert parameter_buckets([], 100) == []
+
+
+def _stream_buckets(rank: int, port: int, out: str, wrapper_name: str) -> None:
+    """The wrapper's full weights drawn as buckets of at most 1e5 elements: which parameters each bucket holds, the
+    largest number of elements gathered at once, and whether they equal the whole module's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_app_rlhf.wrappers.base import parameter_buckets
+
+    torch.set_num_threads(1)
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=EMBED, n_head=2, vocab_size=512, n_positions=64))
+    whole = [p.detach().clone() for p in model.parameters()]
+    expected = [[s.start, s.stop] for s in parameter_buckets(whole, 100_000)]
+    wrapper = WRAPPERS[wrapper_name](model, dist.new_group([0, 1]), 2, rank, torch.device("cpu"))
+    wrapper.wrap()
+    wrapper.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), 1.0)
+    drawn, largest, equal, start = [], 0, True, 0
+    with Collectives() as counted:
+        for bucket in wrapper.full_parameter_buckets(100_000):
+            drawn.append([start, start + len(bucket)])
+            largest = max(largest, sum(p.numel() for p in bucket))
+            equal &= all(torch.equal(p, w) for p, w in zip(bucket, whole[start:], strict=False))
+            start += len(bucket)
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "drawn": drawn, "expected": expected, "largest": largest, "equal": equal, "count": start,
+        "params": len(whole), "biggest_param": max(p.numel() for p in whole),
+        "gathers": sum(n for op, n in counted.ops.items() if "gather" in op)}))
+
+
+@pytest.mark.parametrize("wrapper_name", SHARDED)
+def test_a_sharded_role_streams_its_full_weights_one_bucket_at_a_time(tmp_path, wrapper_name):
+    """What shadows and tensor-parallel copies are refreshed from: every parameter, whole and bit-exact, in the
+    buckets both sides cut from the full shapes, never more than one bucket (or one larger parameter) whole."""
+    _run_two_ranks(_stream_buckets, (_free_port(), str(tmp_path), wrapper_name))
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["drawn"] == r["expected"] and len(r["drawn"]) > 3, r["drawn"]
+        assert r["equal"] and r["count"] == r["params"]
+        assert r["largest"] <= max(100_000, r["biggest_param"])
+        assert r["gathers"] > 0  # the shards were gathered, bucket by bucket

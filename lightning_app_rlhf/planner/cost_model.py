@@ -26,12 +26,14 @@ from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.wrappers import WRAPPERS
+from lightning_app_rlhf.wrappers.base import REALLOCATION_BUCKET_NUMEL
 
 if TYPE_CHECKING:
     from lightning_app_rlhf.planner.profiler import Profile
 
-REALLOCATION_BUCKET_BYTES = 100 << 20
-"""``Placement.reallocate_weights`` sends weights in buckets of this size."""
+REALLOCATION_BUCKET_BYTES = REALLOCATION_BUCKET_NUMEL * 4
+"""A reallocation bucket (:data:`~lightning_app_rlhf.wrappers.base.REALLOCATION_BUCKET_NUMEL` float32 elements):
+what ``Placement.reallocate_weights`` sends at once, and what a sharded train rank gathers at once."""
 GPU_USABLE_MEMORY = 0.9
 """Fraction of a GPU's memory a plan may fill: 10% stays for the allocator and the CUDA context."""
 COMPUTE_EFFICIENCY = 0.5
@@ -297,12 +299,17 @@ class CostModel:
 
     @staticmethod
     def _bucket_ranks(plan: PlacementPlan) -> set[int]:
-        """Ranks that hold a reallocation bucket: shadows and the train leader that sends to them."""
+        """Ranks that hold a reallocation bucket: shadows and the train leader that sends to them, and every train
+        rank of a sharded role whose weights go to shadows or tensor-parallel copies (it gathers them a bucket at a
+        time)."""
         ranks: set[int] = set()
         for role in plan.trainable_roles:
-            shadows = plan.shadow_ranks(role)
+            shadows, train = plan.shadow_ranks(role), plan.ranks(f"{role}.train")
             if shadows:
-                ranks |= {*shadows, plan.ranks(f"{role}.train")[0]}
+                ranks |= {*shadows, train[0]}
+            sharded = (_shards_params(plan.wrappers.get(role)) and len(train) > 1) or plan.tp_degree(f"{role}.train") > 1
+            if sharded and (shadows or relayout_calls(plan, role)):
+                ranks |= set(train)
         return ranks
 
     def transient(self, choice: PlanChoice, call: str) -> tuple[int, int]:
