@@ -466,6 +466,9 @@ class RLHFEngine:
                 mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
                 continue
             mine.append(role_memory(role, calls, module, self.wrappers.get(role)))
+        for call, copy in self.placement.tp_copies.items():
+            role, kind = call.split(".")
+            mine.append(RoleMemory(role, kind, copy.local_bytes(), 0, 0, tp_copy=self.placement.plan.tp_degree(call)))
         if not self.placement.distributed:
             return [mine]
         everyone: list[Any] = [None] * self.placement.plan.world_size

@@ -24,6 +24,9 @@ class RoleMemory:
     shares: str | None = None
     """The role whose parameters this one runs on, counted there: a LoRA actor's reference is its base model with
     the adapters disabled, so it costs no bytes of its own."""
+    tp_copy: int | None = None
+    """Set on the row of a call's tensor-parallel copy of the role (its degree): the slice of the weights this rank
+    keeps for that call, beside the role's own module."""
 
 
 def role_memory(role: str, calls: list[str], module: nn.Module, wrapper: RoleWrapper | None) -> RoleMemory:

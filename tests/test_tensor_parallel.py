@@ -253,6 +253,18 @@ def test_tp2_generation_with_ddp_training_follows_flattening(tmp_path, flattenin
     rows = run_demo(tmp_path, "tp")
     print("max abs difference vs flattening:", assert_same_trajectory(rows, flattening))
     assert all(r["reallocate/bytes"] == 0 for r in rows)
+    # The logged parameter bytes count the copy: actor, reference and critic whole, plus half the actor (its
+    # projections, embedding and head cut in two) and its norms whole.
+    import yaml
+
+    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
+
+    spec = as_model_spec(yaml.safe_load(CONFIG.read_text())["model"]["actor"])
+    actor, critic = (sum(p.numel() * 4 for p in m.parameters()) for m in (build_causal_lm(spec), build_critic(spec)))
+    (metrics,) = (tmp_path / "tp").rglob("metrics.csv")
+    logged = next(float(r["memory/param_bytes_rank0"]) for r in csv.DictReader(metrics.open())
+                  if r.get("memory/param_bytes_rank0"))
+    assert 0.5 * actor < logged - (2 * actor + critic) < 0.52 * actor, (logged, actor, critic)
 
 
 def _digest(tensors) -> str:
@@ -345,6 +357,26 @@ def test_tp2_training_on_a_data_by_tensor_mesh_follows_flattening(tmp_path, flat
     spec = as_model_spec(yaml.safe_load(CONFIG.read_text())["model"]["actor"])
     whole = sum(p.numel() * 4 for model in (build_causal_lm(spec), build_critic(spec)) for p in model.parameters())
     assert all(0.70 * whole < r["reallocate/bytes"] < 0.75 * whole for r in rows), whole
+
+
+@pytest.mark.slow  # 2 x 4 iterations on 4 processes; the default run resumes sharded (FSDP2, ZeRO-3) roles
+def test_a_data_by_tensor_mesh_run_resumes_exactly_from_its_checkpoint(tmp_path):
+    """Actor and critic train on the 2 x 2 mesh and generate / score on TP=2 copies; the step-2 checkpoint (each rank
+    writing its DCP shards of the 2-D DTensors) resumes a run that logs what the uninterrupted run logged at steps 2
+    and 3, and the resumed copies take the restored weights."""
+    common = ("--trainer.strategy.plan.wrappers", "{actor: fsdp2, critic: fsdp2}", "--trainer.strategy.plan.tp",
+              "{actor.train: 2, critic.train: 2, actor.generate: 2, critic.forward: 2}",
+              "--trainer.enable_checkpointing", "true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+              "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}")
+    full = run_demo(tmp_path, "full", *common, steps=4)
+    (checkpoint,) = (tmp_path / "ckpt").glob("step=2*")
+    resumed = run_demo(tmp_path, "resumed", *common, "--ckpt_path", str(checkpoint), steps=4)
+    assert [r["step"] for r in full] == [0, 1, 2, 3] and [r["step"] for r in resumed] == [2, 3]
+    for got, want in zip(resumed, full[2:], strict=True):
+        for metric in COMPARED:
+            assert got[metric] == pytest.approx(want[metric], rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
 @pytest.mark.slow

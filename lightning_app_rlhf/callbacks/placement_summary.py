@@ -66,6 +66,7 @@ def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]]) 
     for rank, rank_rows in enumerate(rows):
         for row in rank_rows:
             role = f"{row.role} (shared)" if row.shares else row.role
+            role = f"{row.role} (tp{row.tp_copy} copy)" if row.tp_copy else role
             call_names = ", ".join(f"{row.role}.{kind}" for kind in row.calls.split("+") if kind)
             memory.add_row(str(rank), role, call_names, *(f"{b / 2**20:.2f}" for b in (
                 row.param_bytes, row.grad_bytes, row.optimizer_bytes)))
