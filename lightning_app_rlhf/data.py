@@ -532,7 +532,7 @@ class PromptDataModule(pl.LightningDataModule):
         """Every rank gets the same global batches; a resumed run starts at the checkpoint's iteration."""
         if self.dataset is None:
             raise RuntimeError("Call setup('fit') before train_dataloader().")
-        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
         sampler = PromptSampler(len(self.dataset), self.batch_size, self.shuffle, seed)
         if self.trainer is not None:
             sampler.start_batch = self.trainer.global_step  # restored before dataloaders are built

@@ -160,7 +160,7 @@ class RLHFModule(pl.LightningModule):
         self.critic_optimizer = (critic_optimizer or _default_optimizer) if self.has_critic else None
         self.actor_scheduler = actor_scheduler
         self.critic_scheduler = critic_scheduler
-        self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
         self.shaping = RewardShaping(self.ppo, self.tokenizer.eos_token_id)
         self.actor: nn.Module | None = None
         self.critic: nn.Module | None = None

@@ -98,12 +98,12 @@ def test_grpo_kl_loss_term_is_k3_and_differentiated():
     batch = _experience(torch.zeros(2, 2), mask, ref_logprobs=-d)
     logprobs = torch.zeros(2, 2, requires_grad=True)
     loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 2), batch, ppo.LossScale(3.0, 2, 2))
-    k3 = lambda x: math.exp(-x) + x - 1  # noqa: E731
+    k3 = lambda x: math.exp(-x) + x - 1
     expected_kl = (k3(0.5) + (k3(0.2) + k3(-0.1)) / 2) / 2
     assert stats["policy/kl_loss"].item() == pytest.approx(expected_kl, rel=1e-6)
     assert loss.item() == pytest.approx(0.1 * expected_kl, rel=1e-6)  # advantages 0: the surrogate is 0
     loss.backward()
-    g = lambda x: 1 - math.exp(-x)  # noqa: E731
+    g = lambda x: 1 - math.exp(-x)
     expected_grad = torch.tensor([[0.1 * g(0.5) / 2, 0.0], [0.1 * g(0.2) / 4, 0.1 * g(-0.1) / 4]])
     assert_close(logprobs.grad, expected_grad, rtol=1e-5, atol=1e-8)
 

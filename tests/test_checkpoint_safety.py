@@ -116,7 +116,7 @@ def test_a_crafted_pickle_runs_no_code_through_fit_under_any_placement(tmp_path,
     script.write_text(RESUME_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(script), strategy, str(path)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=240)
+                            capture_output=True, text=True, check=False, timeout=240)
     assert result.returncode != 0
     assert f"CheckpointError: Checkpoint {path} holds objects that only a full unpickle can build" in result.stderr
     assert not marker.exists()

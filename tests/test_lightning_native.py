@@ -127,7 +127,7 @@ def test_lr_monitor_validation_and_predict_on_two_processes(tmp_path, strategy):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, str(ROOT / "tests/lightning_native_run.py"), "--strategy", strategy,
                              "--devices", "2", "--out", str(tmp_path)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = _metrics(tmp_path)
     lrs = [r for r in rows if "lr-actor" in r]

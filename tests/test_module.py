@@ -19,10 +19,10 @@ DEMO_ACTOR = {
 
 
 def _trainer(max_steps: int, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
+    defaults = {
+        "accelerator": "cpu", "devices": 1, "max_steps": max_steps, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False,
+    }
     return pl.Trainer(**{**defaults, **kwargs})
 
 

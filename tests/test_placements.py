@@ -28,7 +28,7 @@ def run_demo(
          "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
          "--trainer.logger.init_args.save_dir", str(tmp_path),
          "--trainer.logger.init_args.name", name, "--model.generation.max_new_tokens", "12", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     (tmp_path / f"{name}.out").write_text(result.stdout)
@@ -211,7 +211,7 @@ def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path, wrapper)
          "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
          "--trainer.callbacks+=weight_check_callback.WeightCopiesEqual",
          f"--trainer.callbacks.path={digests}", "--model.generation.max_new_tokens", "8"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     records = json.loads(digests.read_text())
@@ -260,7 +260,7 @@ def test_fabric_example_matches_the_trainer(tmp_path):
         result = subprocess.run(
             [sys.executable, str(ROOT / "examples/fabric_demo.py"), "--strategy", strategy, "--devices", "2",
              "--steps", "3", "--max-new-tokens", "12", "--log-dir", str(tmp_path / "fabric")],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+            cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300,
         )
         assert result.returncode == 0, result.stderr[-4000:]
         assert f"{strategy} on 2 processes, 3 PPO iterations" in result.stdout

@@ -307,7 +307,8 @@ class CostModel:
             shadows, train = plan.shadow_ranks(role), plan.ranks(f"{role}.train")
             if shadows:
                 ranks |= {*shadows, train[0]}
-            sharded = (_shards_params(plan.wrappers.get(role)) and len(train) > 1) or plan.tp_degree(f"{role}.train") > 1
+            sharded = ((_shards_params(plan.wrappers.get(role)) and len(train) > 1)
+                       or plan.tp_degree(f"{role}.train") > 1)
             if sharded and (shadows or relayout_calls(plan, role)):
                 ranks |= set(train)
         return ranks
