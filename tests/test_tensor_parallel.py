@@ -379,6 +379,24 @@ def test_a_data_by_tensor_mesh_run_resumes_exactly_from_its_checkpoint(tmp_path)
             assert got[metric] == pytest.approx(want[metric], rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
+@pytest.mark.slow  # the Trainer runs the same set-up code in the default run
+def test_fabric_with_tp_copies_follows_fabric_flattening(tmp_path):
+    """Fabric's placement strategy builds and refreshes TP=2 copies (actor.generate, critic.forward) as the Trainer's
+    does: 3 iterations log Flattening's values."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for mode in ("flat", "tp"):
+        result = subprocess.run([sys.executable, str(ROOT / "tests/fabric_tp_run.py"), mode, str(tmp_path)],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[mode] = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ROWS "))[5:])
+    assert len(runs["tp"]) == len(runs["flat"]) == 3
+    for got, want in zip(runs["tp"], runs["flat"], strict=True):
+        assert got.keys() == want.keys()
+        for metric in got:
+            assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), metric
+
+
 @pytest.mark.slow
 def test_tp2_generation_on_separations_shadows_follows_flattening(tmp_path, flattening):
     """Separation: ranks 0-1 generate and score on shadows cut TP=2 (actor and critic), ranks 2-3 train with FSDP2.
