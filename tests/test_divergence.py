@@ -278,8 +278,8 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             stats = engine.train_role("actor", experience)
-        with wrapper.full_parameters() as params:
-            trained = torch.cat([p.detach().flatten() for p in params])
+        trained = torch.cat([p.detach().flatten().clone() for bucket in wrapper.full_parameter_buckets()
+                             for p in bucket])
         results[name] = {
             "skipped": float(stats[SKIPPED_UPDATES]), "in_a_row": wrapper.skipped.in_a_row,
             "warnings": [str(w.message) for w in caught if str(w.message).startswith("Skipped")],

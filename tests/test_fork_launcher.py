@@ -36,8 +36,7 @@ class TrainedDigests(Callback):
     def _record(self, pl_module: RLHFModule, when: str) -> None:
         placement = pl_module.placement
         for role in pl_module.trained_roles():
-            with pl_module.role_wrappers[role].full_parameters() as params:
-                digest = _digest(params)
+            digest = _digest(p for bucket in pl_module.role_wrappers[role].full_parameter_buckets() for p in bucket)
             if placement.rank == placement.leader(f"{role}.train"):
                 Path(self.directory, f"{when}_{role}.txt").write_text(digest)
         dist.barrier()

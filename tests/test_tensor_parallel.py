@@ -289,8 +289,7 @@ class LayoutCheck(Callback):
             role = call.split(".")[0]
             wrapper = pl_module.role_wrappers.get(role)
             if wrapper is not None:
-                with wrapper.full_parameters() as params:
-                    trained = _digest(params)
+                trained = _digest(p for bucket in wrapper.full_parameter_buckets() for p in bucket)
                 tp = _digest(copy.full_parameters())
             else:
                 trained = _digest(pl_module.role_module(role).parameters())

@@ -20,8 +20,7 @@ def _role_digest(pl_module, role: str) -> str:
     wrapper = pl_module.role_wrappers.get(role)
     if wrapper is None:
         return _digest(p for p in getattr(pl_module, role).parameters() if p.requires_grad)
-    with wrapper.full_parameters() as params:
-        return _digest(params)
+    return _digest(p for bucket in wrapper.full_parameter_buckets() for p in bucket)
 
 
 class WeightCopiesEqual(Callback):

@@ -165,24 +165,8 @@ NAMED_SIZES: dict[str, dict[str, Any]] = {
         "intermediate_size": 22016,
         "vocab_size": 32000,
     },
-    # LLaMA-2 sizes (ReaLHF's experiments), 4k context; 34B (Code Llama's shape) and 70B use grouped-query
-    # attention with 8 key/value heads.
-    "llama2-7b": {
-        "model_type": "llama",
-        "num_hidden_layers": 32,
-        "hidden_size": 4096,
-        "num_attention_heads": 32,
-        "intermediate_size": 11008,
-        "vocab_size": 32000,
-    },
-    "llama2-13b": {
-        "model_type": "llama",
-        "num_hidden_layers": 40,
-        "hidden_size": 5120,
-        "num_attention_heads": 40,
-        "intermediate_size": 13824,
-        "vocab_size": 32000,
-    },
+    # LLaMA-2 sizes (ReaLHF's experiments), 4k context; 7B and 13B have LLaMA-1's shapes (set below), 34B (Code
+    # Llama's shape) and 70B use grouped-query attention with 8 key/value heads.
     "llama2-34b": {
         "model_type": "llama",
         "num_hidden_layers": 48,
@@ -220,6 +204,8 @@ NAMED_SIZES: dict[str, dict[str, Any]] = {
     },
 }
 """Named model sizes, as Hugging Face config fields."""
+NAMED_SIZES["llama2-7b"] = dict(NAMED_SIZES["llama-7b"])
+NAMED_SIZES["llama2-13b"] = dict(NAMED_SIZES["llama-13b"])
 
 
 def role_shape(

@@ -189,12 +189,6 @@ class RoleWrapper(ABC):
             norm = norm.full_tensor()
         return float(norm)
 
-    @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[list[torch.Tensor]]:
-        """The trainable parameters, full, in ``module.parameters()`` order (a collective over the group when they
-        are sharded); valid inside the block."""
-        yield [p for p in self.module.parameters() if p.requires_grad]
-
     def full_parameter_buckets(self, bucket_numel: int = REALLOCATION_BUCKET_NUMEL) -> Iterator[list[torch.Tensor]]:
         """The trainable parameters, full, in ``parameters()`` order, one bucket of :func:`parameter_buckets` at a
         time: a bucket is valid until the next one is drawn, so a sharded role is never whole on a rank at once.

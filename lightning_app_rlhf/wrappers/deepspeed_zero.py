@@ -127,18 +127,6 @@ class ZeroWrapper(RoleWrapper):
         return StepResult(float(norm), stepped=self.engine.skipped_steps == skipped_before)
 
     @override
-    @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[list[torch.Tensor]]:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.engine is None or self.stage < 3:
-            yield params
-            return
-        import deepspeed
-
-        with self.running(), deepspeed.zero.GatheredParameters(params):
-            yield params
-
-    @override
     def full_parameter_buckets(self, bucket_numel: int = REALLOCATION_BUCKET_NUMEL) -> Iterator[list[torch.Tensor]]:
         if self.engine is None or self.stage < 3:
             yield from super().full_parameter_buckets(bucket_numel)

@@ -50,12 +50,6 @@ class FSDP2Wrapper(RoleWrapper):
         return keep_unsharded(self.module)
 
     @override
-    @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[list[torch.Tensor]]:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        yield [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
-
-    @override
     def full_parameter_buckets(self, bucket_numel: int = REALLOCATION_BUCKET_NUMEL) -> Iterator[list[torch.Tensor]]:
         params = [p for p in self.module.parameters() if p.requires_grad]
         for bucket in parameter_buckets(params, bucket_numel):
