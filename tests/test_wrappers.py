@@ -28,7 +28,7 @@ COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipf
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
 PLACEMENTS = {"flattening": "FlatteningStrategy", "interleaving": "InterleavingStrategy",
               "separation": "SeparationStrategy"}
-DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("fsdp2", "flattening", 4)}
+DEFAULT_RUN = {("zero3", "separation", 4), ("zero2", "interleaving", 2), ("fsdp2", "flattening", 2)}
 """The matrix cells the default test run covers; ``pytest -m slow`` runs the rest."""
 needs_deepspeed = pytest.mark.skipif(not is_available("zero1"), reason="deepspeed is not installed")
 
