@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.hf_cache import cache_kwargs, returned_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -542,8 +543,8 @@ def _generate_chunk(
             input_ids=token.unsqueeze(-1),
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=out.past_key_values,
             use_cache=True,
+            **cache_kwargs(returned_cache(out)),
         )
     response_mask = torch.stack(masks, dim=1).to(attention_mask.dtype)
     return Rollout(

@@ -219,11 +219,18 @@ def group_view(values: torch.Tensor, group_size: int) -> torch.Tensor:
 def group_mean_std(
     scores: torch.Tensor, valid: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample mean, sample standard deviation (Bessel) and count of the valid scores of its group.
+    """Per-sample mean, sample standard deviation (Bessel) and count of the valid scores of its group, in float64.
 
     Skipped samples (``valid`` False) count in no statistic. A group with one valid sample has std 0.
+
+    float64 because a group of equal scores must get a spread of exactly 0. Summed in float32, ``G`` copies of a
+    score are rounded (``-0.7`` eight times), the mean is off by an ulp, and every member gets the same tiny
+    non-zero difference, which GRPO's division by ``std + eps`` blows up to an advantage of order 0.1-1. In float64
+    the sum of up to 2**29 float32 copies is exact, so the mean equals the score bit for bit and every centred score,
+    and the std, is exactly 0. Callers subtract the mean in float64 too and cast the result back.
     """
-    scores_g, valid_g = group_view(scores, group_size), group_view(valid.to(scores.dtype), group_size)
+    scores_g = group_view(scores.to(torch.float64), group_size)
+    valid_g = group_view(valid.to(torch.float64), group_size)
     count = valid_g.sum(1, keepdim=True)
     mean = (scores_g * valid_g).sum(1, keepdim=True) / count.clamp(min=1.0)
     var = ((scores_g - mean) ** 2 * valid_g).sum(1, keepdim=True) / (count - 1).clamp(min=1.0)

@@ -46,6 +46,7 @@ from lightning_app_rlhf.generation import (
     position_ids_from_mask,
     register_backend,
 )
+from lightning_app_rlhf.hf_cache import cache_kwargs, returned_cache
 
 COMPILED_LENGTH_MULTIPLE = 64
 """With a compiled step, the cache length is rounded up to a multiple of this, so that prompts of a few different
@@ -56,19 +57,17 @@ class OneDtypeStaticCache(StaticCache):
     """transformers' ``StaticCache``, storing keys and values in one dtype when they arrive in two.
 
     Under autocast, RoPE models (Llama, Qwen) produce float32 keys (the rotation runs in float32) and bfloat16 values;
-    the stock static layer allocates both buffers in the keys' dtype and then refuses the values. Here both are
-    stored in the wider of the two dtypes: the upcast is exact, and the attention (autocast) casts them back down,
-    so the numbers are those of the dynamic cache.
+    some transformers releases allocate both buffers in the keys' dtype and then refuse the values. Here every update
+    casts both to the wider of the two dtypes, which is the same on every call of a decode (prefill and steps run
+    under the same autocast), so the buffers' dtype never changes. The upcast is exact, and the attention
+    (autocast) casts them back down, so the numbers are those of the dynamic cache. Only the public ``update`` is
+    overridden: no layer internals are read, which keeps this working across transformers releases.
     """
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        layer = self.layers[layer_idx]
-        if getattr(layer, "is_initialized", False):
-            dtype = layer.dtype
-        else:
-            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+        dtype = torch.promote_types(key_states.dtype, value_states.dtype)
         return super().update(key_states.to(dtype), value_states.to(dtype), layer_idx, *args, **kwargs)
 
 
@@ -87,7 +86,7 @@ def _decode_step(
     model: torch.nn.Module, cache: Any, token: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """One token per row through the model with the static cache: [B, V] logits of the next token."""
-    out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kwargs(cache))
     return out.logits[:, -1, :]
 
 
@@ -183,9 +182,9 @@ class StaticBackend(GenerationBackend):
         mask = attention_mask.new_ones(batch, length)
         mask[:, :prompt_length] = attention_mask
         position_ids = position_ids_from_mask(attention_mask)
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
-        if out.past_key_values is not cache:
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                    logits_to_keep=1, **cache_kwargs(cache))
+        if returned_cache(out) is not cache:
             raise NotImplementedError(
                 f"{type(model).__name__} does not decode with transformers' StaticCache (it returned its own cache), "
                 "so generation.backend='static' cannot run it. Use generation.backend='eager'."

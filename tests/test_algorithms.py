@@ -189,6 +189,53 @@ def test_reinforce_pp_baseline_equal_group_without_kl_gives_zero():
     assert_close(advantages, torch.zeros(2, 2), rtol=0, atol=0)
 
 
+# ------------------------------------------------------------------------------------------- equal-reward groups
+
+# Group sizes and float32 scores whose sum is not exact in float32 (-0.7 x 8 rounds; 3.2006216 is what a reward
+# model gives identical responses; 1/3 has no finite binary form). Before the float64 group statistics, G=8 at -0.7
+# gave |A| = 0.056 under GRPO and 3.2006216 gave 0.316 (G=8) and 0.41 (G=12).
+EQUAL_GROUP_SIZES = [3, *range(5, 17)]
+EQUAL_SCORES = [-0.7, 3.2006216, 1 / 3]
+
+
+def equal_groups_then_a_spread_one(value: float, group_size: int) -> ScoredRollout:
+    """Two groups of ``group_size`` one-token responses: every score ``value``, then ``value + 0, 1, 2, ...``."""
+    scores = [value] * group_size + [value + i for i in range(group_size)]
+    return scored(scores, [[1]] * (2 * group_size), group_size)
+
+
+@pytest.mark.parametrize("value", EQUAL_SCORES)
+@pytest.mark.parametrize("group_size", EQUAL_GROUP_SIZES)
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_equal_rewards_gets_advantage_exactly_zero(name, group_size, value):
+    """Exactly 0 for the equal group, whatever its size and value; the group beside it still learns."""
+    rollout = equal_groups_then_a_spread_one(value, group_size)
+    advantages, _ = algorithm(name, num_samples=group_size).advantages(rollout)
+    assert torch.equal(advantages[:group_size], torch.zeros(group_size, 1))
+    assert advantages[group_size:].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("value", EQUAL_SCORES)
+@pytest.mark.parametrize("group_size", EQUAL_GROUP_SIZES)
+def test_reinforce_pp_baseline_equal_groups_get_advantage_exactly_zero(group_size, value):
+    """Every group equal, no KL: each centred score is exactly 0, so the whitened batch is exactly 0 too. (In a
+    batch with other groups, REINFORCE++'s global whitening shifts every return by the batch mean, as the paper does;
+    the centred score before it is still exactly 0, checked through ``group_mean_std``.)"""
+    rollout = scored([value] * (2 * group_size), [[1, 1]] * (2 * group_size), group_size)
+    advantages, _ = algorithm("reinforce_pp_baseline", num_samples=group_size).advantages(rollout)
+    assert torch.equal(advantages, torch.zeros(2 * group_size, 2))
+
+
+@pytest.mark.parametrize("value", EQUAL_SCORES)
+@pytest.mark.parametrize("group_size", EQUAL_GROUP_SIZES)
+def test_group_mean_of_equal_float32_scores_is_the_score_and_the_std_is_zero(group_size, value):
+    scores = torch.full((group_size,), value, dtype=torch.float32)
+    mean, std, count = ppo.group_mean_std(scores, torch.ones(group_size, dtype=torch.bool), group_size)
+    assert torch.equal(scores - mean, torch.zeros(group_size, dtype=torch.float64))
+    assert torch.equal(std, torch.zeros(group_size, dtype=torch.float64))
+    assert torch.equal(count, torch.full((group_size,), float(group_size), dtype=torch.float64))
+
+
 # ----------------------------------------------------------------------------------------------------------- PPO
 
 

@@ -16,6 +16,7 @@ from torch.testing import assert_close
 from lightning_app_rlhf import ppo
 from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.calls import critic_forward, reference_forward, response_logits, reward_forward
+from lightning_app_rlhf.hf_cache import CACHE_ARGUMENT
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import collate_left_padded
 from lightning_app_rlhf.engine import RLHFEngine
@@ -41,7 +42,7 @@ LOG4 = math.log(4.0)
 
 @dataclass
 class FakeCache:
-    """Stands in for ``past_key_values``: only counts the decoding steps seen so far."""
+    """Stands in for the KV cache (``CACHE_ARGUMENT``): only counts the decoding steps seen so far."""
 
     step: int
 
@@ -59,8 +60,9 @@ class ScriptedLM(nn.Module):
         self.vocab = vocab
         self.calls: list[dict[str, torch.Tensor]] = []
 
-    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, **kwargs):
-        step = 0 if past_key_values is None else past_key_values.step
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=True, **kwargs):
+        cache = kwargs.get(CACHE_ARGUMENT)  # the installed transformers' name for it
+        step = 0 if cache is None else cache.step
         self.calls.append({
             "input_ids": input_ids.clone(),
             "attention_mask": attention_mask.clone(),
@@ -71,7 +73,7 @@ class ScriptedLM(nn.Module):
         logits = torch.zeros(batch, length, self.vocab)
         for row in range(batch):
             logits[row, -1, self.script[row][step]] = LOG4
-        return SimpleNamespace(logits=logits, past_key_values=FakeCache(step + 1))
+        return SimpleNamespace(logits=logits, **{CACHE_ARGUMENT: FakeCache(step + 1)})
 
 
 class EOSBiased(nn.Module):
@@ -398,7 +400,7 @@ class CountingLM(nn.Module):
         return self.inner.config
 
     def forward(self, **kwargs):
-        prefill = kwargs.get("past_key_values") is None
+        prefill = kwargs.get(CACHE_ARGUMENT) is None
         self.calls.append(("P" if prefill else "") + str(kwargs["input_ids"].shape[0]))
         return self.inner(**kwargs)
 

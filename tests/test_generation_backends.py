@@ -184,7 +184,7 @@ def test_update_weights_copies_in_place_and_static_decodes_the_new_weights(batch
 class CallSignatureOnly(nn.Module):
     """Has a causal LM's call signature but no transformers config (eager can run such stand-ins)."""
 
-    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, **kwargs):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=True, **kwargs):
         raise AssertionError("static must refuse before any forward")
 
 

@@ -19,5 +19,6 @@ class ReinforcePlusPlusBaseline(Algorithm):
 
     def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
         mean, _, _ = ppo.group_mean_std(rollout.scores, rollout.valid, rollout.group_size)
-        centred = torch.where(rollout.valid, rollout.scores - mean, torch.zeros_like(mean))
+        # Centred in float64 (see group_mean_std: an equal group centres to exactly 0), then back to the scores' dtype.
+        centred = torch.where(rollout.valid, rollout.scores - mean, torch.zeros_like(mean)).to(rollout.scores.dtype)
         return whitened_returns(centred, rollout, self.config.gamma), None
