@@ -12,6 +12,7 @@ import difflib
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
@@ -260,6 +261,15 @@ def _strategy_plan(strategy: Any) -> tuple[str, Callable[[int, tuple[str, ...]],
     return name, strategy.build_plan if isinstance(strategy, PlacementStrategy) else None
 
 
+UPSTREAM_FUTURE_WARNINGS = (
+    # Lightning 2.6's CombinedLoader reads torch's deprecated LeafSpec on every fit (Lightning-AI/pytorch-lightning
+    # #21326): not a call of ours, and nothing a user can change. pyproject.toml's pytest settings ignore the same one.
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+"""Messages of FutureWarnings that upstream code raises about its own internals; the command line does not print
+them. Any other deprecation still prints (and fails the tests)."""
+
+
 def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
     """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script.
 
@@ -268,6 +278,8 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
         prog: The program name in usage lines (default: the script's name).
     """
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings in --help
+    for message in UPSTREAM_FUTURE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     return RLHFCLI(
         RLHFModule,
         PromptDataModule,

@@ -180,6 +180,11 @@ class PPOConfig:
     ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm`` (Dr. GRPO's constant normaliser; veRL's hyphenated
     spellings work too). None: the algorithm's own (GRPO: seq_mean_token_mean; Dr. GRPO: seq_mean_token_sum_norm;
     the others: token_mean)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """``grpo``: what the group-centred rewards are divided by (TRL's ``scale_rewards``): ``group``, each group's std
+    (the paper); ``batch``, the std of every valid reward of the rollout batch (one scale for all groups, as "Tricks or
+    Traps" / Lite PPO recommend: a group whose responses differ by a tiny penalty is not blown up to unit advantages);
+    ``none``, nothing (Dr. GRPO's advantage)."""
     kl_target: float | None = None
     """Adaptive KL controller target (sum over the response, in nats). None keeps kl_coef fixed."""
     kl_horizon: int = 10000

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor, RichProgressBar
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
@@ -107,6 +107,10 @@ class RLHFModule(pl.LightningModule):
         seed: Keys sampling noise and minibatch order. Default: the seed of ``seed_everything``, else 0.
         eval_generation: Sampling settings of ``validate``, ``test`` and ``predict`` (one response per prompt).
             Default: ``generation``'s, greedy (``do_sample=False``).
+        preemption_checkpoint: Stop cleanly on SIGTERM (and SLURM's requeue signal) under the Trainer: unless the
+            Trainer has a :class:`~lightning_app_rlhf.callbacks.PreemptionCheckpoint`, one is added (finish the
+            iteration, save, exit 0). ``False`` (``--model.preemption_checkpoint false``) leaves Lightning's own
+            stop, without a checkpoint.
     """
 
     def __init__(
@@ -126,6 +130,7 @@ class RLHFModule(pl.LightningModule):
         seed: int | None = None,
         algorithm: str = "ppo",
         eval_generation: GenerationConfig | None = None,
+        preemption_checkpoint: bool = True,
     ) -> None:
         super().__init__()
         self._save_plain_hyperparameters(locals())
@@ -161,6 +166,7 @@ class RLHFModule(pl.LightningModule):
         self.actor_scheduler = actor_scheduler
         self.critic_scheduler = critic_scheduler
         self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        self.preemption_checkpoint = preemption_checkpoint
         self.shaping = RewardShaping(self.ppo, self.tokenizer.eos_token_id)
         self.actor: nn.Module | None = None
         self.critic: nn.Module | None = None
@@ -413,6 +419,8 @@ class RLHFModule(pl.LightningModule):
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
         from lightning_app_rlhf.callbacks.placement_summary import PlacementSummary
+        from lightning_app_rlhf.callbacks.preemption_checkpoint import PreemptionCheckpoint
+        from lightning_app_rlhf.callbacks.progress_bar import RLHFProgressBar
         from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 
         have = self.trainer.callbacks
@@ -423,6 +431,14 @@ class RLHFModule(pl.LightningModule):
         monitor = next((c for c in have if type(c) is LearningRateMonitor), None)
         if monitor is not None:
             callbacks.append(RoleLearningRateMonitor.like(monitor))
+        # Lightning's RichProgressBar reads "Epoch 0/-2" when max_steps (iterations) ends the run.
+        bar = next((c for c in have if type(c) is RichProgressBar), None)
+        if bar is not None:
+            callbacks.append(RLHFProgressBar.like(bar))
+        # A clean stop on SIGTERM by default; a user's own (e.g. with a dirpath) is kept, as returning one here
+        # would replace it.
+        if self.preemption_checkpoint and not any(isinstance(c, PreemptionCheckpoint) for c in have):
+            callbacks.append(PreemptionCheckpoint())
         return callbacks
 
     def attach_optimizers(self, optimizers: list[Any]) -> None:

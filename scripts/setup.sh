@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Install lightning-app-rlhf and its test tools into the current Python environment.
+# Install lightning-app-rlhf and its test tools into the current Python environment, at the known-good versions.
 # torch goes first: pinned to 2.13.0 only when no torch is installed yet, so a CPU machine never pulls
 # CUDA wheels through a bare `torch` requirement, and a GPU machine keeps (or gets) its normal build.
+# Everything else is installed through constraints.txt: the exact versions the test suite last passed with.
+# (A newer release of a dependency is tested with scripts/check_latest.sh before it gets in there.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install --quiet "torch==2.13.0"
 fi
-"$PYTHON" -m pip install --quiet -e ".[dev]"
+"$PYTHON" -m pip install --quiet -c constraints.txt -e ".[dev]"

@@ -189,6 +189,27 @@ def test_reinforce_pp_baseline_equal_group_without_kl_gives_zero():
     assert_close(advantages, torch.zeros(2, 2), rtol=0, atol=0)
 
 
+def test_grpo_scale_rewards_batch_divides_by_the_batch_std_and_none_by_nothing():
+    """Scores (1, 2, 3 | 5, 5, 5): centred (-1, 0, 1 | 0, 0, 0). The batch's sample variance: squared deviations from
+    3.5 sum to 6.25 + 2.25 + 0.25 + 3 x 2.25 = 15.5, / 5 = 3.1. ``none`` keeps the centred rewards."""
+    rollout = scored([1, 2, 3, 5, 5, 5], MASK_6, 3)
+    batch, _ = algorithm("grpo", scale_rewards="batch").advantages(rollout)
+    scale = math.sqrt(3.1) + EPS
+    assert_close(batch, per_token([-1 / scale, 0.0, 1 / scale, 0.0, 0.0, 0.0]), rtol=0, atol=1e-7)
+    unscaled, _ = algorithm("grpo", scale_rewards="none").advantages(rollout)
+    assert_close(unscaled, per_token([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0]), rtol=0, atol=0)
+
+
+def test_grpo_batch_scale_leaves_skipped_samples_out():
+    """(1, skipped, 3 | 4, 4, 4): the batch std is that of (1, 3, 4, 4, 4): mean 3.2, squared deviations 4.84 +
+    0.04 + 3 x 0.64 = 6.8, / 4 = 1.7; centred (-1, 0, 1 | 0, 0, 0)."""
+    mask = [[1, 1, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    rollout = scored([1, 0, 3, 4, 4, 4], mask, 3, valid=[True, False, True, True, True, True])
+    advantages, _ = algorithm("grpo", scale_rewards="batch").advantages(rollout)
+    scale = math.sqrt(1.7) + EPS
+    assert_close(advantages, per_token([-1 / scale, 0.0, 1 / scale, 0.0, 0.0, 0.0], mask), rtol=0, atol=1e-7)
+
+
 # ------------------------------------------------------------------------------------------- equal-reward groups
 
 # Group sizes and float32 scores whose sum is not exact in float32 (-0.7 x 8 rounds; 3.2006216 is what a reward
@@ -206,11 +227,12 @@ def equal_groups_then_a_spread_one(value: float, group_size: int) -> ScoredRollo
 
 @pytest.mark.parametrize("value", EQUAL_SCORES)
 @pytest.mark.parametrize("group_size", EQUAL_GROUP_SIZES)
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
-def test_a_group_of_equal_rewards_gets_advantage_exactly_zero(name, group_size, value):
+@pytest.mark.parametrize("name,config", [("grpo", {}), ("grpo", {"scale_rewards": "batch"}), ("dr_grpo", {}),
+                                         ("rloo", {})])
+def test_a_group_of_equal_rewards_gets_advantage_exactly_zero(name, config, group_size, value):
     """Exactly 0 for the equal group, whatever its size and value; the group beside it still learns."""
     rollout = equal_groups_then_a_spread_one(value, group_size)
-    advantages, _ = algorithm(name, num_samples=group_size).advantages(rollout)
+    advantages, _ = algorithm(name, num_samples=group_size, **config).advantages(rollout)
     assert torch.equal(advantages[:group_size], torch.zeros(group_size, 1))
     assert advantages[group_size:].abs().max() > 0.1
 

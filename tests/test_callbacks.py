@@ -1,4 +1,5 @@
-"""Tests for the callbacks' own logic: ``RLHFRunSummary``'s window, ``LogCompletions``' tables and loggers."""
+"""Tests for the callbacks' own logic: ``RLHFRunSummary``'s window, ``LogCompletions``' tables and loggers,
+``RLHFProgressBar``'s description."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.callbacks import LogCompletions, RLHFRunSummary
+from lightning_app_rlhf.callbacks import LogCompletions, RLHFProgressBar, RLHFRunSummary
 from lightning_app_rlhf.callbacks.log_completions import markdown_table
 
 
@@ -256,3 +260,57 @@ def test_log_completions_in_a_real_fit(demo_tokenizer, tiny_gpt2_config, tmp_pat
         lines = text.split("\n")  # generated text may hold other characters str.splitlines() splits at
         assert lines[0] == "| prompt | completion | reward |" and len(lines) == 2 + 3
         assert all(line.startswith("| ") and line.endswith(" |") for line in lines[2:])
+
+
+# ---- RLHFProgressBar ----
+
+
+class _Descriptions(Callback):
+    """Records the training bar's text after each iteration (runs after the bar, which is listed first)."""
+
+    def __init__(self, bar: RichProgressBar) -> None:
+        self.bar, self.seen = bar, []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seen.append(self.bar.train_progress_bar.description.rstrip())
+
+
+def _descriptions(tmp_path, bar: RichProgressBar, **limits: Any) -> list[str]:
+    spy = _Descriptions(bar)
+    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1, limit_val_batches=0,
+                         limit_train_batches=2, callbacks=[bar, spy], **limits)
+    trainer.fit(BoringModel())
+    return spy.seen
+
+
+def test_progress_bar_counts_iterations_of_max_steps(tmp_path):
+    """Under max_steps the bar reads iterations out of max_steps (and the epoch, without a total); under max_epochs
+    Lightning's "Epoch i/last". Lightning's own bar reads "Epoch 0/-2" under max_steps."""
+    assert _descriptions(tmp_path, RLHFProgressBar(), max_steps=5) == [
+        "Iteration 1/5, epoch 0", "Iteration 2/5, epoch 0", "Iteration 3/5, epoch 1", "Iteration 4/5, epoch 1",
+        "Iteration 5/5, epoch 2"]
+    assert _descriptions(tmp_path, RLHFProgressBar(), max_epochs=2) == ["Epoch 0/1"] * 2 + ["Epoch 1/1"] * 2
+    assert _descriptions(tmp_path, RLHFProgressBar(), max_steps=3, max_epochs=5) == [
+        "Iteration 1/3, epoch 0/4", "Iteration 2/3, epoch 0/4", "Iteration 3/3, epoch 1/4"]
+    # When this fails, Lightning's bar reads something true under max_steps and RLHFProgressBar may go.
+    assert _descriptions(tmp_path, RichProgressBar(), max_steps=2) == ["Epoch 0/-2"] * 2
+
+
+def test_rlhf_module_swaps_a_rich_progress_bar_for_one_with_its_settings(demo_tokenizer, tiny_gpt2_config):
+    """A RichProgressBar given to the Trainer becomes an RLHFProgressBar with its refresh rate, leave, theme,
+    console arguments and enabled state; another progress bar, or an RLHFProgressBar, stays."""
+    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=demo_tokenizer, reward_fn=demo.topic_reward)
+
+    def swapped(*callbacks: Callback) -> list[RLHFProgressBar]:
+        module.trainer = SimpleNamespace(callbacks=list(callbacks))
+        return [c for c in module.configure_callbacks() if isinstance(c, RichProgressBar)]
+
+    theme = RichProgressBarTheme(description="green")
+    given = RichProgressBar(refresh_rate=3, leave=True, theme=theme, console_kwargs={"width": 80})
+    given.disable()
+    (bar,) = swapped(given)
+    assert type(bar) is RLHFProgressBar and bar.refresh_rate == 3 and bar._leave and bar.theme is theme
+    assert bar._console_kwargs == {"width": 80} and bar.is_disabled
+    assert swapped(TQDMProgressBar()) == [] and swapped(RLHFProgressBar()) == []

@@ -21,7 +21,8 @@ GROUP_STD_EPS = 1e-6
 class GRPO(Algorithm):
     """``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` on every token of response i; each response's token
     losses averaged, then the responses (``seq_mean_token_mean``). The paper's KL is a loss term: set
-    ``ppo.kl_loss_coef`` (beta, 0.04 in the paper) and ``ppo.kl_coef: 0``."""
+    ``ppo.kl_loss_coef`` (beta, 0.04 in the paper) and ``ppo.kl_coef: 0``. ``ppo.scale_rewards`` picks the divisor:
+    the group's std (``group``, the paper), the batch's (``batch``) or none (``none``)."""
 
     name = "grpo"
     min_group_size = 2
@@ -30,4 +31,10 @@ class GRPO(Algorithm):
     def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
         rewards = sequence_rewards(rollout)
         mean, std, _ = ppo.group_mean_std(rewards, rollout.valid, rollout.group_size)
-        return per_token((rewards - mean) / (std + GROUP_STD_EPS), rollout.response_mask), None
+        centred = rewards - mean
+        if self.config.scale_rewards == "none":
+            return per_token(centred, rollout.response_mask), None
+        if self.config.scale_rewards == "batch":  # one std over every valid reward of the (gathered) rollout batch
+            valid = rewards[rollout.valid].to(torch.float64)
+            std = valid.std() if valid.numel() > 1 else torch.zeros((), dtype=torch.float64)
+        return per_token(centred / (std + GROUP_STD_EPS), rollout.response_mask), None

@@ -18,6 +18,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.imports import _IS_WINDOWS
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 _TERM, _REQUEUE = 0, 1
 
@@ -25,21 +26,28 @@ _TERM, _REQUEUE = 0, 1
 class PreemptionCheckpoint(Callback):
     """Stop a preempted run cleanly, with a checkpoint to resume from exactly.
 
+    :class:`~lightning_app_rlhf.RLHFModule` adds one to every Trainer run (its ``configure_callbacks``) unless the
+    Trainer already has one or the module was built with ``preemption_checkpoint=False``
+    (``--model.preemption_checkpoint false``): give your own to set ``dirpath``.
+
     On SIGTERM, sent to the launcher (rank 0's process, which forwards it to the other ranks) or to every rank (as
     SLURM and Kubernetes do), the run finishes its current iteration; at its end (``on_train_batch_end``) every
     rank agrees to stop (an all-reduce of the flag over the world group, the same collective at the same point on
     every rank), saves one checkpoint (``trainer.save_checkpoint``, a collective under the placement strategies) to
     ``last.ckpt`` and stops: the process exits with code 0 after the message
-    ``SIGTERM received at iteration N: saved PATH; resume with --ckpt_path last``. Resuming with
-    ``--ckpt_path last`` continues as the uninterrupted run would have.
+    ``SIGTERM received at iteration N: saved PATH; resume with --ckpt_path last`` (or ``--ckpt_path PATH`` where
+    ``last`` would not find it). Resuming so continues as the uninterrupted run would have.
 
     ``last.ckpt`` goes where ``--ckpt_path last`` finds it: the ``ModelCheckpoint`` with ``save_last`` writes it
     (its own last checkpoint, in its ``dirpath``); else it goes to ``dirpath`` if given, or to the first
-    ``ModelCheckpoint``'s directory, or to ``trainer.default_root_dir`` (resume from that path then).
+    ``ModelCheckpoint``'s directory, or to ``trainer.default_root_dir``. ``--ckpt_path last`` looks in the
+    directories of the resumed run's ``ModelCheckpoint`` callbacks: one configured with a ``dirpath`` looks in the
+    same place again, one without looks in the new run's logger directory (the next ``version_N``), so the message
+    names the file itself then.
 
-    The signal handler only sets a flag. It replaces Lightning's own SIGTERM handler from ``on_train_start`` (that
-    one runs a collective inside the handler and stops with ``SIGTERMException``, no checkpoint); Lightning
-    restores the handlers from before the fit when the fit ends.
+    The signal handler only sets a flag. It replaces Lightning's own SIGTERM handler from the sanity check or the
+    start of training, whichever comes first (Lightning's runs a collective inside the handler and stops with
+    ``SIGTERMException``, no checkpoint); Lightning restores the handlers from before the fit when the fit ends.
 
     Under SLURM with ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default there), the checkpoint is
     Lightning's ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, which a requeued job resumes from by itself (no
@@ -57,6 +65,7 @@ class PreemptionCheckpoint(Callback):
         self._requeue_signal: int | None = None
         self._forwarded = False
         self._trainer: pl.Trainer | None = None
+        self._fixed_directories: set[Path] = set()
 
     # ---- signals ----
 
@@ -84,13 +93,29 @@ class PreemptionCheckpoint(Callback):
 
     # ---- hooks ----
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Before the ModelCheckpoint callbacks resolve their directories (Lightning runs them last): the ones
+        # configured with a dirpath are where a resumed run's `--ckpt_path last` looks again.
+        self._fixed_directories = {Path(c.dirpath).resolve() for c in trainer.checkpoint_callbacks
+                                   if isinstance(c, ModelCheckpoint) and c.dirpath is not None}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer, self._flags, self._forwarded = trainer, [False, False], False
         environment = trainer._accelerator_connector.cluster_environment
         auto_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue and not _IS_WINDOWS
         self._requeue_signal = environment.requeue_signal if auto_requeue else None
-        self._install()  # after Lightning registered its handlers (just before the fit loop runs)
 
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()  # Lightning registered its handlers just before (after on_fit_start)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()  # again when there was no sanity check; a signal noted during it is kept
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         term, requeue = self._agree(trainer)
@@ -107,9 +132,10 @@ class PreemptionCheckpoint(Callback):
                 "a requeued job resumes from it (no --ckpt_path)"
             rank_zero_info(f"{what} received at iteration {trainer.global_step}: saved {path}; {then}")
             return
-        resume = "--ckpt_path last" if self._found_by_last(trainer, path) else f"--ckpt_path {path}"
+        resume = "--ckpt_path last" if self._found_by_last(path) else f"--ckpt_path {path}"
         rank_zero_info(f"{what} received at iteration {trainer.global_step}: saved {path}; resume with {resume}")
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = None  # (Lightning has restored the signal handlers by now)
 
@@ -120,7 +146,15 @@ class PreemptionCheckpoint(Callback):
         flags = torch.tensor([int(f) for f in self._flags], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             flags = flags.to(trainer.strategy.root_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            try:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            except (RuntimeError, dist.DistError):
+                # Another rank is gone (it died, or did not answer within the timeout), and no checkpoint can be
+                # saved without it. Not this check's to report: training goes on into the next iteration, whose
+                # first collective with that rank fails with the error that names the call and the rank that
+                # stopped (under a placement strategy; Lightning's own per-iteration SIGTERM check also ignores a
+                # failed broadcast).
+                return False, False
         term, requeue = (bool(v) for v in flags.tolist())
         return term, requeue
 
@@ -151,12 +185,10 @@ class PreemptionCheckpoint(Callback):
             callback._last_global_step_saved = trainer.global_step
         return path
 
-    @staticmethod
-    def _found_by_last(trainer: pl.Trainer, path: str) -> bool:
-        """Whether ``--ckpt_path last`` looks in ``path``'s directory (a ModelCheckpoint's)."""
-        directory = Path(path).resolve().parent
-        return any(c.dirpath is not None and Path(c.dirpath).resolve() == directory
-                   for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint))
+    def _found_by_last(self, path: str) -> bool:
+        """Whether a resumed run's ``--ckpt_path last`` looks in ``path``'s directory: a ModelCheckpoint's configured
+        ``dirpath`` (one resolved from the logger moves to the next run's ``version_N``)."""
+        return Path(path).resolve().parent in self._fixed_directories
 
 
 def _requeue_slurm_job() -> None:

@@ -54,6 +54,7 @@ from lightning_app_rlhf.strategies.sharded_checkpoint import (
     save_shards,
     staging_directory,
 )
+from lightning_app_rlhf.strategies.signal_connector import use_placement_signal_connector
 from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 
 
@@ -186,6 +187,10 @@ class PlacementStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        # Lightning's SIGTERM handler runs a collective inside the handler, which under a placement pairs with another
+        # collective on the other ranks (a hang): see PlacementSignalConnector. setup() runs before the Trainer
+        # registers its handlers.
+        use_placement_signal_connector(trainer)
         self.accelerator.setup(trainer)
         self.model_to_device()
         module = self.lightning_module
