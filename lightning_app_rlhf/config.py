@@ -232,6 +232,8 @@ class PPOConfig:
                           "penalty into the loss: kl_coef=0, kl_loss_coef>0, kl_loss_estimator='k3'.", stacklevel=3)
         if self.kl_loss_coef < 0:
             raise ValueError(f"ppo.kl_loss_coef must be >= 0, got {self.kl_loss_coef}.")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"ppo.scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
         if self.loss_agg_mode is not None:
             self.loss_agg_mode = self.loss_agg_mode.replace("-", "_")
             if self.loss_agg_mode not in LOSS_AGG_MODES:

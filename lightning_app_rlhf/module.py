@@ -147,6 +147,9 @@ class RLHFModule(pl.LightningModule):
                                                    num_samples=1, **({} if eval_generation else {"do_sample": False}))
         self.ppo = _as_config(PPOConfig, ppo)
         self.algorithm = build_algorithm(algorithm, self.ppo, self.generation)
+        if self.ppo.scale_rewards != "group" and self.algorithm.name != "grpo":
+            raise ValueError(f"ppo.scale_rewards={self.ppo.scale_rewards!r} applies to algorithm 'grpo' only, not "
+                             f"{self.algorithm.name!r}: remove it, or use --model.algorithm grpo.")
         self._check_critic_arguments(critic, critic_optimizer, critic_scheduler)
         self.actor_spec = as_model_spec(actor, "actor")
         self.critic_spec = (as_model_spec(critic, "critic") if critic is not None else self.actor_spec) if self.has_critic else None

@@ -102,6 +102,21 @@ def test_prompt_capped_by_max_prompt_length_fits(tokenizer, tiny_gpt2_config):
     assert trainer.global_step == 1
 
 
+# ---- algorithm options ----
+
+
+def test_scale_rewards_outside_its_values():
+    with pytest.raises(ValueError, match=r"ppo\.scale_rewards must be 'group', 'batch' or 'none', got 'std'"):
+        PPOConfig(scale_rewards="std")
+
+
+def test_scale_rewards_on_an_algorithm_other_than_grpo(tokenizer, tiny_gpt2_config):
+    """Dr. GRPO never scales, RLOO and the others have no group std: a scale_rewards there would do nothing."""
+    with pytest.raises(ValueError, match=r"applies to algorithm 'grpo' only, not 'rloo': remove it, or use "):
+        RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=lambda p, r: [0.0] * len(r),
+                   algorithm="rloo", generation=GenerationConfig(num_samples=2), ppo=PPOConfig(scale_rewards="batch"))
+
+
 # ---- batch shape ----
 
 

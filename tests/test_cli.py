@@ -18,11 +18,13 @@ METRICS = [
 ]
 
 
-def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def _run(*args: str, cwd: Path, timeout: float = 300, one_thread: bool = True) -> subprocess.CompletedProcess:
+    """``python -m lightning_app_rlhf ARGS`` in ``cwd``; ``one_thread=False`` keeps torch's default thread count (as the
+    README's commands run)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
     return subprocess.run(
         [sys.executable, "-m", "lightning_app_rlhf", *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=300, check=False,
+        timeout=timeout, check=False,
     )
 
 

