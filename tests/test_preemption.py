@@ -73,7 +73,8 @@ def common(tmp_path: Path, run: str, strategy: str, devices: int) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy,devices,every_rank", [
-    ("rlhf_separation", 2, False),  # SIGTERM to the launcher (rank 0), which forwards it
+    # SIGTERM to the launcher (rank 0), which forwards it; the default run stops the shipped demo config this way
+    pytest.param("rlhf_separation", 2, False, marks=pytest.mark.slow),
     pytest.param("rlhf_separation", 2, True, marks=pytest.mark.slow),  # to every rank, as SLURM and Kubernetes do
     pytest.param("auto", 1, False, marks=pytest.mark.slow),
 ])
@@ -262,7 +263,6 @@ def test_the_shipped_demo_config_stops_cleanly_on_sigterm(demo_stop):
     assert [r["step"] for r in stop.after] == list(range(iteration, DEMO_STEPS))
 
 
-@pytest.mark.slow  # the exact resume after a SIGTERM under Separation on 2 processes is the default run's test above
 def test_the_shipped_demo_config_resumes_as_the_uninterrupted_run(demo_stop):
     """The resumed demo logs the uninterrupted demo's values at every step after the stop."""
     stop = demo_stop
