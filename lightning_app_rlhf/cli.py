@@ -12,7 +12,6 @@ import difflib
 import functools
 import inspect
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
@@ -44,6 +43,7 @@ from lightning_app_rlhf.planner.command import (
 )
 from lightning_app_rlhf.planner.workload import workload_from_module
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
+from lightning_app_rlhf.upstream_warnings import UPSTREAM_WARNINGS
 
 PLAN = "plan"
 """The subcommand that runs the planner instead of a Trainer method."""
@@ -115,7 +115,7 @@ class RLHFCLI(LightningCLI):
         # No Trainer (the config's accelerator and devices need not exist on this machine) and no models:
         # RLHFModule builds them in configure_model, which planning never calls.
         try:
-            self.config_init = self.parser.instantiate_classes(self.config)
+            self.config_init = self.parser.instantiate(self.config)  # jsonargparse >= 4.49; was instantiate_classes
         except (ValueError, FileNotFoundError) as err:  # the module's or the data's own message names the fix
             sys.exit(report_error(err.__cause__ if isinstance(err.__cause__, (ValueError, OSError)) else err,
                                   bool(self.config[PLAN].get("json"))))
@@ -261,15 +261,6 @@ def _strategy_plan(strategy: Any) -> tuple[str, Callable[[int, tuple[str, ...]],
     return name, strategy.build_plan if isinstance(strategy, PlacementStrategy) else None
 
 
-UPSTREAM_FUTURE_WARNINGS = (
-    # Lightning 2.6's CombinedLoader reads torch's deprecated LeafSpec on every fit (Lightning-AI/pytorch-lightning
-    # #21326): not a call of ours, and nothing a user can change. pyproject.toml's pytest settings ignore the same one.
-    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-)
-"""Messages of FutureWarnings that upstream code raises about its own internals; the command line does not print
-them. Any other deprecation still prints (and fails the tests)."""
-
-
 def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
     """Entry point of ``python -m lightning_app_rlhf`` and the ``lightning-app-rlhf`` console script.
 
@@ -278,8 +269,8 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
         prog: The program name in usage lines (default: the script's name).
     """
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings in --help
-    for message in UPSTREAM_FUTURE_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for upstream in UPSTREAM_WARNINGS:  # deprecations raised by dependencies' own calls: nothing a user can change
+        upstream.ignore()
     return RLHFCLI(
         RLHFModule,
         PromptDataModule,

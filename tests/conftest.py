@@ -4,8 +4,16 @@ import pytest
 import torch
 
 from lightning_app_rlhf.demo import build_tokenizer
+from lightning_app_rlhf.upstream_warnings import UPSTREAM_WARNINGS
 
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    """pyproject.toml makes every deprecation an error; these are the ones raised by dependencies' own calls. Added
+    after the ini's entries, so they take precedence."""
+    for upstream in UPSTREAM_WARNINGS:
+        config.addinivalue_line("filterwarnings", upstream.pytest_filter())
 
 TINY_GPT2 = {
     "model_type": "gpt2",

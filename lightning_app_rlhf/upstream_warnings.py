@@ -1,0 +1,67 @@
+"""Deprecation warnings that upstream code raises about its own calls, not ours: ignored by the command line and
+by the test suite (where every other deprecation is an error), each with the place upstream that tracks it.
+
+Plain data and the standard library only. ``tests/conftest.py`` turns the list into pytest ``filterwarnings``
+entries; :func:`~lightning_app_rlhf.cli.main` ignores the same list. Add an entry only for a warning raised inside a
+dependency's own code path (its stack shows no call of ours deprecated), and remove it when the fixed release is in
+``constraints.txt``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class UpstreamWarning:
+    """One upstream deprecation warning, matched as Python's warning filters match.
+
+    Args:
+        message: A regular expression the start of the warning's message must match (no ``:``).
+        category: The warning class.
+        module: A regular expression the module the warning is attributed to must match ("" for any).
+        upstream: Where it is tracked (an issue or pull request), or what raises it where none is filed.
+    """
+
+    message: str
+    category: type[Warning]
+    module: str
+    upstream: str
+
+    def ignore(self) -> None:
+        """Ignore this warning in this process (``warnings.filterwarnings``)."""
+        warnings.filterwarnings("ignore", message=self.message, category=self.category, module=self.module)
+
+    def pytest_filter(self) -> str:
+        """This warning as a pytest ``filterwarnings`` entry that ignores it."""
+        return f"ignore:{self.message}:{self.category.__name__}:{self.module}"
+
+
+UPSTREAM_WARNINGS: tuple[UpstreamWarning, ...] = (
+    UpstreamWarning(
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, "",
+        "Lightning 2.6's CombinedLoader under torch 2.13, on every Trainer.fit: Lightning-AI/pytorch-lightning#21326",
+    ),
+    UpstreamWarning(
+        "", DeprecationWarning, r"lightning\.pytorch\.cli",
+        "LightningCLI's own jsonargparse calls (add_instantiator, instantiate_classes, skip_none) under jsonargparse "
+        ">= 4.49: Lightning-AI/pytorch-lightning#21900, fixed by #21906 after Lightning 2.6.6",
+    ),
+    UpstreamWarning(
+        "`is_gradient_checkpointing` is deprecated", FutureWarning, "",
+        "peft 0.21.2's get_peft_model reads transformers 5.24's deprecated model.is_gradient_checkpointing "
+        "(no upstream issue found)",
+    ),
+    UpstreamWarning(
+        r"`torch\.jit\.script_method` is deprecated", DeprecationWarning, "",
+        "torch 2.13's own torch.utils.mkldnn, imported by torch._inductor when DeepSpeed 0.19.8 compiles its Muon "
+        "optimizer at import (in every ZeRO engine's optimizer check)",
+    ),
+    UpstreamWarning(
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning, "",
+        "DeepSpeed 0.19.8's ZeRO collectives (deepspeed.comm, partition_parameters) under torch 2.13's renamed all_gather_single and "
+        "reduce_scatter_single; the same rename is huggingface/accelerate#4269",
+    ),
+)
+"""Every upstream deprecation the command line and the tests ignore."""
