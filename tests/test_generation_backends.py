@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 from torch.testing import assert_close
 
@@ -326,7 +327,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_cuda_static_gives_the_tokens_of_eager(family, batch):
     """On CUDA, float32: the compiled (CUDA-graph) static decoder samples eager's tokens for the same keys."""
     model = build(family).cuda()
-    cuda_batch = {key: value.cuda() for key, value in batch.items()}
+    cuda_batch = move_data_to_device(batch, "cuda")
     config = GenerationConfig(max_new_tokens=16)
     eager = run(model, cuda_batch, config)
     for _ in range(2):  # the second call replays the captured graph on the reused cache
@@ -339,7 +340,7 @@ def test_cuda_bf16_static_decode_runs(batch):
     """A bf16 Llama-style model decodes with the compiled static backend: valid masks, finite log-probs at or below
     0, and mostly eager's tokens (bf16 rounding differs between the two attention lengths)."""
     model = build("llama").to("cuda", torch.bfloat16)
-    cuda_batch = {key: value.cuda() for key, value in batch.items()}
+    cuda_batch = move_data_to_device(batch, "cuda")
     config = GenerationConfig(max_new_tokens=16)
     static = run(model, cuda_batch, replace(config, backend="static"))
     eager = run(model, cuda_batch, config)
