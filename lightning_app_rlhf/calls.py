@@ -1,7 +1,7 @@
 """The model calls of one iteration, besides ``actor.generate`` (see ``generation.py``).
 
 ``reference.forward``, ``critic.forward`` and ``reward.forward`` score a rollout; the train calls are built from
-:func:`policy_logprobs` (the algorithm's policy loss on top) and :func:`critic_loss`. Each call takes only the
+:func:`policy_logprobs` and :func:`critic_values` (the algorithm's losses on top). Each call takes only the
 tensors it needs, so a placement can run it on any group of ranks. Plain PyTorch, no Lightning.
 """
 
@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_app_rlhf import ppo
-from lightning_app_rlhf.config import PPOConfig
+from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.generation import Rollout, position_ids_from_mask, row_chunks
 from lightning_app_rlhf.roles import RewardFunction
 
@@ -93,7 +92,7 @@ def reference_forward(
 
     def forward(part: Rollout) -> torch.Tensor:
         logits = response_logits(reference, part.sequences, part.attention_mask, part.prompt_length)
-        return ppo.logprobs_from_logits(logits, part.responses, temperature) * part.response_mask
+        return functional.logprobs_from_logits(logits, part.responses, temperature) * part.response_mask
 
     return _in_chunks(forward, rollout, batch_size, lockstep_group)
 
@@ -298,9 +297,11 @@ def policy_logprobs(
     """The actor's log-probabilities [B, T] of the sampled response tokens (with gradients) and its entropies
     [B, T], at the sampling temperature: the forward of the ``actor.train`` call.
 
-    One float32 ``log_softmax`` over the vocabulary serves both, with the ops of :func:`ppo.logprobs_from_logits`
-    and :func:`ppo.entropy_from_logits` (the same numbers, one pass fewer). ``entropy_grad=False`` (no entropy term in
-    the loss): the entropy is a statistic, computed without a graph, so backward skips it."""
+    One float32 ``log_softmax`` over the vocabulary serves both, with the ops of
+    :func:`~lightning_app_rlhf.algorithms.functional.logprobs_from_logits` and
+    :func:`~lightning_app_rlhf.algorithms.functional.entropy_from_logits` (the same numbers, one pass fewer).
+    ``entropy_grad=False`` (no entropy term in the loss): the entropy is a statistic, computed without a graph, so
+    backward skips it."""
     logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length)
     responses = batch.sequences[:, batch.prompt_length :]
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 is x: skip the pass
@@ -311,29 +312,11 @@ def policy_logprobs(
     return logprobs, entropy
 
 
-def critic_loss(
-    critic: nn.Module, batch: Experience, config: PPOConfig, token_count: torch.Tensor | None = None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The ``critic.train`` loss on one minibatch (or shard, see :func:`actor_loss`): the clipped value loss,
-    scaled by ``value_loss_coef``."""
-    return critic_loss_from_values(critic_values(critic, batch), batch, config, token_count)
-
-
 def critic_values(critic: nn.Module, batch: Experience | Rollout) -> torch.Tensor:
     """The critic's values [B, T] of the states before each response token, unmasked, with gradients when enabled:
     the forward of ``critic.train`` (and of ``critic.forward``, masked)."""
     values = critic(batch.sequences, batch.attention_mask, position_ids_from_mask(batch.attention_mask))
     return values[:, batch.prompt_length - 1 : -1]
-
-
-def critic_loss_from_values(
-    values: torch.Tensor, batch: Experience, config: PPOConfig, token_count: torch.Tensor | None = None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`critic_loss` on values already computed (with gradients) for ``batch``'s rows."""
-    loss, clipfrac = ppo.value_loss(
-        values, batch.values, batch.returns, batch.response_mask, config.clip_range_value, token_count
-    )
-    return config.value_loss_coef * loss, {"value/loss": loss.detach(), "value/clipfrac": clipfrac}
 
 
 def describe_nonfinite(scores: torch.Tensor) -> str:

@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
-from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner, _padded_prompt_length
+from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
 from lightning_app_rlhf.checkpoint import (
     CheckpointError,
     is_sharded_checkpoint,
@@ -41,7 +41,7 @@ from lightning_app_rlhf.planner.command import (
     run_plan_command,
     workload_name,
 )
-from lightning_app_rlhf.planner.workload import workload_from_module
+from lightning_app_rlhf.planner.workload import workload_from_data
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 from lightning_app_rlhf.upstream_warnings import UPSTREAM_WARNINGS
 
@@ -149,15 +149,13 @@ class RLHFCLI(LightningCLI):
                              f"does. Add {missing} (model.actor and model.tokenizer, or data.prompts), or give no "
                              "training config to plan named sizes (--actor ...).")
         datamodule.setup("fit")  # reads and tokenises the prompts (truncated at data.max_prompt_length); no model
-        lengths = [len(ids) for ids in datamodule.dataset.input_ids]
-        prompt_length = _padded_prompt_length(lengths, datamodule.batch_size)
-        workload = workload_from_module(module, datamodule.batch_size, prompt_length)
+        workload = workload_from_data(module, datamodule)
         critic = workload.critic.name if workload.critic is not None else None
         workload = replace(workload, name=workload_name(workload.actor.name, critic, workload.algorithm,
                                                         workload.num_samples, workload.lora_rank))
         cluster, processes, cluster_note = _cluster_of(options.cluster, trainer)
-        prompt_note = (f"Prompt length {prompt_length}: the mean longest tokenised prompt of a batch of data.batch_size "
-                       f"{datamodule.batch_size} prompts, as PlacementTuner reads it.")
+        prompt_note = (f"Prompt length {workload.prompt_length}: the mean longest tokenised prompt of a batch of "
+                       f"data.batch_size {datamodule.batch_size} prompts, as PlacementTuner reads it.")
         strategy, strategy_plan = _strategy_plan(trainer.strategy)
         return TrainingRun(
             workload=workload,

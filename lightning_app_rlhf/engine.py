@@ -1,10 +1,13 @@
-"""``RLHFEngine``: the model calls of one RLHF iteration on this rank. Plain PyTorch, no Lightning.
+"""``RLHFEngine``: one RLHF iteration on this rank. Plain PyTorch, no Lightning.
 
-Each call runs on its group's ranks (the :class:`~lightning_app_rlhf.placement.Placement` decides which) and its
-outputs are gathered to every rank, so every rank goes through the same steps in the same order: generate, score,
-advantages (the algorithm's), train, reallocate. Each role runs through its
+:meth:`RLHFEngine.run_iteration` is the one place that runs an iteration: it takes, in order, the steps that
+:func:`~lightning_app_rlhf.iteration.iteration_steps` lists for the plan (the same steps the planner's cost model
+prices): generate, gather the rollout, the forward calls and their gathers, the advantages (the algorithm's), the
+train calls and their statistics, the reallocations, the learning rates. Each call runs on its group's ranks (the
+:class:`~lightning_app_rlhf.placement.Placement` decides which), through its role's
 :class:`~lightning_app_rlhf.wrappers.RoleWrapper` (backward, clipping, step, full parameters). The caller owns the
-loop and the optimizers: :class:`~lightning_app_rlhf.RLHFModule` binds it to Lightning's Trainer and Fabric.
+loop, the optimizers and the schedulers: :class:`~lightning_app_rlhf.RLHFModule` binds it to Lightning's Trainer and
+Fabric.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,23 +25,25 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_app_rlhf.algorithms import Algorithm
+from lightning_app_rlhf.algorithms import Algorithm, LossScale
+from lightning_app_rlhf.batch_split import check_batch_split, micro_batch_count
 from lightning_app_rlhf.calls import (
     Experience,
     critic_forward,
-    critic_loss_from_values,
     critic_values,
     minibatch_permutation,
+    policy_logprobs,
     reference_forward,
     reward_forward,
     split_minibatches,
 )
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.experience import RewardShaping, make_experience
-from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, sample_keys
+from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
+from lightning_app_rlhf.iteration import FORWARD_ROLES, Step, iteration_steps
 from lightning_app_rlhf.memory import RoleMemory, role_memory
+from lightning_app_rlhf.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.placement import Placement, TensorSpec
-from lightning_app_rlhf.ppo import LossScale
 from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction, precision_context
 from lightning_app_rlhf.tensor_parallel import TensorParallelCopy, received_bytes
@@ -64,18 +70,16 @@ class DivergenceError(RuntimeError):
 
 @dataclass
 class RLHFEngine:
-    """The calls of one iteration over the roles this rank holds.
+    """One iteration over the roles this rank holds, and the state it carries to the next one.
 
     Args:
-        placement: Which ranks run each call, and the collectives between them.
+        placed: The placement, and this rank's wrappers and tensor-parallel copies.
         algorithm: Roles, advantages and losses.
-        generation: Sampling settings.
+        generation: Sampling settings of the training rollouts.
         config: Epochs, minibatches and gradient clipping of the train calls.
         tokenizer: Decodes responses for a reward function; gives the EOS and pad ids.
         shaping: Score shaping and the KL coefficient, stateful across iterations.
         modules: Role -> its module on this rank (None where this rank does not hold it).
-        wrappers: Role -> its wrapper on this rank: the roles this rank trains, and the frozen roles the plan
-            shards here.
         reward_fn: The reward function, when the reward is not a model.
         seed: Keys the sampling noise and the minibatch order.
         precisions: Role -> its precision (``32-true``, ``bf16-mixed``, ``bf16-true``); every call of the role runs
@@ -85,38 +89,170 @@ class RLHFEngine:
             rounded to bfloat16 before they are sent to them.
     """
 
-    placement: Placement
+    placed: PlacedRoles
     algorithm: Algorithm
     generation: GenerationConfig
     config: PPOConfig
     tokenizer: PreTrainedTokenizerBase
     shaping: RewardShaping
-    modules: Callable[[str], nn.Module | None]
-    wrappers: dict[str, RoleWrapper]
+    modules: Models
     reward_fn: RewardFunction | None
     seed: int
     precisions: dict[str, str] = field(default_factory=dict)
     shadow_precisions: dict[str, str] = field(default_factory=dict)
+    pending_experience: Experience | None = field(default=None, init=False)
+    """With ``plan.overlap``: the rollout scored last iteration, trained on in this one (checkpointed)."""
+    _checked_prompts: int | None = field(default=None, init=False, repr=False)
+    """The batch size :func:`check_batch_split` last passed (checked again only when it changes)."""
     _batch_rows: int = field(default=0, init=False, repr=False)
     """Rows of the rollout being scored (the train call's one minibatch)."""
     _kept_values: KeptValues | None = field(default=None, init=False, repr=False)
     """The critic's scoring forward of this iteration, with its graph, kept for its train call
     (:attr:`reuses_critic_forward`)."""
 
+    @property
+    def placement(self) -> Placement:
+        return self.placed.placement
+
+    @property
+    def wrappers(self) -> dict[str, RoleWrapper]:
+        return self.placed.wrappers
+
+    # ---- one iteration: the steps of iteration_steps(plan), in order ----
+
+    def run_iteration(
+        self, batch: dict[str, Any], iteration: int, schedulers: Iterable[Any] = ()
+    ) -> IterationResult:
+        """One iteration on the prompts of ``batch``: this rank takes the steps of
+        :func:`~lightning_app_rlhf.iteration.iteration_steps` whose ranks include it, in order. A collective on every
+        rank of its step.
+
+        Args:
+            batch: The global batch of prompts (every rank has all of it); each is sampled ``generation.num_samples``
+                times.
+            iteration: The iteration's number: keys the sampling noise and the minibatch order.
+            schedulers: This rank's LR schedulers, stepped once after the updates, before the learning rates are
+                broadcast.
+
+        Raises:
+            DivergenceError: On every rank, once a role's updates diverged.
+        """
+        prompts = batch["input_ids"].shape[0]
+        if prompts != self._checked_prompts:
+            self.check_batch(prompts)
+        plan = self.placement.plan
+        state = IterationState(repeat_samples(batch, self.generation.num_samples), iteration, self._now())
+        # With overlap, the train steps work on the previous iteration's rollout: none before the first one.
+        previous = self.pending_experience if plan.overlap else None
+        for step in iteration_steps(plan, first=plan.overlap and previous is None):
+            if self.placement.rank in step.ranks:
+                self._run_step(step, state, previous, schedulers)
+            state.mark(step, self._now())
+        assert state.rollout is not None and state.experience is not None
+        if plan.overlap:
+            self.pending_experience = state.experience
+        stats = state.stats
+        stats["reallocate/bytes"] = float(state.reallocated_bytes)
+        if plan.overlap:
+            trained_on = state.trained_on
+            stats["overlap/staleness"] = float(iteration - trained_on.iteration) if trained_on is not None else 0.0
+        samples = len(state.rollout.sequences)
+        self.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=samples)
+        stats.update(state.timings(plan.overlap, samples, state.rollout.response_mask.sum().item()))
+        return IterationResult(stats, state.rollout, state.scores, state.learning_rates)
+
+    def check_batch(self, prompts: int) -> None:
+        """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration split over this plan's minibatches,
+        ranks and micro-batches (:func:`~lightning_app_rlhf.batch_split.check_batch_split`)."""
+        check_batch_split(prompts, self.generation.num_samples, self.config.num_minibatches,
+                          self.config.micro_batch_size, self.placement.plan, self.algorithm.trainable_roles)
+        self._checked_prompts = prompts
+
+    def _run_step(
+        self, step: Step, state: IterationState, previous: Experience | None, schedulers: Iterable[Any]
+    ) -> None:
+        """One step of the iteration on this rank (it is one of the step's ranks)."""
+        role = step.name.split(".")[0]
+        experience = previous if step.previous_rollout else state.experience
+        trains = experience is not None and bool(experience.response_mask.any())  # else every score was skipped
+        if step.kind == "call" and step.name == ACTOR.call("generate"):
+            state.generated = self.generate_shard(state.batch, state.iteration)
+        elif step.kind == "gather" and step.name == ACTOR.call("generate"):
+            state.rollout = self.gather_rollout(state.batch, state.generated)
+            self._batch_rows = len(state.rollout.sequences)
+        elif step.kind == "call" and step.name.endswith(".forward"):
+            state.forwards[role] = self.forward_shard(role, state.rollout, state.batch.get("fields"), state.iteration)
+        elif step.kind == "gather":
+            name, ndim = FORWARD_OUTPUTS[role]
+            out = self.placement.gather_to_world(step.name, state.forwards.get(role), {name: TensorSpec(torch.float32,
+                                                                                                        ndim)})
+            state.gathered[role] = out[name][:, : state.rollout.response_mask.shape[1]] if ndim == 2 else out[name]
+            if len(state.gathered) == sum(r in self.placement.plan.roles for r in FORWARD_ROLES):
+                self._make_experience(state)
+        elif step.kind == "call" and trains:  # a train call
+            state.trained[role] = self._update(role, experience, self.wrappers[role])
+        elif step.kind == "broadcast" and step.what == "stats" and trains:
+            state.add_train_stats(self._broadcast_train_stats(role, state.trained.get(role)), experience)
+        elif step.kind == "reallocate" and state.trained_on is not None:
+            state.reallocated_bytes += self._reallocate(role)
+        elif step.kind == "broadcast" and step.what == "lr":
+            if not state.schedulers_stepped:
+                for scheduler in schedulers:
+                    scheduler.step()
+                state.schedulers_stepped = True
+            state.learning_rates.update(self.role_learning_rates(role))
+
+    def _make_experience(self, state: IterationState) -> None:
+        """The algorithm's advantages on the gathered rollout, on every rank (cheap, and it saves a broadcast)."""
+        gathered = state.gathered
+        state.experience, stats = make_experience(state.rollout, gathered[REFERENCE.name], gathered[REWARD.name],
+                                                  gathered.get(CRITIC.name), self.algorithm, self.shaping,
+                                                  state.iteration)
+        state.stats.update(stats)
+        state.scores = gathered[REWARD.name]
+
+    def learning_rates(self) -> dict[str, float]:
+        """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role's first parameter group, on every
+        rank, from the ranks that hold its optimizer (a collective: call it on every rank)."""
+        rates: dict[str, float] = {}
+        for role in self.algorithm.trainable_roles:
+            rates.update(self.role_learning_rates(role))
+        return rates
+
+    def role_learning_rates(self, role: str) -> dict[str, float]:
+        """:meth:`learning_rates` of one role: a broadcast from its train call's leader."""
+        names = [f"lr-{role}", f"lr-{role}-momentum", f"lr-{role}-weight_decay"]
+        mine = None
+        if self.placement.runs(f"{role}.train"):
+            group = self.wrappers[role].optimizer.param_groups[0]
+            momentum = group.get("momentum", group.get("betas", (0.0,))[0])
+            values = (group.get("lr", 0.0), momentum, group.get("weight_decay", 0.0))
+            mine = {name: torch.tensor(float(v), device=self.placement.device) for name, v in zip(names, values)}
+        stats = self.placement.broadcast_stats(f"{role}.train", mine, names)
+        return {name: float(value) for name, value in stats.items()}
+
+    def _now(self) -> float:
+        if self.placement.device.type == "cuda":
+            torch.cuda.synchronize(self.placement.device)
+        return time.perf_counter()
+
     # ---- actor.generate ----
 
-    def generate_shard(self, batch: dict[str, Any], iteration: int) -> dict[str, torch.Tensor] | None:
-        """``actor.generate`` on this rank's shard of the global batch (no collective); None off its group."""
+    def generate_shard(
+        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """``actor.generate`` on this rank's shard of the global batch (no collective), with ``generation`` (default:
+        the training rollouts' settings); None off its group."""
         call = ACTOR.call("generate")
         if not self.placement.runs(call):
             return None
         rows = self.placement.shard(call, batch["input_ids"].shape[0])
         with self._running(ACTOR.name):
-            part = self._generate(batch, rows, iteration)
+            part = self._generate(batch, rows, iteration, generation or self.generation)
         return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
                 "stopped": part.stopped.to(torch.uint8)}
 
-    def _generate(self, batch: dict[str, Any], rows: slice, iteration: int) -> Rollout:
+    def _generate(self, batch: dict[str, Any], rows: slice, iteration: int, generation: GenerationConfig) -> Rollout:
         """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
         generation config, ``generation.stop_token_ids`` or ``generation.stop_strings``."""
         actor = self._call_module(ACTOR.name)
@@ -133,7 +269,7 @@ class RLHFEngine:
                 actor,
                 batch["input_ids"][rows],
                 batch["attention_mask"][rows],
-                self.generation,
+                generation,
                 sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
                 eos_token_id=[self.tokenizer.eos_token_id, *model_eos_token_ids(actor)],
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -159,33 +295,15 @@ class RLHFEngine:
             stopped=out["stopped"].bool(),
         )
 
-    # ---- forward calls, then the algorithm's advantages ----
-
-    def score_rollout(
-        self, rollout: Rollout, iteration: int, row_fields: dict[str, list[Any]] | None = None
-    ) -> tuple[Experience, dict[str, torch.Tensor], torch.Tensor]:
-        """The forward calls of the algorithm's roles, each on its group's ranks, gathered to every rank; then the
-        algorithm's advantages on every rank (cheap, and it saves a broadcast). Also returns the raw scores [B]."""
-        roles = [role for role in FORWARD_OUTPUTS if role in self.algorithm.roles]
-        self._batch_rows = len(rollout.sequences)
-        # Every rank first runs the calls it owns, then joins the gathers: calls on disjoint groups overlap.
-        parts = {role: self.forward_shard(role, rollout, row_fields, iteration) for role in roles}
-        length = rollout.response_mask.shape[1]
-        gathered = {}
-        for role in roles:
-            name, ndim = FORWARD_OUTPUTS[role]
-            out = self.placement.gather_to_world(role + ".forward", parts[role], {name: TensorSpec(torch.float32, ndim)})
-            gathered[role] = out[name][:, :length] if ndim == 2 else out[name]
-        experience, stats = make_experience(rollout, gathered[REFERENCE.name], gathered[REWARD.name],
-                                            gathered.get(CRITIC.name), self.algorithm, self.shaping, iteration)
-        return experience, stats, gathered[REWARD.name]
+    # ---- forward calls ----
 
     def sample_and_score(
-        self, batch: dict[str, Any], iteration: int
+        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig
     ) -> tuple[Rollout, torch.Tensor]:
-        """Evaluation: ``actor.generate`` and ``reward.forward`` only, each on its group, gathered to every rank.
-        Returns the whole rollout and its raw scores [B]."""
-        rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration))
+        """Evaluation: ``actor.generate`` (one response per prompt, with ``generation``) and ``reward.forward`` only,
+        each on its group, gathered to every rank. Returns the whole rollout and its raw scores [B]."""
+        batch = repeat_samples(batch, 1)
+        rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration, generation))
         part = self.forward_shard(REWARD.name, rollout, batch.get("fields"), iteration)
         scores = self.placement.gather_to_world(REWARD.call("forward"), part, {"scores": TensorSpec(torch.float32, 1)})
         return rollout, scores["scores"]
@@ -284,7 +402,7 @@ class RLHFEngine:
         """This rank's tensor-parallel copy for ``role``'s generate / forward call (None: the call runs on the role's
         own module)."""
         call = ACTOR.call("generate") if role == ACTOR.name else role + ".forward"
-        return self.placement.tp_copies.get(call)
+        return self.placed.tp_copies.get(call)
 
     def _call_module(self, role: str) -> nn.Module | None:
         """The module ``role``'s generate / forward call runs on here: its tensor-parallel copy (given the current
@@ -317,15 +435,15 @@ class RLHFEngine:
 
     # ---- train calls ----
 
-    def train_role(self, role: str, experience: Experience) -> dict[str, torch.Tensor]:
-        """``role``'s train call on its group, through its wrapper; the statistics, with ``train/skipped_updates``,
-        reach every rank. Raises :class:`DivergenceError` on every rank once the role diverged."""
+    def _broadcast_train_stats(self, role: str, stats: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """``role``'s train statistics (``stats`` on its train ranks, None elsewhere), with
+        ``train/skipped_updates``, on every rank. Raises :class:`DivergenceError` on every rank once the role
+        diverged."""
         call = role + ".train"
-        wrapper = self.wrappers.get(role)
-        stats = self._update(role, experience, wrapper) if self.placement.runs(call) else None
         names = (*self.algorithm.stat_names(role), SKIPPED_UPDATES, _DIVERGED)
         stats = self.placement.broadcast_stats(call, stats, names)
         if stats.pop(_DIVERGED) > 0:
+            wrapper = self.wrappers.get(role)
             raise DivergenceError(self._leader_message(call, wrapper.skipped.diverged if wrapper else None))
         return stats
 
@@ -382,7 +500,8 @@ class RLHFEngine:
         micro = shard.tensor_split(micro_batch_count(len(indices), ranks, self.config.micro_batch_size))
         sums = torch.zeros(1 + len(names), device=experience.advantages.device)
         kept = self._kept_values if role == CRITIC.name else None
-        if kept is not None and kept.iteration == experience.iteration:
+        reused = kept is not None and kept.iteration == experience.iteration
+        if reused:
             # The scoring forward was this one (reuses_critic_forward): this rank's loss on the rows it scored. The
             # group's summed gradient is the same whichever rank takes which rows (the scale is the minibatch's).
             micro = [torch.arange(kept.rows.start, kept.rows.stop, device=indices.device)]
@@ -390,10 +509,16 @@ class RLHFEngine:
             with wrapper.accumulating(last=i == len(micro) - 1):
                 batch = experience.minibatch(rows)
                 with self._precision(role):
-                    if kept is not None and kept.iteration == experience.iteration:
-                        loss, stats = critic_loss_from_values(kept.values, batch, self.config, scale.tokens)
+                    if role == CRITIC.name:
+                        # The scoring forward's values, graph kept, or this micro-batch's forward: one loss for both.
+                        values = kept.values if reused else critic_values(wrapper.train_module, batch)
+                        loss, stats = self.algorithm.value_loss(values, batch, scale)
                     else:
-                        loss, stats = self.algorithm.loss(role, wrapper.train_module, batch, scale)
+                        # No entropy term in the loss: the entropy is only logged, so no graph for it (backward
+                        # skips a vocabulary pass).
+                        logprobs, entropy = policy_logprobs(wrapper.train_module, batch, self.generation.temperature,
+                                                            entropy_grad=self.config.entropy_coef != 0)
+                        loss, stats = self.algorithm.policy_loss(logprobs, entropy, batch, scale)
                 wrapper.backward(loss * ranks)
             zero = loss.new_zeros(())
             sums += torch.stack([loss.detach().float(), *(stats.get(n, zero).detach().float() for n in names)])
@@ -430,27 +555,19 @@ class RLHFEngine:
 
     # ---- reallocation and memory ----
 
-    def reallocate_shadows(self) -> list[int]:
-        """Refresh every shadow copy of a trained role after its update, then every tensor-parallel copy of it
-        (:meth:`_refresh_layout`); bytes moved per transfer on this rank."""
-        moved = self._reallocate_shadow_copies()
-        for role in self.algorithm.trainable_roles:
-            copy = self._tp_copy(role)
-            if copy is not None:
-                moved.append(self._refresh_layout(role, copy))
-        return moved
-
-    def _reallocate_shadow_copies(self) -> list[int]:
-        moved = []
-        for role in self.algorithm.trainable_roles:
-            shadows = self.placement.plan.shadow_ranks(role)
-            if not shadows:
-                continue
-            if self.placement.runs(role + ".train"):
-                buckets = trained_buckets(self.wrappers[role], self.shadow_precisions.get(role))
-                moved.append(self.placement.reallocate_weights(role, buckets))
-            elif self.placement.rank in shadows:
-                moved.append(self.placement.reallocate_weights(role, shadow_buckets(self.modules(role))))
+    def _reallocate(self, role: str) -> int:
+        """Refresh ``role``'s shadow copy after its update, then its tensor-parallel copy (:meth:`_refresh_layout`);
+        the bytes this rank moved."""
+        moved = 0
+        shadows = self.placement.plan.shadow_ranks(role)
+        if shadows and self.placement.runs(role + ".train"):
+            buckets = trained_buckets(self.wrappers[role], self.shadow_precisions.get(role))
+            moved += self.placement.reallocate_weights(role, buckets)
+        elif self.placement.rank in shadows:
+            moved += self.placement.reallocate_weights(role, shadow_buckets(self.modules(role)))
+        copy = self._tp_copy(role)
+        if copy is not None:
+            moved += self._refresh_layout(role, copy)
         return moved
 
     def gather_memory(self) -> list[list[RoleMemory]]:
@@ -466,7 +583,7 @@ class RLHFEngine:
                 mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
                 continue
             mine.append(role_memory(role, calls, module, self.wrappers.get(role)))
-        for call, copy in self.placement.tp_copies.items():
+        for call, copy in self.placed.tp_copies.items():
             role, kind = call.split(".")
             mine.append(RoleMemory(role, kind, copy.local_bytes(), 0, 0, tp_copy=self.placement.plan.tp_degree(call)))
         if not self.placement.distributed:
@@ -474,6 +591,15 @@ class RLHFEngine:
         everyone: list[Any] = [None] * self.placement.plan.world_size
         torch.distributed.all_gather_object(everyone, mine)
         return everyone
+
+
+def decode_rollout(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> tuple[list[str], list[str]]:
+    """Prompt texts (padding dropped) and completion texts (up to and including the stop token) of a rollout."""
+    prompt_mask = rollout.attention_mask[:, : rollout.prompt_length].bool()
+    prompts = [tokenizer.decode(ids[mask]) for ids, mask in
+               zip(rollout.sequences[:, : rollout.prompt_length], prompt_mask)]
+    completions = [tokenizer.decode(ids[mask]) for ids, mask in zip(rollout.responses, rollout.response_mask.bool())]
+    return prompts, completions
 
 
 def trained_buckets(wrapper: RoleWrapper, shadow_precision: str | None) -> Iterator[list[torch.Tensor]]:
@@ -492,6 +618,84 @@ def shadow_buckets(shadow: nn.Module) -> list[list[torch.Tensor]]:
 
 
 @dataclass
+class IterationResult:
+    """What one iteration hands back to its caller, the same on every rank."""
+
+    stats: dict[str, Any]
+    """The rollout's statistics (reward, KL, length), the train calls', the reallocation's, time and throughput."""
+    rollout: Rollout
+    """The whole rollout."""
+    scores: torch.Tensor
+    """[B] the reward's raw scores."""
+    learning_rates: dict[str, float]
+    """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) after this iteration's scheduler steps."""
+
+
+@dataclass
+class IterationState:
+    """What the steps of one iteration hand each other on this rank (:meth:`RLHFEngine.run_iteration`)."""
+
+    batch: dict[str, Any]
+    """The prompts, each repeated ``generation.num_samples`` times."""
+    iteration: int
+    start: float
+    """``time.perf_counter()`` at the start; the other marks follow the steps (:meth:`mark`)."""
+    generated: dict[str, torch.Tensor] | None = None
+    """This rank's shard of ``actor.generate`` (None off its ranks)."""
+    rollout: Rollout | None = None
+    forwards: dict[str, dict[str, torch.Tensor] | None] = field(default_factory=dict)
+    """Forward role -> this rank's shard of its call's output."""
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Forward role -> its call's output for the whole rollout."""
+    experience: Experience | None = None
+    scores: torch.Tensor | None = None
+    trained: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Trained role -> its train call's statistics on this rank, before their broadcast."""
+    trained_on: Experience | None = None
+    """The experience the train calls updated on (None: no update this iteration)."""
+    stats: dict[str, Any] = field(default_factory=lambda: {SKIPPED_UPDATES: 0.0})
+    reallocated_bytes: int = 0
+    schedulers_stepped: bool = False
+    learning_rates: dict[str, float] = field(default_factory=dict)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def add_train_stats(self, stats: dict[str, torch.Tensor], experience: Experience) -> None:
+        """A train call's broadcast statistics; the roles' skipped updates add up in one ``train/skipped_updates``."""
+        self.stats[SKIPPED_UPDATES] += stats.pop(SKIPPED_UPDATES)
+        self.stats.update(stats)
+        self.trained_on = experience
+
+    def mark(self, step: Step, now: float) -> None:
+        """The time after ``step`` (taken or not by this rank): the end of its phase so far."""
+        if step.kind == "call" and step.name == ACTOR.call("generate"):
+            self.marks["generated"] = now
+        elif step.kind == "gather" and step.name != ACTOR.call("generate"):
+            self.marks["scored"] = now
+        elif step.kind == "broadcast" and step.what == "stats":
+            self.marks["trained"] = now
+        elif step.kind == "reallocate":
+            self.marks["reallocated"] = now
+        elif step.kind == "broadcast" and step.what == "lr":
+            self.marks.setdefault("reallocated", max(self.marks.get("trained", 0.0), self.marks["scored"]))
+
+    def timings(self, overlap: bool, samples: int, tokens: float) -> dict[str, float]:
+        """Phase seconds and throughput of the iteration; a phase with no step this time (the first iteration under
+        overlap trains nothing) takes no time."""
+        marks = self.marks
+        generated, scored = marks["generated"], marks["scored"]
+        trained = marks.get("trained", generated if overlap else scored)
+        reallocated = marks.get("reallocated", max(trained, scored))
+        return {
+            "time/generate_s": generated - self.start,
+            "time/score_s": scored - (trained if overlap else generated),
+            "time/train_s": trained - (generated if overlap else scored),
+            "time/reallocate_s": reallocated - max(trained, scored),
+            "perf/samples_per_sec": samples / (reallocated - self.start),
+            "perf/gen_tokens_per_sec": tokens / (generated - self.start),
+        }
+
+
+@dataclass
 class KeptValues:
     """The critic's scoring forward on this rank's rows, with its graph, for its train call."""
 
@@ -500,15 +704,6 @@ class KeptValues:
     """This rank's rows of the rollout (its ``critic.forward`` shard)."""
     values: torch.Tensor
     """[rows, T] unmasked values, with gradients."""
-
-
-def micro_batch_count(minibatch: int, ranks: int, micro_batch_size: int | None) -> int:
-    """Micro-batches per rank for one minibatch: the same on every rank of the group (a sharded wrapper's forward
-    and backward are collectives), enough for the largest share."""
-    if micro_batch_size is None:
-        return 1
-    largest_share = -(-minibatch // ranks)
-    return -(-largest_share // micro_batch_size)
 
 
 # ---- the guard against non-finite updates ----

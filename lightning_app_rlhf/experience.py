@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
+from lightning_app_rlhf.algorithms.functional import kl_penalty
+from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.calls import Experience, describe_nonfinite
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import Rollout
-from lightning_app_rlhf.ppo import AdaptiveKLController, FixedKLController, RunningMoments, kl_penalty
 
 
 class RewardShaping:

@@ -26,7 +26,7 @@ from lightning_app_rlhf.role_table import (
     calls_of,
     role_of,
 )
-from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, wrapper_class
+from lightning_app_rlhf.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class PlacementPlan:
     calls: dict[str, tuple[int, ...]]
     """Call name -> the ranks that run it (sorted, no duplicates)."""
     wrappers: dict[str, str] = field(default_factory=dict)
-    """Role -> its wrapper (:data:`~lightning_app_rlhf.wrappers.WRAPPERS`). A trainable role: ``ddp`` (default),
-    ``fsdp2``, ``zero1``, ``zero2`` or ``zero3``, on its train group. Optionally a frozen role (``reference``,
+    """Role -> its wrapper (:data:`~lightning_app_rlhf.wrapper_names.WRAPPER_NAMES`). A trainable role: ``ddp``
+    (default), ``fsdp2``, ``zero1``, ``zero2`` or ``zero3``, on its train group. Optionally a frozen role (``reference``,
     ``reward``) -> ``fsdp2`` or ``zero3``: sharded over its forward call's group, whose ranks run the forward in
     lockstep."""
     name: str = "custom"
@@ -110,7 +110,7 @@ class PlacementPlan:
                                  "overlap=False.")
         for role in self.trainable_roles:
             wrapper = self.wrappers.get(role)
-            wrapper_class(wrapper, role)  # unknown, or its package missing: the error names the fix
+            check_wrapper(wrapper, role)  # unknown, or its package missing: the error names the fix
             train = set(self.calls[f"{role}.train"])
             if wrapper in SHARDED_WRAPPERS and len(train) > 1:
                 for call, ranks in self.calls.items():
@@ -131,7 +131,7 @@ class PlacementPlan:
                                  f"held whole (leave it out of `wrappers`) or sharded with {list(FROZEN_WRAPPERS)} over "
                                  f"the ranks of '{role}.forward'.")
             if role in self.wrappers:
-                wrapper_class(self.wrappers[role], role)
+                check_wrapper(self.wrappers[role], role)
 
     def _validate_tp(self) -> None:
         for call, degree in self.tp.items():

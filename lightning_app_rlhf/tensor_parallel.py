@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import TRAINABLE_ROLES, role_of
-from lightning_app_rlhf.roles import AdapterDisabledReference, ValueModel, is_lora
+from lightning_app_rlhf.wrappers.tensor_parallel import cut_tensor_parallel, family_tp_plan, hf_model
 
 INFERENCE_CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward")
 """Generation and the scoring forwards: with a degree they run on a tensor-parallel copy of the role."""
@@ -56,70 +57,22 @@ def check_tensor_parallel(plan: PlacementPlan) -> None:
                     "it on other ranks.")
 
 
-def hf_model(module: nn.Module, call: str) -> nn.Module:
-    """The Hugging Face model inside a role's module that the family's ``tp_plan`` shards.
-
-    Args:
-        module: The role's module on this rank (a causal LM, a :class:`ValueModel`, a sequence classifier).
-        call: The call, for the error message.
-    """
-    if isinstance(module, AdapterDisabledReference) or is_lora(module):
-        raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role carries LoRA adapters (or is the "
-                         "LoRA actor's base with adapters off), which the family's tp_plan does not cover: remove "
-                         f"{call!r} from the plan's `tp`, or train without `lora`.")
-    if isinstance(module, ValueModel):
-        return module.backbone  # the value head stays whole on every rank (one output column)
-    if not hasattr(module, "_resolve_parallel_plans"):
-        raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a {type(module).__name__}, not "
-                         "a Hugging Face model with a tp_plan: remove the call from the plan's `tp`.")
-    return module
-
-
-def family_tp_plan(model: nn.Module, degree: int, call: str) -> dict[str, str]:
-    """The model family's ``tp_plan``, expanded to one entry per module and parameter of ``model``.
-
-    Args:
-        model: A Hugging Face model.
-        degree: The tensor-parallel degree.
-        call: The call, for error messages.
-    """
-    from transformers.distributed import DistributedConfig
-
-    config = model.config
-    try:
-        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
-    except ValueError as err:
-        raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, but {type(model).__name__} "
-                         f"({config.model_type}) has no tp_plan in transformers: use a family that has one (llama, "
-                         f"mistral, qwen2, ...), or remove {call!r} from the plan's `tp`. ({err})") from err
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, name, None)
-        if heads is not None and heads % degree:
-            raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, which does not divide the model's "
-                             f"{name}={heads}: each rank holds whole heads. Use a degree that divides {heads}.")
-    return plan
-
-
+@dataclass(eq=False)
 class TensorParallelCopy:
-    """One call's tensor-parallel copy of a role on this rank: a DTensor module over the replica's ranks.
+    """One call's tensor-parallel copy of a role on this rank: a DTensor module over the replica's ranks."""
 
-    Args:
-        call: The call it runs.
-        module: The copy, its sharded parameters DTensors on ``mesh``.
-        mesh: The replica's 1-D device mesh.
-        trainable: The copy's parameters that mirror the role's trainable ones, in the role's ``parameters()`` order
-            (what :meth:`load` takes); frozen ones never change, so they never move.
-        stale: True until :meth:`load` gave it the current trained weights (a trainable role starts stale: a resumed
-            run loads its checkpoint into the role after the copy was built).
-    """
-
-    def __init__(self, call: str, module: nn.Module, mesh: DeviceMesh, trainable: list[nn.Parameter],
-                 stale: bool) -> None:
-        self.call = call
-        self.module = module
-        self.mesh = mesh
-        self.trainable = trainable
-        self.stale = stale
+    call: str
+    """The call it runs."""
+    module: nn.Module
+    """The copy, its sharded parameters DTensors on :attr:`mesh`."""
+    mesh: DeviceMesh
+    """The replica's 1-D device mesh."""
+    trainable: list[nn.Parameter]
+    """The copy's parameters that mirror the role's trainable ones, in the role's ``parameters()`` order (what
+    :meth:`load` takes); frozen ones never change, so they never move."""
+    stale: bool
+    """True until :meth:`load` gave it the current trained weights (a trainable role starts stale: a resumed run
+    loads its checkpoint into the role after the copy was built)."""
 
     @classmethod
     def build(cls, call: str, source: nn.Module, group: dist.ProcessGroup, degree: int,
@@ -134,14 +87,11 @@ class TensorParallelCopy:
             degree: The tensor-parallel degree (the group's size).
             device: This rank's device.
         """
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-        model = hf_model(source, call)
-        plan = family_tp_plan(model, degree, call)
+        plan = family_tp_plan(hf_model(source, call), degree, call)  # before copying: a bad degree fails here
         trainable_names = [name for name, p in source.named_parameters() if p.requires_grad]
         replica = copy.deepcopy(source)
         mesh = DeviceMesh.from_group(group, device_type=device.type)
-        apply_tensor_parallelism(hf_model(replica, call), mesh, plan)
+        cut_tensor_parallel(replica, mesh, call, plan)
         params = dict(replica.named_parameters())
         trainable = [params[name] for name in trainable_names]
         replica.requires_grad_(False)  # generation and scoring need no gradients

@@ -1,9 +1,11 @@
-"""Shared fixtures: the offline demo tokenizer and a tiny random-init GPT-2 config. Nothing touches a hub."""
+"""Shared fixtures: the offline demo tokenizer and a tiny random-init GPT-2 config. Nothing touches a hub. The plain
+helpers (subprocesses with one thread, gloo ranks, ``make_module``) are in tests/helpers.py."""
 
+import helpers
 import pytest
 import torch
+from helpers import TINY_GPT2
 
-from lightning_app_rlhf.demo import build_tokenizer
 from lightning_app_rlhf.upstream_warnings import UPSTREAM_WARNINGS
 
 torch.set_num_threads(1)
@@ -15,24 +17,11 @@ def pytest_configure(config):
     for upstream in UPSTREAM_WARNINGS:
         config.addinivalue_line("filterwarnings", upstream.pytest_filter())
 
-TINY_GPT2 = {
-    "model_type": "gpt2",
-    "n_layer": 1,
-    "n_embd": 32,
-    "n_head": 2,
-    "vocab_size": 512,
-    "n_positions": 64,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-"""One layer, 32 dims: builds in milliseconds and matches the demo tokenizer's 512 tokens."""
-
 
 @pytest.fixture(scope="session")
 def tokenizer():
     """The demo byte-level BPE tokenizer (<pad>=0, <bos>=1, <eos>=2, 512 tokens, left padding). Do not mutate."""
-    return build_tokenizer()
+    return helpers.demo_tokenizer()
 
 
 @pytest.fixture

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from helpers import TINY_GPT2
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
 from lightning_app_rlhf.demo import build_tokenizer, prompts, val_prompts
-
-TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 64,
-             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def main() -> None:

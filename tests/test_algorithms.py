@@ -8,13 +8,22 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_app_rlhf import ppo
 from lightning_app_rlhf.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     ALGORITHMS,
+    POLICY_LOSSES,
+    VALUE_LOSSES,
     Algorithm,
     ScoredRollout,
     build_algorithm,
+    functional,
+    get_advantage_estimator,
+    get_policy_loss,
+    get_value_loss,
+    register_advantage_estimator,
     register_algorithm,
+    register_policy_loss,
+    register_value_loss,
 )
 from lightning_app_rlhf.calls import Experience
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
@@ -83,7 +92,7 @@ def test_grpo_loss_is_the_mean_over_sequences_of_token_means():
     grpo = algorithm("grpo")
     mask = torch.tensor(MASK_6)
     batch = _experience(per_token([2, 0, 0, 0, 0, -1]), mask)
-    scale = ppo.LossScale(mask.sum().float(), 6, 3)
+    scale = functional.LossScale(mask.sum().float(), 6, 3)
     loss, stats = grpo.policy_loss(batch.logprobs.clone(), torch.zeros(mask.shape), batch, scale)
     assert_close(loss, torch.tensor(-1 / 6), rtol=0, atol=1e-7)
     assert stats["policy/clipfrac"] == 0
@@ -97,7 +106,7 @@ def test_grpo_kl_loss_term_is_k3_and_differentiated():
     d = torch.tensor([[0.5, 0.0], [0.2, -0.1]])
     batch = _experience(torch.zeros(2, 2), mask, ref_logprobs=-d)
     logprobs = torch.zeros(2, 2, requires_grad=True)
-    loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 2), batch, ppo.LossScale(3.0, 2, 2))
+    loss, stats = grpo.policy_loss(logprobs, torch.zeros(2, 2), batch, functional.LossScale(3.0, 2, 2))
     k3 = lambda x: math.exp(-x) + x - 1
     expected_kl = (k3(0.5) + (k3(0.2) + k3(-0.1)) / 2) / 2
     assert stats["policy/kl_loss"].item() == pytest.approx(expected_kl, rel=1e-6)
@@ -125,7 +134,7 @@ def test_dr_grpo_divides_token_sums_by_a_constant():
     dr_grpo = algorithm("dr_grpo")
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     batch = _experience(per_token([1, 3], mask.tolist()), mask)
-    loss, _ = dr_grpo.policy_loss(batch.logprobs.clone(), torch.zeros(2, 3), batch, ppo.LossScale(3.0, 2, 3))
+    loss, _ = dr_grpo.policy_loss(batch.logprobs.clone(), torch.zeros(2, 3), batch, functional.LossScale(3.0, 2, 3))
     assert loss.item() == pytest.approx(-5 / 6)
     assert dr_grpo.loss_agg_mode == "seq_mean_token_sum_norm"
 
@@ -170,8 +179,8 @@ def test_reinforce_pp_equal_returns_whiten_to_zero():
 def test_reinforce_pp_discounts_returns():
     """gamma 0.5, no KL: the score 1 at the last of 3 tokens returns (0.25, 0.5, 1) before whitening."""
     mask = torch.tensor([[1, 1, 1]])
-    rewards = ppo.token_rewards(torch.tensor([1.0]), torch.zeros(1, 3), 0.0, mask)
-    assert_close(ppo.discounted_returns(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1.0]]))
+    rewards = functional.token_rewards(torch.tensor([1.0]), torch.zeros(1, 3), 0.0, mask)
+    assert_close(functional.discounted_returns(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1.0]]))
 
 
 def test_reinforce_pp_baseline_centres_scores_per_group_then_whitens_globally():
@@ -252,7 +261,7 @@ def test_reinforce_pp_baseline_equal_groups_get_advantage_exactly_zero(group_siz
 @pytest.mark.parametrize("group_size", EQUAL_GROUP_SIZES)
 def test_group_mean_of_equal_float32_scores_is_the_score_and_the_std_is_zero(group_size, value):
     scores = torch.full((group_size,), value, dtype=torch.float32)
-    mean, std, count = ppo.group_mean_std(scores, torch.ones(group_size, dtype=torch.bool), group_size)
+    mean, std, count = functional.group_mean_std(scores, torch.ones(group_size, dtype=torch.bool), group_size)
     assert torch.equal(scores - mean, torch.zeros(group_size, dtype=torch.float64))
     assert torch.equal(std, torch.zeros(group_size, dtype=torch.float64))
     assert torch.equal(count, torch.full((group_size,), float(group_size), dtype=torch.float64))
@@ -269,10 +278,10 @@ def test_ppo_is_gae_then_whitening_bit_for_bit():
     scores = torch.tensor([0.3, -1.0, 2.0])
     rollout = ScoredRollout(scores, kl, 0.05, mask, torch.ones(3, dtype=torch.bool), 1, values)
     advantages, returns = algorithm("ppo", num_samples=1, gamma=0.99, lam=0.9).advantages(rollout)
-    rewards = ppo.token_rewards(scores, kl, 0.05, mask)
-    expected_advantages, expected_returns = ppo.gae_advantages(rewards, values, mask, 0.99, 0.9)
+    rewards = functional.token_rewards(scores, kl, 0.05, mask)
+    expected_advantages, expected_returns = functional.gae_advantages(rewards, values, mask, 0.99, 0.9)
     assert torch.equal(returns, expected_returns)
-    assert torch.equal(advantages, ppo.masked_whiten(expected_advantages, mask))
+    assert torch.equal(advantages, functional.masked_whiten(expected_advantages, mask))
 
 
 def test_ppo_policy_loss_equals_the_clipped_surrogate_bit_for_bit():
@@ -281,8 +290,8 @@ def test_ppo_policy_loss_equals_the_clipped_surrogate_bit_for_bit():
     batch = _experience(torch.randn(2, 3, generator=gen), mask)
     logprobs = batch.logprobs + 0.3 * torch.randn(2, 3, generator=gen)
     loss, stats = algorithm("ppo", num_samples=1).policy_loss(logprobs, torch.zeros(2, 3), batch,
-                                                                ppo.LossScale(torch.tensor(8.0), 4, 3))
-    expected, clipfrac, approx_kl = ppo.policy_loss(logprobs, batch.logprobs, batch.advantages, mask, 0.2,
+                                                                functional.LossScale(torch.tensor(8.0), 4, 3))
+    expected, clipfrac, approx_kl = functional.policy_loss(logprobs, batch.logprobs, batch.advantages, mask, 0.2,
                                                     torch.tensor(8.0))
     assert torch.equal(loss, expected)
     assert torch.equal(stats["policy/clipfrac"], clipfrac)
@@ -303,16 +312,16 @@ AGG_MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
     ("seq_mean_token_sum_norm", 7 / 6),  # 7 / (2 sequences x 3 max tokens)
 ])
 def test_loss_aggregation_by_hand(mode, expected):
-    scale = ppo.LossScale(AGG_MASK.sum().float(), 2, 3)
-    assert ppo.aggregate_loss(VALUES, AGG_MASK, mode, scale).item() == pytest.approx(expected)
+    scale = functional.LossScale(AGG_MASK.sum().float(), 2, 3)
+    assert functional.aggregate_loss(VALUES, AGG_MASK, mode, scale).item() == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_loss_aggregation_of_data_parallel_shards_adds_up(mode):
     """Each shard divides by the whole minibatch's sizes, so the shards' losses sum to the minibatch loss."""
-    scale = ppo.LossScale(AGG_MASK.sum().float(), 2, 3)
-    whole = ppo.aggregate_loss(VALUES, AGG_MASK, mode, scale)
-    shards = sum(ppo.aggregate_loss(VALUES[i : i + 1], AGG_MASK[i : i + 1], mode, scale) for i in range(2))
+    scale = functional.LossScale(AGG_MASK.sum().float(), 2, 3)
+    whole = functional.aggregate_loss(VALUES, AGG_MASK, mode, scale)
+    shards = sum(functional.aggregate_loss(VALUES[i : i + 1], AGG_MASK[i : i + 1], mode, scale) for i in range(2))
     assert_close(shards, whole)
 
 
@@ -342,22 +351,101 @@ def test_group_algorithms_need_several_samples_per_prompt(name):
         build_algorithm(name, PPOConfig(), GenerationConfig(num_samples=1))
 
 
-def test_a_new_algorithm_is_one_registered_class():
-    """A user's algorithm: register it and RLHFModule finds it by name."""
+def test_a_new_algorithm_is_an_estimator_and_a_registered_class():
+    """A user's algorithm: a registered estimator, and a registered class naming it; RLHFModule finds it by name."""
+
+    @register_advantage_estimator("test_sign_of_reward")
+    def sign_of_reward(scored: ScoredRollout, config: PPOConfig) -> tuple[torch.Tensor, None]:
+        return torch.sign(scored.scores).unsqueeze(1) * scored.response_mask, None
 
     @register_algorithm
     class SignOfReward(Algorithm):
         name = "test_sign_of_reward"
-
-        def advantages(self, rollout):
-            return torch.sign(rollout.scores).unsqueeze(1) * rollout.response_mask, None
+        advantage_estimator = "test_sign_of_reward"
 
     try:
-        advantages, _ = build_algorithm("test_sign_of_reward", PPOConfig(), GenerationConfig()).advantages(
-            scored([2.0, -0.5], [[1, 1], [1, 0]], 1))
+        built = build_algorithm("test_sign_of_reward", PPOConfig(), GenerationConfig())
+        advantages, _ = built.advantages(scored([2.0, -0.5], [[1, 1], [1, 0]], 1))
         assert_close(advantages, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+        assert built.stat_names("actor") == ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
     finally:
-        del ALGORITHMS["test_sign_of_reward"]
+        del ALGORITHMS["test_sign_of_reward"], ADVANTAGE_ESTIMATORS["test_sign_of_reward"]
+
+
+def test_the_registries_hold_the_shipped_estimators_and_losses():
+    assert sorted(ADVANTAGE_ESTIMATORS) == ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert sorted(POLICY_LOSSES) == ["ppo_clip"] and sorted(VALUE_LOSSES) == ["clipped_mse"]
+    for cls in ALGORITHMS.values():
+        assert get_advantage_estimator(cls.advantage_estimator) is not None
+        assert get_policy_loss(cls.policy_loss_mode) is POLICY_LOSSES["ppo_clip"]
+    assert get_value_loss(ALGORITHMS["ppo"].value_loss_mode) is VALUE_LOSSES["clipped_mse"]
+
+
+@pytest.mark.parametrize(("get", "kind", "decorator", "known"), [
+    (get_advantage_estimator, "advantage estimator", "register_advantage_estimator", "'gae'"),
+    (get_policy_loss, "policy loss", "register_policy_loss", "'ppo_clip'"),
+    (get_value_loss, "value loss", "register_value_loss", "'clipped_mse'"),
+])
+def test_an_unknown_name_lists_the_registered_ones_and_the_decorator(get, kind, decorator, known):
+    with pytest.raises(ValueError, match=rf"Unknown {kind} 'nope'.*{known}.*@{decorator}"):
+        get("nope")
+
+
+@pytest.mark.parametrize("register", [register_advantage_estimator, register_policy_loss, register_value_loss])
+def test_a_taken_name_is_refused(register):
+    """A second function under a taken name is refused; the one registered stays."""
+    registry = {register_advantage_estimator: ADVANTAGE_ESTIMATORS, register_policy_loss: POLICY_LOSSES,
+                register_value_loss: VALUE_LOSSES}[register]
+    name = sorted(registry)[0]
+    kept = registry[name]
+    with pytest.raises(ValueError, match=rf"named '{name}' is registered already.*under another name"):
+        register(name)(lambda *args, **kwargs: None)
+    assert registry[name] is kept
+    assert register(name)(kept) is kept  # the same function again (a module imported twice) is fine
+
+
+def test_a_taken_algorithm_name_is_refused():
+    with pytest.raises(ValueError, match=r"algorithm named 'grpo' is registered already"):
+        @register_algorithm
+        class OtherGRPO(Algorithm):
+            name = "grpo"
+            advantage_estimator = "grpo"
+    assert ALGORITHMS["grpo"].__name__ == "GRPO"
+
+
+def test_an_algorithm_naming_unregistered_functions_or_no_critic_loss_is_refused():
+    with pytest.raises(ValueError, match=r"Unknown advantage estimator 'nope'"):
+        @register_algorithm
+        class UnknownEstimator(Algorithm):
+            name = "test_unknown_estimator"
+            advantage_estimator = "nope"
+    with pytest.raises(ValueError, match=r"names no advantage estimator.*@register_advantage_estimator"):
+        @register_algorithm
+        class NoEstimator(Algorithm):
+            name = "test_no_estimator"
+    with pytest.raises(ValueError, match=r"has a critic but no value loss: set value_loss_mode"):
+        @register_algorithm
+        class CriticWithoutLoss(Algorithm):
+            name = "test_critic_without_loss"
+            roles = ALGORITHMS["ppo"].roles
+            advantage_estimator = "gae"
+    assert not any(name.startswith("test_") for name in ALGORITHMS)
+
+
+def test_ppo_value_loss_is_the_clipped_value_loss_times_its_coefficient_bit_for_bit():
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    batch = _experience(torch.zeros(2, 3), mask)
+    batch.values, batch.returns = torch.randn(2, 3, generator=gen), torch.randn(2, 3, generator=gen)
+    values = batch.values + 0.3 * torch.randn(2, 3, generator=gen)
+    ppo = algorithm("ppo", num_samples=1, value_loss_coef=0.5)
+    loss, stats = ppo.value_loss(values, batch, functional.LossScale(torch.tensor(8.0), 4, 3))
+    expected, clipfrac = functional.value_loss(values, batch.values, batch.returns, mask, 0.2, torch.tensor(8.0))
+    assert torch.equal(loss, 0.5 * expected)
+    assert torch.equal(stats["value/loss"], expected) and torch.equal(stats["value/clipfrac"], clipfrac)
+    assert tuple(stats) == ppo.stat_names("critic")
+    with pytest.raises(ValueError, match=r"'grpo' has no critic"):
+        algorithm("grpo").value_loss(values, batch, functional.LossScale(8.0, 2, 3))
 
 
 def test_k3_in_the_reward_warns_and_names_the_loss_term():
@@ -387,7 +475,7 @@ def test_temperature_divides_after_the_float32_cast():
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(2, 5, 50, generator=gen) * 4).bfloat16()
     tokens = torch.randint(0, 50, (2, 5), generator=gen)
-    ours = ppo.logprobs_from_logits(logits, tokens, 0.7)
+    ours = functional.logprobs_from_logits(logits, tokens, 0.7)
     exact = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     early = torch.log_softmax((logits / 0.7).float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     assert torch.equal(ours, exact)

@@ -7,6 +7,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import make_module
 
 from lightning_app_rlhf import GenerationConfig, ModelSpec, PPOConfig, PromptDataModule, RLHFModule
 from lightning_app_rlhf.roles import load_tokenizer
@@ -19,14 +20,9 @@ def constant_reward(prompts, responses):
     return [1.0] * len(prompts)
 
 
-def make_module(tokenizer, config, reward_fn=constant_reward, max_new_tokens=4, **ppo_kwargs):
-    return RLHFModule(
-        actor={"config": config},
-        tokenizer=tokenizer,
-        reward_fn=reward_fn,
-        generation=GenerationConfig(max_new_tokens=max_new_tokens),
-        ppo=PPOConfig(**ppo_kwargs),
-    )
+def tiny_module(tokenizer, config, reward_fn=constant_reward, max_new_tokens=4, **ppo_kwargs):
+    return make_module(actor={"config": config}, tokenizer=tokenizer, reward_fn=reward_fn,
+                       generation=GenerationConfig(max_new_tokens=max_new_tokens), ppo=PPOConfig(**ppo_kwargs))
 
 
 def make_trainer(max_steps=1):
@@ -67,7 +63,7 @@ def test_tokenizer_without_pad_token(no_pad_tokenizer, tiny_gpt2_config):
     with pytest.raises(ValueError, match=fix):
         load_tokenizer(no_pad_tokenizer)
     with pytest.raises(ValueError, match=fix):
-        make_module(no_pad_tokenizer, tiny_gpt2_config)
+        tiny_module(no_pad_tokenizer, tiny_gpt2_config)
     with pytest.raises(ValueError, match=fix):
         PromptDataModule(prompts=PROMPTS, tokenizer=no_pad_tokenizer, batch_size=2).setup("fit")
 
@@ -87,7 +83,7 @@ def test_prompt_too_long_for_context(tokenizer, tiny_gpt2_config):
     """A prompt that leaves no room for max_new_tokens in n_positions=16 stops fit, naming both fixes."""
     assert len(tokenizer(LONG_PROMPT, add_special_tokens=False)["input_ids"]) > 4
     tiny_gpt2_config["n_positions"] = 16
-    module = make_module(tokenizer, tiny_gpt2_config, max_new_tokens=12)
+    module = tiny_module(tokenizer, tiny_gpt2_config, max_new_tokens=12)
     dm = PromptDataModule(prompts=[LONG_PROMPT, "red"], tokenizer=tokenizer, batch_size=2)
     with pytest.raises(ValueError, match=r"generation\.max_new_tokens=12.*data\.max_prompt_length \(<= 4\)"):
         fit(module, dm)
@@ -96,7 +92,7 @@ def test_prompt_too_long_for_context(tokenizer, tiny_gpt2_config):
 def test_prompt_capped_by_max_prompt_length_fits(tokenizer, tiny_gpt2_config):
     """Following the suggested fix (data.max_prompt_length=4) the same setup trains one iteration."""
     tiny_gpt2_config["n_positions"] = 16
-    module = make_module(tokenizer, tiny_gpt2_config, max_new_tokens=12)
+    module = tiny_module(tokenizer, tiny_gpt2_config, max_new_tokens=12)
     dm = PromptDataModule(prompts=[LONG_PROMPT, "red"], tokenizer=tokenizer, batch_size=2, max_prompt_length=4)
     trainer = fit(module, dm)
     assert trainer.global_step == 1
@@ -110,11 +106,11 @@ def test_scale_rewards_outside_its_values():
         PPOConfig(scale_rewards="std")
 
 
-def test_scale_rewards_on_an_algorithm_other_than_grpo(tokenizer, tiny_gpt2_config):
+def test_scale_rewards_on_an_algorithm_other_than_grpo():
     """Dr. GRPO never scales, RLOO and the others have no group std: a scale_rewards there would do nothing."""
     with pytest.raises(ValueError, match=r"applies to algorithm 'grpo' only, not 'rloo': remove it, or use "):
-        RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=lambda p, r: [0.0] * len(r),
-                   algorithm="rloo", generation=GenerationConfig(num_samples=2), ppo=PPOConfig(scale_rewards="batch"))
+        make_module(reward_fn=lambda p, r: [0.0] * len(r), algorithm="rloo",
+                    generation=GenerationConfig(num_samples=2), ppo=PPOConfig(scale_rewards="batch"))
 
 
 # ---- batch shape ----
@@ -122,7 +118,7 @@ def test_scale_rewards_on_an_algorithm_other_than_grpo(tokenizer, tiny_gpt2_conf
 
 def test_batch_size_not_divisible_by_num_minibatches(tokenizer, tiny_gpt2_config):
     """batch_size 3 with num_minibatches 2 fails in setup, before any model is built."""
-    module = make_module(tokenizer, tiny_gpt2_config, num_minibatches=2)
+    module = tiny_module(tokenizer, tiny_gpt2_config, num_minibatches=2)
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=3)
     with pytest.raises(ValueError, match=r"batch size 3 is not divisible by ppo\.num_minibatches=2"):
         fit(module, dm)
@@ -131,7 +127,7 @@ def test_batch_size_not_divisible_by_num_minibatches(tokenizer, tiny_gpt2_config
 
 def test_batch_size_not_divisible_without_datamodule(tokenizer, tiny_gpt2_config):
     """With a bare dataloader (no datamodule) the first training step still rejects the batch."""
-    module = make_module(tokenizer, tiny_gpt2_config, num_minibatches=2)
+    module = tiny_module(tokenizer, tiny_gpt2_config, num_minibatches=2)
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=3, shuffle=False)
     dm.setup("fit")
     with pytest.raises(ValueError, match=r"ppo\.num_minibatches=2"):
@@ -170,27 +166,17 @@ def test_missing_prompt_file(tokenizer, tmp_path):
 # ---- vocabularies ----
 
 
-def test_reference_with_other_vocabulary(tokenizer, tiny_gpt2_config):
+def test_reference_with_other_vocabulary(tiny_gpt2_config):
     """A reference with 600 tokens against a 512-token actor is refused, naming the reference."""
-    module = RLHFModule(
-        actor={"config": tiny_gpt2_config},
-        reference={"config": {**tiny_gpt2_config, "vocab_size": 600}},
-        tokenizer=tokenizer,
-        reward_fn=constant_reward,
-    )
+    module = make_module(reference={"config": {**tiny_gpt2_config, "vocab_size": 600}}, reward_fn=constant_reward)
     with pytest.raises(ValueError, match=r"actor has a vocabulary of 512 tokens but the reference has 600"):
         module.configure_model()
 
 
 def test_reference_vocabulary_checked_in_fit(tokenizer, tiny_gpt2_config):
     """The vocabulary check runs inside Trainer.fit too."""
-    module = RLHFModule(
-        actor={"config": tiny_gpt2_config},
-        reference={"config": {**tiny_gpt2_config, "vocab_size": 600}},
-        tokenizer=tokenizer,
-        reward_fn=constant_reward,
-        generation=GenerationConfig(max_new_tokens=4),
-    )
+    module = make_module(reference={"config": {**tiny_gpt2_config, "vocab_size": 600}}, reward_fn=constant_reward,
+                         generation=GenerationConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="reference"):
         fit(module, PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=2))
 
@@ -198,19 +184,14 @@ def test_reference_vocabulary_checked_in_fit(tokenizer, tiny_gpt2_config):
 def test_actor_smaller_than_tokenizer(tokenizer, tiny_gpt2_config):
     """An actor embedding smaller than the tokenizer asks to resize the model."""
     tiny_gpt2_config["vocab_size"] = 256
-    module = make_module(tokenizer, tiny_gpt2_config)
+    module = tiny_module(tokenizer, tiny_gpt2_config)
     with pytest.raises(ValueError, match=r"tokenizer has 512 tokens.*resize_token_embeddings"):
         module.configure_model()
 
 
-def test_critic_smaller_than_tokenizer(tokenizer, tiny_gpt2_config):
+def test_critic_smaller_than_tokenizer(tiny_gpt2_config):
     """A critic that cannot read the actor's tokens is refused, naming the critic."""
-    module = RLHFModule(
-        actor={"config": tiny_gpt2_config},
-        critic={"config": {**tiny_gpt2_config, "vocab_size": 256}},
-        tokenizer=tokenizer,
-        reward_fn=constant_reward,
-    )
+    module = make_module(critic={"config": {**tiny_gpt2_config, "vocab_size": 256}}, reward_fn=constant_reward)
     with pytest.raises(ValueError, match=r"critic has a vocabulary of 256 tokens"):
         module.configure_model()
 
@@ -229,7 +210,7 @@ def inf_last(prompts, responses):
 @pytest.mark.parametrize("reward_fn,shown", [(nan_first, "#0=nan"), (inf_last, "#3=inf")])
 def test_nonfinite_rewards_raise(tokenizer, tiny_gpt2_config, reward_fn, shown):
     """With nonfinite_rewards='raise', a NaN/inf score stops fit and points to nonfinite_rewards='skip'."""
-    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=reward_fn, nonfinite_rewards="raise")
+    module = tiny_module(tokenizer, tiny_gpt2_config, reward_fn=reward_fn, nonfinite_rewards="raise")
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=4)
     with pytest.raises(ValueError, match=r"1 of 4 scores are NaN or inf") as info:
         fit(module, dm)
@@ -243,7 +224,7 @@ def nan_then_counting(prompts, responses):
 
 def test_nonfinite_rewards_skip(tokenizer, tiny_gpt2_config):
     """With 'skip', fit completes with a warning and reward/mean is the mean of the finite scores only."""
-    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=nan_then_counting, nonfinite_rewards="skip")
+    module = tiny_module(tokenizer, tiny_gpt2_config, reward_fn=nan_then_counting, nonfinite_rewards="skip")
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=4)
     with pytest.warns(UserWarning, match=r"1 of 4 scores are NaN or inf.*nonfinite_rewards='skip'"):
         trainer = fit(module, dm)
@@ -259,7 +240,7 @@ def test_nonfinite_rewards_skip(tokenizer, tiny_gpt2_config):
 
 def test_nonfinite_rewards_skip_whole_batch(tokenizer, tiny_gpt2_config):
     """With 'skip' and every score NaN, the iteration is skipped with a warning instead of crashing."""
-    module = make_module(
+    module = tiny_module(
         tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [math.nan] * len(p), nonfinite_rewards="skip"
     )
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=4)
@@ -273,7 +254,7 @@ def test_nonfinite_rewards_skip_whole_batch(tokenizer, tiny_gpt2_config):
 def test_minibatch_of_skipped_samples_takes_no_optimizer_step(tokenizer, tiny_gpt2_config):
     """Scores (nan, nan, 1, 2) and 4 minibatches of one sample: the two minibatches of a skipped sample take no
     step (AdamW's momentum and weight decay would still move the weights); the other two do."""
-    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [math.nan, math.nan, 1.0, 2.0],
+    module = tiny_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [math.nan, math.nan, 1.0, 2.0],
                          nonfinite_rewards="skip", num_minibatches=4)
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=4)
     with pytest.warns(UserWarning, match="2 of 4 scores are NaN or inf"):
@@ -284,7 +265,7 @@ def test_minibatch_of_skipped_samples_takes_no_optimizer_step(tokenizer, tiny_gp
 
 def test_reward_fn_wrong_number_of_scores(tokenizer, tiny_gpt2_config):
     """A reward function returning the wrong number of scores is refused with the counts."""
-    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [1.0])
+    module = tiny_module(tokenizer, tiny_gpt2_config, reward_fn=lambda p, r: [1.0])
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=2)
     with pytest.raises(ValueError, match=r"at iteration 0, .*returned a list of 1 score\. .*one float per .*2 of them"):
         fit(module, dm)
@@ -393,7 +374,7 @@ def test_reward_fn_that_raises_names_iteration_and_first_prompt(tokenizer, tiny_
             raise KeyError("answer")
         return [0.0] * len(prompts)
 
-    module = make_module(tokenizer, tiny_gpt2_config, reward_fn=second_call_fails)
+    module = tiny_module(tokenizer, tiny_gpt2_config, reward_fn=second_call_fails)
     dm = PromptDataModule(prompts=PROMPTS, tokenizer=tokenizer, batch_size=2, shuffle=False)
     trainer = make_trainer(max_steps=2)
     with warnings.catch_warnings():
@@ -517,7 +498,7 @@ def test_plan_world_size_differs_from_devices(tokenizer, tiny_gpt2_config):
     from lightning_app_rlhf.plan import flattening_plan
     from lightning_app_rlhf.strategies.placement_setup import place
 
-    module = make_module(tokenizer, tiny_gpt2_config)
+    module = tiny_module(tokenizer, tiny_gpt2_config)
     with pytest.raises(ValueError, match=r"plan covers 2 ranks but the job runs 1 processes .*--trainer\.devices.* "
                                          r"multiply to 2"):
         place(flattening_plan(2), module, 1, 0, torch.device("cpu"), datetime.timedelta(seconds=30))

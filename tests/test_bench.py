@@ -6,28 +6,22 @@ Speed is never asserted here; the harness measures it side by side (docs/benchma
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_python
 
 from lightning_app_rlhf.bench.presets import RunSettings
 from lightning_app_rlhf.bench.report import BEGIN, END
 from lightning_app_rlhf.bench.trl_peer import peer_models
 from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_reward_model
 
-ROOT = Path(__file__).resolve().parents[1]
 SPREAD = {"median", "min", "max"}
 
 
 def bench(tmp_path: Path, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "lightning_app_rlhf.bench", *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_python("-m", "lightning_app_rlhf.bench", *args, cwd=tmp_path, timeout=600)
 
 
 @pytest.mark.slow  # 100 s: the harness end to end against TRL; scripts/bench.sh runs the real thing

@@ -11,13 +11,14 @@ from unittest import mock
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import make_module
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
-from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
+from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, demo
 from lightning_app_rlhf.callbacks import LogCompletions, RLHFProgressBar, RLHFRunSummary
 from lightning_app_rlhf.callbacks.log_completions import markdown_table
 
@@ -226,14 +227,11 @@ def test_log_completions_checks_arguments_and_module(tmp_path):
         _run(LogCompletions(every_n_steps=1), bad, _trainer([RecordingTensorBoardLogger(str(tmp_path))]), range(1, 2))
 
 
-def test_log_completions_in_a_real_fit(demo_tokenizer, tiny_gpt2_config, tmp_path):
+def test_log_completions_in_a_real_fit(demo_tokenizer, tmp_path):
     """A 2-iteration Trainer.fit of the demo RLHFModule with LogCompletions and a TensorBoardLogger writes a
     completions table at both steps (read back from the event file when tensorboard is installed)."""
     pl.seed_everything(0)
-    module = RLHFModule(
-        actor={"config": tiny_gpt2_config},
-        tokenizer=demo_tokenizer,
-        reward_fn=demo.topic_reward,
+    module = make_module(
         generation=GenerationConfig(max_new_tokens=8),
         ppo=PPOConfig(kl_coef=0.01),
         actor_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
@@ -298,10 +296,10 @@ def test_progress_bar_counts_iterations_of_max_steps(tmp_path):
     assert _descriptions(tmp_path, RichProgressBar(), max_steps=2) == ["Epoch 0/-2"] * 2
 
 
-def test_rlhf_module_swaps_a_rich_progress_bar_for_one_with_its_settings(demo_tokenizer, tiny_gpt2_config):
+def test_rlhf_module_swaps_a_rich_progress_bar_for_one_with_its_settings():
     """A RichProgressBar given to the Trainer becomes an RLHFProgressBar with its refresh rate, leave, theme,
     console arguments and enabled state; another progress bar, or an RLHFProgressBar, stays."""
-    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=demo_tokenizer, reward_fn=demo.topic_reward)
+    module = make_module()
 
     def swapped(*callbacks: Callback) -> list[RLHFProgressBar]:
         module.trainer = SimpleNamespace(callbacks=list(callbacks))

@@ -20,8 +20,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -29,9 +27,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import run_python
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_checkpoint_safety import small_module
 
-from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
+from lightning_app_rlhf import PromptDataModule, RLHFModule
 from lightning_app_rlhf.checkpoint import (
     CheckpointError,
     check_checkpoint_file,
@@ -39,16 +39,11 @@ from lightning_app_rlhf.checkpoint import (
     seal,
     verify,
 )
-from lightning_app_rlhf.demo import prompts, topic_reward
+from lightning_app_rlhf.demo import prompts
 from lightning_app_rlhf.files import TEMPORARY_NAME, remove_stale_temporaries, write_atomically
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 WTE = "actor.transformer.wte.weight"
-
-
-def small_module(config: dict, tokenizer) -> RLHFModule:
-    return RLHFModule(actor={"config": config}, tokenizer=tokenizer, reward_fn=topic_reward,
-                      generation=GenerationConfig(max_new_tokens=4), ppo=PPOConfig(num_minibatches=2))
 
 
 def fit(module: RLHFModule, tokenizer, root: Path, steps: int, strategy: str = "rlhf_flattening",
@@ -178,8 +173,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_usable(tmp_path,
 def test_only_stale_temporary_files_of_killed_saves_are_removed(tmp_path):
     """A successful atomic save removes the temporary files that killed writes left beside it: ours by name, last
     written before this save began, by a process that no longer runs. A write in progress keeps its file."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
+    dead = run_python("-c", "import os; print(os.getpid())")
     dead_pid = int(dead.stdout)
     old = time.time() - 3600
     stale = [tmp_path / f".last.ckpt.{dead_pid}.0123abcd.tmp", tmp_path / f".step=2.ckpt.{dead_pid}.89abcdef.tmp"]

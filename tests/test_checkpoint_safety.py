@@ -4,8 +4,6 @@ non-finite weights refused, one copy of each role per file, and a placement's ch
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -13,7 +11,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_placements import COMPARED, ROOT, run_demo
+from helpers import fit_demo, run_python, run_ranks
+from test_placements import COMPARED
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
@@ -114,9 +113,7 @@ def test_a_crafted_pickle_runs_no_code_through_fit_under_any_placement(tmp_path,
     path, marker = crafted_checkpoint(tmp_path)
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(script), strategy, str(path)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, check=False, timeout=240)
+    result = run_python(script, strategy, path, cwd=tmp_path, timeout=240, check=False)
     assert result.returncode != 0
     assert f"CheckpointError: Checkpoint {path} holds objects that only a full unpickle can build" in result.stderr
     assert not marker.exists()
@@ -124,8 +121,8 @@ def test_a_crafted_pickle_runs_no_code_through_fit_under_any_placement(tmp_path,
 
 def test_a_crafted_pickle_runs_no_code_through_the_command_line(tmp_path):
     path, marker = crafted_checkpoint(tmp_path)
-    with pytest.raises(AssertionError, match=f"Checkpoint {path} holds objects"):  # run_demo asserts success
-        run_demo(tmp_path, "crafted", "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
+    with pytest.raises(AssertionError, match=f"Checkpoint {path} holds objects"):  # fit_demo asserts success
+        fit_demo(tmp_path, "crafted", "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
                  "--ckpt_path", str(path), steps=1)
     assert not marker.exists()
 
@@ -237,7 +234,7 @@ def _exchange(rank: int, port: int) -> None:
 
 
 def test_state_travels_between_ranks_tensor_by_tensor():
-    torch.multiprocessing.start_processes(_exchange, args=(29631,), nprocs=2, start_method="fork")
+    run_ranks(_exchange, 2)
 
 
 def test_each_role_is_kept_once_from_its_owner():
@@ -255,14 +252,14 @@ def test_a_separation_checkpoint_resumes_exactly_on_one_process(tmp_path):
                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
                "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
-    full = [r for r in run_demo(tmp_path, "full", "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
+    full = [r for r in fit_demo(tmp_path, "full", "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
                                 *options, steps=4) if "reward/mean" in r]
     (checkpoint_path,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
     checkpoint = load_checkpoint_file(checkpoint_path)
     verify(checkpoint, checkpoint_path)
     assert set(checkpoint[OPTIMIZERS_KEY]) == {"actor", "critic"}
     assert {key.split(".")[0] for key in checkpoint["state_dict"]} == {"actor", "critic", "reference"}
-    resumed = [r for r in run_demo(tmp_path, "resumed", "--trainer.devices", "1", *options, "--ckpt_path",
+    resumed = [r for r in fit_demo(tmp_path, "resumed", "--trainer.devices", "1", *options, "--ckpt_path",
                                    str(checkpoint_path), steps=4) if "reward/mean" in r]
     assert [r["step"] for r in resumed] == [2, 3]
     for got, want in zip(resumed, full[2:], strict=True):

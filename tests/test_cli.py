@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 METRICS = [
     "reward/mean", "reward/std", "kl/mean", "kl/coef", "policy/loss", "policy/clipfrac", "policy/approx_kl",
     "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean", "perf/samples_per_sec",
@@ -18,25 +14,14 @@ METRICS = [
 ]
 
 
-def _run(*args: str, cwd: Path, timeout: float = 300, one_thread: bool = True) -> subprocess.CompletedProcess:
-    """``python -m lightning_app_rlhf ARGS`` in ``cwd``; ``one_thread=False`` keeps torch's default thread count (as the
-    README's commands run)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=timeout, check=False,
-    )
-
-
 def test_demo_config_runs_and_logs_every_metric(tmp_path):
     """The demo config runs a few iterations from the CLI, prints no deprecation (a warning, or transformers' logged
     notice: each is a future failure), and metrics.csv has every documented metric."""
-    result = _run(
+    result = run_cli(
         "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.max_steps", "3",
         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),  # its ModelCheckpoint writes there too
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "RLHF run summary" in result.stdout
     printed = result.stdout + result.stderr
     assert "DeprecationWarning" not in printed and "FutureWarning" not in printed, printed[-3000:]
@@ -54,8 +39,7 @@ def test_demo_config_runs_and_logs_every_metric(tmp_path):
 
 def test_cli_help_lists_ppo_options(tmp_path):
     """`fit --help` documents the PPO fields from the dataclass docstrings."""
-    result = _run("fit", "--help", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_cli("fit", "--help", cwd=tmp_path)
     assert "--model.ppo.kl_estimator" in result.stdout
     assert "--model.generation.max_new_tokens" in result.stdout
     assert "Passes over each rollout batch" in result.stdout  # field docstrings reach --help

@@ -8,8 +8,9 @@ import datasets
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import make_module
 
-from lightning_app_rlhf import GenerationConfig, RLHFModule, demo
+from lightning_app_rlhf import GenerationConfig, demo
 from lightning_app_rlhf.data import (
     PromptDataModule,
     PromptDataset,
@@ -509,11 +510,10 @@ def test_trainer_reads_held_out_loaders(tokenizer):
     assert module.seen["test"] == module.seen["predict"] == [[0, 1], [2, 3], [4]]
 
 
-def test_fit_without_val_prompts_is_quiet(tokenizer, tiny_gpt2_config):
+def test_fit_without_val_prompts_is_quiet(tokenizer):
     """Without held-out prompts RLHFModule's fit runs no validation and Lightning says nothing about a val loader."""
-    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer,
-                        reward_fn=lambda prompts, responses: [0.0] * len(prompts),
-                        generation=GenerationConfig(max_new_tokens=2))
+    module = make_module(reward_fn=lambda prompts, responses: [0.0] * len(prompts),
+                         generation=GenerationConfig(max_new_tokens=2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = _trainer()

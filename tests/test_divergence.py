@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import run_ranks
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
@@ -26,6 +27,7 @@ from lightning_app_rlhf.engine import (
     first_nonfinite,
     record_update,
 )
+from lightning_app_rlhf.placed_roles import PlacedRoles
 from lightning_app_rlhf.wrappers import WRAPPERS, DDPWrapper, is_available
 from lightning_app_rlhf.wrappers.base import SkippedUpdates
 
@@ -91,30 +93,29 @@ def test_a_single_nan_loss_minibatch_is_skipped_and_training_continues(tmp_path,
     """The actor's loss is NaN on one minibatch (iteration 1, minibatch 1 of 2): that update leaves the weights and
     the optimizer state exactly as they were, the next one steps, and only that iteration logs a skipped update."""
     module = _module(tokenizer, tiny_gpt2_config, "ppo", PPOConfig(num_minibatches=2))
-    loss = module.algorithm.loss
+    loss = module.algorithm.policy_loss
     actor_calls, poisoned_call = [0], 4  # iteration 1, minibatch 1
     before: dict[str, Any] = {}
     after: list[dict[str, Any]] = []
 
     def snapshot() -> dict[str, Any]:
-        optimizer = module.role_wrappers["actor"].optimizer
+        optimizer = module.placed_roles.wrappers["actor"].optimizer
         return {"weights": [p.detach().clone() for p in module.actor.parameters()],
                 "optimizer": copy.deepcopy(optimizer.state_dict())}
 
-    def nan_once(role, model, batch, scale):
-        total, stats = loss(role, model, batch, scale)
-        if role == "actor":
-            actor_calls[0] += 1
-            if actor_calls[0] == poisoned_call:
-                before.update(snapshot())
-                return total * NAN, {**stats, "policy/loss": stats["policy/loss"] * NAN}
+    def nan_once(logprobs, entropy, batch, scale):  # the actor's loss only: the critic's is value_loss
+        total, stats = loss(logprobs, entropy, batch, scale)
+        actor_calls[0] += 1
+        if actor_calls[0] == poisoned_call:
+            before.update(snapshot())
+            return total * NAN, {**stats, "policy/loss": stats["policy/loss"] * NAN}
         return total, stats
 
-    module.algorithm.loss = nan_once
+    module.algorithm.policy_loss = nan_once
 
     class CheckStep(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            wrapper = pl_module._wrappers()["actor"]
+            wrapper = pl_module.placed_roles.wrappers["actor"]
             step = wrapper.step
 
             def checked(skip: bool = False):
@@ -136,8 +137,8 @@ def test_a_single_nan_loss_minibatch_is_skipped_and_training_continues(tmp_path,
     (warning,) = skips
     assert warning.startswith("Skipped the actor's update at iteration 1 (epoch 0, minibatch 1): its policy loss is "
                               "nan.")
-    assert module.role_wrappers["actor"].skipped.in_a_row == 0  # reset by the next update, which stepped
-    assert module.role_wrappers["actor"].optimizer.state_dict()["state"][0]["step"] == 5  # 6 minibatches, 1 skipped
+    assert module.placed_roles.wrappers["actor"].skipped.in_a_row == 0  # reset by the next update, which stepped
+    assert module.placed_roles.wrappers["actor"].optimizer.state_dict()["state"][0]["step"] == 5  # 6 minibatches, 1 skipped
 
 
 def _states_equal(a: Any, b: Any) -> bool:
@@ -249,14 +250,14 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
     algorithm = build_algorithm("rloo", config, generation)
     calls = []
 
-    def nan_on_rank_1(role, model, batch, scale):
-        total, stats = type(algorithm).loss(algorithm, role, model, batch, scale)
+    def nan_on_rank_1(logprobs, entropy, batch, scale):
+        total, stats = type(algorithm).policy_loss(algorithm, logprobs, entropy, batch, scale)
         calls.append(len(calls))
         if rank == 1 and len(calls) == 1:  # the value only: the gradients stay finite, so only the flag tells
             return total + (NAN - total.detach()), stats
         return total, stats
 
-    algorithm.loss = nan_on_rank_1
+    algorithm.policy_loss = nan_on_rank_1
     generator = torch.Generator().manual_seed(0)
     sequences = torch.randint(3, 512, (8, 10), generator=generator)
     experience = Experience(sequences, torch.ones_like(sequences), torch.ones(8, 4, dtype=torch.long),
@@ -272,12 +273,12 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
         wrapper = WRAPPERS[name](actor, group, 2, rank, torch.device("cpu"))
         wrapper.wrap()
         wrapper.attach_optimizer(torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-3), 1.0)
-        engine = RLHFEngine(placement, algorithm, generation, config, None, None, lambda role: None,
-                            {"actor": wrapper}, None, seed=0)
+        engine = RLHFEngine(PlacedRoles(placement, {"actor": wrapper}), algorithm, generation, config, None, None,
+                            lambda role: None, None, seed=0)
         calls.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            stats = engine.train_role("actor", experience)
+            stats = engine._broadcast_train_stats("actor", engine._update("actor", experience, wrapper))
         trained = torch.cat([p.detach().flatten().clone() for bucket in wrapper.full_parameter_buckets()
                              for p in bucket])
         results[name] = {
@@ -295,27 +296,8 @@ def test_a_nan_loss_on_one_rank_makes_every_rank_of_the_group_skip(tmp_path, tin
     warning, from the group's first rank) and step on the second, so they stay in sync, under DDP and FSDP2 (and
     ZeRO 1-3 when DeepSpeed is installed: their backward turns the NaN loss into NaN gradients, which DeepSpeed
     skips). Every wrapper ends at the same weights: none of them touched the optimizer state on the skip."""
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
     wrappers = [name for name in WRAPPERS if is_available(name)]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    if torch.distributed.is_initialized():  # an earlier in-process test's 1-rank group: forked children inherit it
-        torch.distributed.destroy_process_group()
-    context = mp.start_processes(_two_ranks, args=(port, str(tmp_path), wrappers, tiny_gpt2_config), nprocs=2,
-                                 join=False, start_method="fork")
-    deadline = time.monotonic() + 120
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the two ranks did not finish"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_two_ranks, 2, str(tmp_path), wrappers, tiny_gpt2_config, timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for name in wrappers:
         mine, theirs = ranks[0][name], ranks[1][name]

@@ -11,22 +11,18 @@ import argparse
 import csv
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import ROOT, make_module, one_thread_env, run_python
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import Logger
 
-ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("reward/mean", "reward/std", "kl/mean", "kl/coef", "policy/loss", "policy/clipfrac", "policy/approx_kl",
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
-TINY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 64,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 class Rows(Logger):
@@ -56,7 +52,7 @@ def run(argv: list[str]) -> None:
     both ranks): ``--iterations`` PPO iterations, optionally resumed from ``--resume`` and saved to ``--save``
     after ``--save-at`` iterations (each rank then dumps its live optimizer, scheduler and weights). Rank 0 writes
     the logged rows, what ``fabric.load`` returned, and the error of loading each ``--refused`` file."""
-    from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
+    from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, demo
     from lightning_app_rlhf.checkpoint import CheckpointError
     from lightning_app_rlhf.plan import flattening_plan
     from lightning_app_rlhf.strategies import FabricPlacementStrategy
@@ -77,9 +73,8 @@ def run(argv: list[str]) -> None:
     fabric.launch()
     fabric.seed_everything(0)
     tokenizer = demo.build_tokenizer()
-    module = RLHFModule(
-        actor={"config": TINY}, tokenizer=tokenizer, reward_fn=demo.topic_reward,
-        generation=GenerationConfig(max_new_tokens=8),
+    module = make_module(
+        tokenizer=tokenizer, generation=GenerationConfig(max_new_tokens=8),
         ppo=PPOConfig(ppo_epochs=2, num_minibatches=2, kl_target=1.0, kl_horizon=100, reward_norm=True),
         actor_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
         critic_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -106,7 +101,7 @@ def run(argv: list[str]) -> None:
             if module.iteration == args.save_at:
                 fabric.save(args.save, {"model": module, "optimizers": module.optimizers(), "note": {"run": "full"}})
                 live = {
-                    "optimizers": {role: module.role_wrappers[role].optimizer.state_dict()
+                    "optimizers": {role: module.placed_roles.wrappers[role].optimizer.state_dict()
                                    for role in module.trained_roles()},
                     "schedulers": [scheduler.state_dict() for scheduler in module.fabric_schedulers],
                     "weights": {role: module.role_module(role).state_dict() for role in module.trained_roles()},
@@ -121,10 +116,7 @@ def run(argv: list[str]) -> None:
 
 def launch(out: Path, *args: str) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
-    result = subprocess.run([sys.executable, __file__, str(out), *args], cwd=out, env=env, capture_output=True,
-                            text=True, timeout=240, check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_python(__file__, out, *args, cwd=out, timeout=240, env=one_thread_env(PYTHONFAULTHANDLER="1"))
     return json.loads((out / "result.json").read_text())
 
 
@@ -207,16 +199,11 @@ def assert_third_iteration_equal(resumed: dict[str, Any], full: dict[str, Any]) 
 @pytest.mark.slow  # the same fabric.save / fabric.load calls as above, through the example's options
 def test_fabric_demo_saves_and_resumes(tmp_path):
     """examples/fabric_demo.py: ``--save`` after its iterations, ``--resume`` continues from the next one."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     checkpoint = tmp_path / "last.ckpt"
     for steps, option in (("1", "--save"), ("2", "--resume")):
-        result = subprocess.run(
-            [sys.executable, str(ROOT / "examples/fabric_demo.py"), "--strategy", "rlhf_separation", "--devices", "2",
-             "--steps", steps, "--max-new-tokens", "4", "--log-dir", str(tmp_path / option[2:]), option,
-             str(checkpoint)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
+        result = run_python(ROOT / "examples/fabric_demo.py", "--strategy", "rlhf_separation", "--devices", "2",
+                            "--steps", steps, "--max-new-tokens", "4", "--log-dir", tmp_path / option[2:], option,
+                            checkpoint, cwd=tmp_path, timeout=240)
         assert f"rlhf_separation on 2 processes, {steps} PPO iterations" in result.stdout
     (metrics,) = (tmp_path / "resume").rglob("metrics.csv")
     assert [row["step"] for row in csv.DictReader(metrics.open())] == ["1"]

@@ -22,21 +22,19 @@ minute each on 2 cores) runs with::
 
 from __future__ import annotations
 
-import csv
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import ROOT, cli_command, free_port, metrics_rows, one_thread_env, run_python
 
 from lightning_app_rlhf.checkpoint import load_checkpoint_file, verify
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 20
 """The collective timeout the cells run under (``--trainer.strategy.timeout``)."""
 MARGIN_S = 25
@@ -78,22 +76,20 @@ def cells():
 
 
 def command(tmp_path: Path, placement: str, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-            "--trainer.devices", "4", "--trainer.strategy", f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
-            "--trainer.strategy.timeout", str(TIMEOUT_S), "--trainer.max_steps", str(steps),
-            "--trainer.enable_checkpointing", "true", "--trainer.logger.init_args.save_dir", str(tmp_path),
-            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
-            "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra]
+    return cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml",
+                       "--trainer.devices", "4", "--trainer.strategy",
+                       f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
+                       "--trainer.strategy.timeout", str(TIMEOUT_S), "--trainer.max_steps", str(steps),
+                       "--trainer.enable_checkpointing", "true", "--trainer.logger.init_args.save_dir", tmp_path,
+                       "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                       f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+                       "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra)
 
 
 def launch_ranks(tmp_path: Path, cmd: list[str], env: dict[str, str], name: str) -> tuple[list[int], list[float]]:
     """Run the 4 ranks as torchrun would (one process each, own session); return exit codes and exit times."""
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port()), "WORLD_SIZE": "4",
-           "NODE_RANK": "0", **env}
+    env = one_thread_env(tests=True, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="4",
+                         NODE_RANK="0", **env)
     files = [(tmp_path / f"{name}{rank}.err").open("w") for rank in range(4)]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
                               stderr=file, start_new_session=True) for rank, file in enumerate(files)]
@@ -128,8 +124,7 @@ def _session(pid: int) -> int | None:
 
 
 def metrics(tmp_path: Path, name: str) -> list[dict[str, float]]:
-    (path,) = (tmp_path / name).rglob("metrics.csv")
-    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(path.open()) if row.get("reward/mean")]
+    return [row for row in metrics_rows(tmp_path / name) if "reward/mean" in row]
 
 
 @pytest.mark.parametrize("placement,phase", list(cells()))
@@ -185,11 +180,10 @@ def test_heartbeat_names_the_rank_that_stopped():
     import datetime
 
     import torch.distributed as dist
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from lightning_app_rlhf.placement import HEARTBEAT_KEY, Heartbeat
+    from lightning_app_rlhf.heartbeat import HEARTBEAT_KEY, Heartbeat
 
-    store = dist.TCPStore("127.0.0.1", find_free_network_port(), is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
     alive, me = Heartbeat(store, 2, 4, interval=0.2), Heartbeat(store, 1, 4, interval=0.2)
     try:
@@ -206,7 +200,7 @@ EXIT_WHILE_BEATING = """
 import datetime, time
 import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning_app_rlhf.placement import Heartbeat
+from lightning_app_rlhf.heartbeat import Heartbeat
 store = dist.TCPStore("127.0.0.1", find_free_network_port(), is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=5))
 beats = [Heartbeat(store, rank, 4, interval=0.0005) for rank in range(3)]  # never stopped: the exit ends them
@@ -218,8 +212,5 @@ def test_a_process_exits_cleanly_while_its_heartbeats_beat():
     """A process whose heartbeat threads are inside store calls when its main thread ends exits with status 0: the
     interpreter waits for them (a daemon thread stopped mid-call at finalization aborts the process: "terminate
     called without an active exception": 9 of 15 runs of this script when they were daemons)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for _ in range(3):
-        result = subprocess.run([sys.executable, "-c", EXIT_WHILE_BEATING], env=env, capture_output=True, text=True,
-                                timeout=120, check=False)
-        assert result.returncode == 0, result.stderr[-2000:]
+        run_python("-c", EXIT_WHILE_BEATING, timeout=120)

@@ -10,14 +10,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
+from helpers import make_module
 from lightning.pytorch.callbacks import Callback
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
 from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, separation_plan
-
-GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512, "n_positions": 64,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-
 
 def _digest(tensors) -> str:
     sha = hashlib.sha256()
@@ -34,9 +31,9 @@ class TrainedDigests(Callback):
         self.directory = directory
 
     def _record(self, pl_module: RLHFModule, when: str) -> None:
-        placement = pl_module.placement
+        placement = pl_module.placed_roles.placement
         for role in pl_module.trained_roles():
-            digest = _digest(p for bucket in pl_module.role_wrappers[role].full_parameter_buckets() for p in bucket)
+            digest = _digest(p for bucket in pl_module.placed_roles.wrappers[role].full_parameter_buckets() for p in bucket)
             if placement.rank == placement.leader(f"{role}.train"):
                 Path(self.directory, f"{when}_{role}.txt").write_text(digest)
         dist.barrier()
@@ -55,8 +52,7 @@ class TrainedDigests(Callback):
 def test_the_main_process_gets_the_trained_roles(tmp_path, tokenizer, plan: PlacementPlan):
     from lightning_app_rlhf.strategies import PlacementStrategy
 
-    module = RLHFModule(actor={"config": GPT2}, tokenizer=tokenizer, reward_fn=demo.topic_reward,
-                        generation=GenerationConfig(max_new_tokens=8), ppo=PPOConfig(num_minibatches=1))
+    module = make_module(generation=GenerationConfig(max_new_tokens=8), ppo=PPOConfig(num_minibatches=1))
     if dist.is_initialized():  # an earlier in-process test's 1-rank group: forked children inherit it
         dist.destroy_process_group()
     trainer = pl.Trainer(

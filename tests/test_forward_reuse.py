@@ -6,9 +6,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import fit_demo
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
 from lightning_app_rlhf.engine import RLHFEngine
+from lightning_app_rlhf.placed_roles import PlacedRoles
 
 TINY = {
     "config": {
@@ -77,8 +79,9 @@ def test_no_reuse_where_the_forwards_differ(tokenizer):
 def test_reuse_needs_one_forward_per_rank(tokenizer):
     """Generation chunks smaller than the rank's rows mean several scoring forwards: no reuse."""
     module = RLHFModule(actor=TINY, tokenizer=tokenizer, reward_fn=demo.topic_reward, ppo=PPOConfig())
-    engine = RLHFEngine(module._placement(), module.algorithm, module.generation, module.ppo, tokenizer, module.shaping,
-                        module.role_module, {}, module.reward_fn, module.seed)
+    engine = RLHFEngine(PlacedRoles.single_process(module.device, module.algorithm.roles), module.algorithm,
+                        module.generation, module.ppo, tokenizer, module.shaping, module.role_module, module.reward_fn,
+                        module.seed)
     engine._batch_rows = 8
     assert engine.reuses_critic_forward
     engine.generation = GenerationConfig(batch_size=4)
@@ -93,12 +96,10 @@ def test_reuse_needs_one_forward_per_rank(tokenizer):
 def test_two_ranks_reuse_gives_the_same_trajectory(tmp_path):
     """Flattening on 2 processes (the critic's DDP group scores and trains the same rows split across ranks): the
     run with the reuse logs the values of the run without it, step by step."""
-    from test_placements import run_demo
-
     one_pass = ("--trainer.devices", "2", "--trainer.strategy", "rlhf_flattening", "--model.ppo.ppo_epochs", "1",
                 "--model.ppo.num_minibatches", "1")
-    reused = run_demo(tmp_path, "reused", *one_pass)
-    separate = run_demo(tmp_path, "separate", *one_pass, "--model.ppo.reuse_critic_forward", "false")
+    reused = fit_demo(tmp_path, "reused", *one_pass)
+    separate = fit_demo(tmp_path, "separate", *one_pass, "--model.ppo.reuse_critic_forward", "false")
     reused, separate = ([r for r in rows if "reward/mean" in r] for rows in (reused, separate))
     assert len(reused) == len(separate) == 3
     for got, want in zip(reused, separate, strict=True):

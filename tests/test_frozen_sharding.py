@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT, fit_demo
 
 from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
 
-ROOT = Path(__file__).resolve().parents[1]
 COMPARED = (
     "reward/mean",
     "reward/std",
@@ -44,40 +40,7 @@ def run_plan(tmp_path: Path, name: str, plan: PlacementPlan) -> list[dict[str, f
     }
     extra_file = tmp_path / f"{name}.yaml"
     extra_file.write_text(yaml.safe_dump(extra))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_app_rlhf",
-            "fit",
-            "--config",
-            str(ROOT / "examples/configs/demo_cpu.yaml"),
-            "--config",
-            str(extra_file),
-            "--trainer.devices",
-            str(plan.world_size),
-            "--trainer.max_steps",
-            "3",
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.logger.init_args.save_dir",
-            str(tmp_path),
-            "--trainer.logger.init_args.name",
-            name,
-            "--model.generation.max_new_tokens",
-            "12",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (metrics,) = (tmp_path / name).rglob("metrics.csv")
-    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
+    return fit_demo(tmp_path, name, "--config", extra_file, "--trainer.devices", str(plan.world_size))
 
 
 def test_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):

@@ -13,10 +13,8 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_app_rlhf import ppo
-from lightning_app_rlhf.algorithms import build_algorithm
+from lightning_app_rlhf.algorithms import build_algorithm, functional
 from lightning_app_rlhf.calls import critic_forward, reference_forward, response_logits, reward_forward
-from lightning_app_rlhf.hf_cache import CACHE_ARGUMENT
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import collate_left_padded
 from lightning_app_rlhf.engine import RLHFEngine
@@ -33,6 +31,7 @@ from lightning_app_rlhf.generation import (
     row_chunks,
     sample_keys,
 )
+from lightning_app_rlhf.generation.hf_cache import CACHE_ARGUMENT
 from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
 PAD, EOS = 0, 2
@@ -296,7 +295,7 @@ def test_behaviour_logprobs_match_full_forward(gpt2, tokenizer, top_k, top_p):
     assert rollout.response_mask.min() == 0  # some positions past EOS, to check they are excluded
     with torch.no_grad():
         logits = response_logits(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-    full = ppo.logprobs_from_logits(logits / temperature, rollout.responses)
+    full = functional.logprobs_from_logits(logits / temperature, rollout.responses)
     valid = rollout.response_mask.bool()
     assert_close(rollout.logprobs[valid], full[valid], rtol=0, atol=1e-4)
 
@@ -632,16 +631,16 @@ def test_engine_generate_stops_at_generation_config_ids(tokenizer):
     generation_config.eos_token_id and generation.stop_token_ids; all rows done before the limit ends the loop."""
     model = ScriptedLM([[5, 6, 3, 3, 3], [4, EOS, 3, 3, 3], [4, 3, 7, 3, 3]], vocab=16)
     model.generation_config = SimpleNamespace(eos_token_id=[EOS, 6])  # as Llama 3 / Qwen list several
-    from lightning_app_rlhf.placement import Placement
+    from lightning_app_rlhf.placed_roles import PlacedRoles
 
-    engine = RLHFEngine(placement=Placement.single_process(), algorithm=None,
-                        generation=GenerationConfig(max_new_tokens=5, top_k=1,
-                        stop_token_ids=[7]), config=None, tokenizer=tokenizer, shaping=None,
-                        modules=lambda role: model, wrappers={}, reward_fn=None, seed=0)
+    generation = GenerationConfig(max_new_tokens=5, top_k=1, stop_token_ids=[7])
+    engine = RLHFEngine(placed=PlacedRoles.single_process(torch.device("cpu"), ("actor",)), algorithm=None,
+                        generation=generation, config=None, tokenizer=tokenizer, shaping=None,
+                        modules=lambda role: model, reward_fn=None, seed=0)
     batch = {"input_ids": torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]]),
              "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]]),
              "index": torch.arange(3), "sample": torch.zeros(3, dtype=torch.long)}
-    rollout = engine._generate(batch, slice(0, 3), iteration=0)
+    rollout = engine._generate(batch, slice(0, 3), iteration=0, generation=generation)
     assert rollout.responses.tolist() == [[5, 6, PAD], [4, EOS, PAD], [4, 3, 7]]
     assert rollout.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
     assert len(model.calls) == 3  # stopped after step 3 of 5

@@ -158,28 +158,6 @@ def test_static_reuses_its_cache_and_resets_it(batch):
     assert not torch.equal(first.responses, second.responses)  # other keys, other tokens
     run(model, batch, replace(config, max_new_tokens=11))
     assert backend._states[model].cache is not cache
-    backend.release(model)
-    assert model not in backend._states
-
-
-def test_update_weights_copies_in_place_and_static_decodes_the_new_weights(batch):
-    """``update_weights`` copies a trained model's weights into a shadow without moving its storage, and the
-    shadow then samples the trained model's tokens."""
-    backend = get_backend("static")
-    trained, shadow = build("gpt2", seed=1), build("gpt2", seed=2)
-    config = GenerationConfig(max_new_tokens=10, backend="static")
-    before = run(shadow, batch, config)
-    pointers = [p.data_ptr() for p in shadow.parameters()]
-    copied = backend.update_weights(shadow, trained.named_parameters())
-    assert copied == sum(p.numel() * 4 for p in trained.parameters())
-    assert [p.data_ptr() for p in shadow.parameters()] == pointers
-    after = run(shadow, batch, config)
-    assert_same_rollout(after, run(trained, batch, replace(config, backend="eager")))
-    assert not torch.equal(before.responses, after.responses)
-    with pytest.raises(KeyError, match="no parameter or buffer 'head.weight'"):
-        backend.update_weights(shadow, {"head.weight": torch.zeros(1)})
-    with pytest.raises(ValueError, match="shape"):
-        backend.update_weights(shadow, {"lm_head.bias": torch.zeros(3)})
 
 
 class CallSignatureOnly(nn.Module):

@@ -3,24 +3,19 @@ and the Tuner's finders, which do not apply to RLHF."""
 
 from __future__ import annotations
 
-import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from helpers import ROOT, make_module, metrics_rows, run_python
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.tuner import Tuner
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
 from lightning_app_rlhf.demo import prompts, topic_reward, val_prompts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module(tokenizer, tiny_gpt2_config, **kwargs) -> RLHFModule:
@@ -36,8 +31,7 @@ def _trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
 
 
 def _metrics(tmp_path: Path) -> list[dict[str, float]]:
-    (path,) = tmp_path.rglob("metrics.csv")
-    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(path.open())]
+    return metrics_rows(tmp_path)
 
 
 def test_epoch_metrics_are_the_mean_of_the_epoch(tmp_path, tokenizer, tiny_gpt2_config):
@@ -76,11 +70,10 @@ def test_hyperparameters_are_saved_and_restore_the_module(tmp_path, tokenizer, t
         torch.testing.assert_close(restored.actor.state_dict()[name], tensor, rtol=0, atol=0)
 
 
-def test_reward_functions_are_saved_by_import_path_only(tmp_path, tokenizer, tiny_gpt2_config):
+def test_reward_functions_are_saved_by_import_path_only(tmp_path, tokenizer):
     """An importable reward function is saved as its path; a lambda is not saved, and loading names the fix."""
     for reward_fn in (topic_reward, lambda prompts, responses: topic_reward(prompts, responses)):
-        module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=reward_fn,
-                            generation=GenerationConfig(max_new_tokens=4))
+        module = make_module(reward_fn=reward_fn, generation=GenerationConfig(max_new_tokens=4))
         trainer = _trainer(tmp_path, max_steps=1)
         trainer.fit(module, datamodule=PromptDataModule(prompts(4), tokenizer, batch_size=4))
         trainer.save_checkpoint(tmp_path / "model.ckpt")
@@ -124,11 +117,8 @@ def test_lr_monitor_validation_and_predict_on_two_processes(tmp_path, strategy):
     """A user's LearningRateMonitor logs lr-actor and lr-critic whichever ranks hold the optimizers (rank 0 holds
     none under Separation); validation runs where actor.generate runs; trainer.predict returns the same
     completions on every rank."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, str(ROOT / "tests/lightning_native_run.py"), "--strategy", strategy,
-                             "--devices", "2", "--out", str(tmp_path)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_python(ROOT / "tests/lightning_native_run.py", "--strategy", strategy, "--devices", "2", "--out", tmp_path,
+               cwd=tmp_path)
     rows = _metrics(tmp_path)
     lrs = [r for r in rows if "lr-actor" in r]
     assert [r["lr-actor"] for r in lrs] == pytest.approx([1e-3, 5e-4, 2.5e-4, 1.25e-4])  # StepLR, gamma 0.5

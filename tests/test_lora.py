@@ -3,9 +3,6 @@ Separation moving adapter bytes only, checkpoint/resume, and export to plain tra
 
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,16 +10,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from helpers import ROOT, fit_demo, make_module
 
-from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo, ppo
+from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
+from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.callbacks import ExportActor
 from lightning_app_rlhf.calls import response_logits
 from lightning_app_rlhf.generation import generate, sample_keys
+from lightning_app_rlhf.placed_roles import PlacedRoles
 from lightning_app_rlhf.placement import Placement
 from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.roles import AdapterDisabledReference, ModelSpec, build_causal_lm, build_critic
 
-ROOT = Path(__file__).resolve().parents[1]
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"]}
 DEMO_CONFIG = ROOT / "examples/configs/demo_lora_cpu.yaml"
 STRATEGIES = ("rlhf_flattening", "rlhf_interleaving", "rlhf_separation")
@@ -156,7 +155,7 @@ def test_shared_reference_must_run_where_the_actor_lives(tokenizer, tiny_gpt2_co
         tokenizer=tokenizer,
         reward_fn=lambda p, r: [0.0] * len(p),
     )
-    module.placement = Placement(lonely, rank=1)
+    module.placed_roles = PlacedRoles(Placement(lonely, rank=1))
     with pytest.raises(ValueError, match="without holding the actor"):
         module.configure_model()
     assert module.critic is None  # nothing was built
@@ -167,7 +166,7 @@ def test_shared_reference_must_run_where_the_actor_lives(tokenizer, tiny_gpt2_co
         reference={"config": tiny_gpt2_config},
         reward_fn=lambda p, r: [0.0] * len(p),
     )
-    module.placement = Placement(lonely, rank=1)
+    module.placed_roles = PlacedRoles(Placement(lonely, rank=1))
     module.configure_model()
     assert module.actor is None and isinstance(module.reference, torch.nn.Module)
 
@@ -193,7 +192,7 @@ def test_kv_cache_generation_with_a_peft_actor_matches_a_full_forward(tokenizer,
     )
     with torch.no_grad():
         logits = response_logits(actor, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-    full = ppo.logprobs_from_logits(logits, rollout.responses)
+    full = functional.logprobs_from_logits(logits, rollout.responses)
     valid = rollout.response_mask.bool()
     torch.testing.assert_close(rollout.logprobs[valid], full[valid], rtol=0, atol=1e-4)
 
@@ -273,9 +272,7 @@ def test_exported_actor_reloads_with_plain_transformers_and_peft(tmp_path, token
         assert _greedy_hf(adapter, dict(batch), 12) == ours
         assert _greedy_hf(base, dict(batch), 12) != ours  # training changed what the actor says
     with pytest.raises(ValueError, match="no LoRA adapter to export"):
-        RLHFModule(
-            actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=demo.topic_reward
-        ).export_actor(tmp_path / "x", merge=False)
+        make_module().export_actor(tmp_path / "x", merge=False)
 
 
 # ---- every placement, 2 processes (CLI, YAML config) ----
@@ -285,39 +282,8 @@ def run_lora_demo(
     tmp_path: Path, name: str, *args: str, steps: int = 3
 ) -> tuple[list[dict[str, float]], str]:
     """The LoRA demo config for a few iterations: its metrics.csv rows and its stdout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_app_rlhf",
-            "fit",
-            "--config",
-            str(DEMO_CONFIG),
-            "--trainer.max_steps",
-            str(steps),
-            "--trainer.enable_checkpointing",
-            "false",
-            "--trainer.logger.init_args.save_dir",
-            str(tmp_path),
-            "--trainer.logger.init_args.name",
-            name,
-            "--model.generation.max_new_tokens",
-            "8",
-            *args,
-        ],
-        cwd=tmp_path,
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (metrics,) = (tmp_path / name).rglob("metrics.csv")
-    return [
-        {k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())
-    ], result.stdout
+    rows = fit_demo(tmp_path, name, *args, config=DEMO_CONFIG, steps=steps, max_new_tokens=8)
+    return rows, (tmp_path / f"{name}.out").read_text()
 
 
 def demo_role_bytes() -> tuple[int, int, int]:

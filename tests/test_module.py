@@ -8,12 +8,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import ROOT, run_cli
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
 from lightning_app_rlhf.callbacks import RLHFRunSummary
-from test_cli import ROOT
-from test_cli import _run as run_cli
 
 DEMO_ACTOR = {
     "config": {
@@ -121,8 +120,7 @@ def shipped_grpo_rewards(tmp_path: Path, seed: int, steps: int | None = None) ->
     args = ["fit", "--config", str(ROOT / "examples/configs/demo_grpo_cpu.yaml"), "--seed_everything", str(seed),
             "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     steps_args = ["--trainer.max_steps", str(steps)] if steps else []
-    result = run_cli(*args, *steps_args, cwd=tmp_path, timeout=1200, one_thread=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_cli(*args, *steps_args, cwd=tmp_path, timeout=1200, one_thread=False)
     (metrics,) = (tmp_path / "runs").rglob("metrics.csv")
     rows = sorted((r for r in csv.DictReader(metrics.open()) if r["reward/mean"]), key=lambda r: int(r["step"]))
     return [float(r["reward/mean"]) for r in rows]

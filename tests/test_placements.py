@@ -2,45 +2,34 @@
 
 from __future__ import annotations
 
-import csv
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import (
+    ROOT,
+    cli_command,
+    fit_demo,
+    free_port,
+    make_module,
+    metrics_rows,
+    one_thread_env,
+    run_cli,
+    run_python,
+)
 
 from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+GRPO_CONFIG = ROOT / "examples/configs/demo_grpo_cpu.yaml"
 STRATEGIES = ("rlhf_flattening", "rlhf_interleaving", "rlhf_separation")
 COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipfrac", "policy/approx_kl",
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
-
-
-def run_demo(
-    tmp_path: Path, name: str, *args: str, steps: int = 3, config: str = "demo_cpu.yaml"
-) -> list[dict[str, float]]:
-    """Run a demo config for a few iterations and return its metrics.csv rows (rank 0's stdout in ``name.out``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs" / config),
-         "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
-         "--trainer.logger.init_args.save_dir", str(tmp_path),
-         "--trainer.logger.init_args.name", name, "--model.generation.max_new_tokens", "12", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (tmp_path / f"{name}.out").write_text(result.stdout)
-    (metrics,) = (tmp_path / name).rglob("metrics.csv")
-    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
 
 
 # The default run covers PPO placements through tests/test_wrappers.py and GRPO ones below, on 2 and 4 processes.
 @pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_placements_give_the_same_trajectory(tmp_path, devices):
     """Same seed and global batch: Flattening, Interleaving and Separation log the same values step by step."""
-    logged = {s: run_demo(tmp_path, f"{s}_{devices}", "--trainer.devices", str(devices), "--trainer.strategy", s)
+    logged = {s: fit_demo(tmp_path, f"{s}_{devices}", "--trainer.devices", str(devices), "--trainer.strategy", s)
               for s in STRATEGIES}
     runs = {s: [r for r in rows if "reward/mean" in r] for s, rows in logged.items()}
     reference = runs["rlhf_flattening"]
@@ -66,7 +55,7 @@ GRPO_BATCH = ("--data.batch_size", "3", "--model.generation.num_samples", "4")
 @pytest.fixture(scope="module")
 def grpo_one_process(tmp_path_factory):
     """The GRPO demo on one process: the trajectory every placement must log."""
-    return run_demo(tmp_path_factory.mktemp("grpo"), "single", *GRPO_BATCH, config="demo_grpo_cpu.yaml")
+    return fit_demo(tmp_path_factory.mktemp("grpo"), "single", *GRPO_BATCH, config=GRPO_CONFIG)
 
 
 @pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])  # PPO covers 4 by default
@@ -85,8 +74,8 @@ def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devic
     config = yaml.safe_load((ROOT / "examples/configs/demo_grpo_cpu.yaml").read_text())
     actor = sum(p.numel() for p in build_causal_lm(as_model_spec(config["model"]["actor"])).parameters()) * 4
     for strategy in STRATEGIES:
-        rows = run_demo(tmp_path, f"{strategy}_{devices}", *common, "--trainer.devices", str(devices),
-                        "--trainer.strategy", strategy, config="demo_grpo_cpu.yaml")
+        rows = fit_demo(tmp_path, f"{strategy}_{devices}", *common, "--trainer.devices", str(devices),
+                        "--trainer.strategy", strategy, config=GRPO_CONFIG)
         for step, (got, want) in enumerate(zip([r for r in rows if "reward/mean" in r], reference, strict=True)):
             for metric in GRPO_COMPARED:
                 assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (strategy, step, metric)
@@ -148,16 +137,12 @@ def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     The ranks are launched as torchrun or SLURM would, one process each with ``LOCAL_RANK`` set. Under Lightning's
     own launcher a watcher thread SIGKILLs all ranks within 5 s of a child's death, racing the ranks' own errors.
     """
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_network_port()), "WORLD_SIZE": "4",
-           "NODE_RANK": "0"}
-    command = [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config",
-               str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.devices", "4",
-               "--trainer.strategy", "rlhf_separation", "--trainer.max_steps", "4",
-               "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
-               "--trainer.callbacks+=killrank_callback.KillRank", "--model.generation.max_new_tokens", "8"]
+    env = one_thread_env(tests=True, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="4",
+                         NODE_RANK="0")
+    command = cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "4",
+                          "--trainer.strategy", "rlhf_separation", "--trainer.max_steps", "4",
+                          "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
+                          "--trainer.callbacks+=killrank_callback.KillRank", "--model.generation.max_new_tokens", "8")
     logs = [tmp_path / f"rank{rank}.err" for rank in range(4)]
     files = [log.open("w") for log in logs]
     ranks = [subprocess.Popen(command, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)},
@@ -178,19 +163,19 @@ def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
         assert "another rank died" in errors[rank]
 
 
-def test_batches_too_small_for_the_groups_are_rejected(tokenizer, tiny_gpt2_config):
+def test_batches_too_small_for_the_groups_are_rejected():
     """Every rank of a call needs a sample, and every rank of a train call one per minibatch; errors name the fix."""
-    from lightning_app_rlhf import PPOConfig, RLHFModule
+    from lightning_app_rlhf import PPOConfig
+    from lightning_app_rlhf.placed_roles import PlacedRoles
     from lightning_app_rlhf.placement import Placement
 
-    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=lambda p, r: [0.0] * len(p),
-                        ppo=PPOConfig(num_minibatches=2))
-    module.placement = Placement(flattening_plan(4))
-    module._check_minibatches(8)  # 4 samples per minibatch: one per rank
+    module = make_module(reward_fn=lambda p, r: [0.0] * len(p), ppo=PPOConfig(num_minibatches=2))
+    module.placed_roles = PlacedRoles(Placement(flattening_plan(4)))
+    module.engine.check_batch(8)  # 4 samples per minibatch: one per rank
     with pytest.raises(ValueError, match=r"batch_size / num_minibatches >= 4"):
-        module._check_minibatches(6)
+        module.engine.check_batch(6)
     with pytest.raises(ValueError, match=r"raise data.batch_size to at least that"):
-        module._check_minibatches(2)
+        module.engine.check_batch(2)
 
 
 # Slow: the default run checks shadow digests after every update in test_wrappers.py (zero3-separation-4) and
@@ -203,17 +188,13 @@ def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path, wrapper)
     import json
 
     digests = tmp_path / "digests.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-         "--trainer.devices", "4", "--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
-         "--trainer.strategy.wrapper", wrapper, "--trainer.max_steps", "3",
-         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
-         "--trainer.callbacks+=weight_check_callback.WeightCopiesEqual",
-         f"--trainer.callbacks.path={digests}", "--model.generation.max_new_tokens", "8"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_cli("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml",
+            "--trainer.devices", "4", "--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
+            "--trainer.strategy.wrapper", wrapper, "--trainer.max_steps", "3",
+            "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
+            "--trainer.callbacks+=weight_check_callback.WeightCopiesEqual",
+            f"--trainer.callbacks.path={digests}", "--model.generation.max_new_tokens", "8",
+            cwd=tmp_path, timeout=240, env=one_thread_env(tests=True))
     records = json.loads(digests.read_text())
     assert len(records) == 3
     for ranks in records:
@@ -240,9 +221,9 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
               "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
               f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
               "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
-    full = [r for r in run_demo(tmp_path, "full", *common, steps=4) if "reward/mean" in r]
+    full = [r for r in fit_demo(tmp_path, "full", *common, steps=4) if "reward/mean" in r]
     (checkpoint,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
-    resumed = [r for r in run_demo(tmp_path, "resumed", *common, "--ckpt_path", str(checkpoint), steps=4)
+    resumed = [r for r in fit_demo(tmp_path, "resumed", *common, "--ckpt_path", str(checkpoint), steps=4)
                if "reward/mean" in r]
     assert [r["step"] for r in resumed] == [2, 3]
     for got, want in zip(resumed, full[2:], strict=True):
@@ -253,19 +234,13 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
 @pytest.mark.slow  # Fabric runs Separation and resumes exactly in test_fabric_checkpoint (default run)
 def test_fabric_example_matches_the_trainer(tmp_path):
     """examples/fabric_demo.py under Fabric's rlhf_* strategies logs what the Trainer logs for the same settings."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    trainer_rows = [r for r in run_demo(tmp_path, "trainer", "--trainer.devices", "2", "--trainer.strategy",
+    trainer_rows = [r for r in fit_demo(tmp_path, "trainer", "--trainer.devices", "2", "--trainer.strategy",
                                         "rlhf_flattening") if "reward/mean" in r]
     for strategy in ("rlhf_separation", "rlhf_interleaving"):
-        result = subprocess.run(
-            [sys.executable, str(ROOT / "examples/fabric_demo.py"), "--strategy", strategy, "--devices", "2",
-             "--steps", "3", "--max-new-tokens", "12", "--log-dir", str(tmp_path / "fabric")],
-            cwd=tmp_path, env=env, capture_output=True, text=True, check=False, timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
+        result = run_python(ROOT / "examples/fabric_demo.py", "--strategy", strategy, "--devices", "2",
+                            "--steps", "3", "--max-new-tokens", "12", "--log-dir", tmp_path / "fabric", cwd=tmp_path)
         assert f"{strategy} on 2 processes, 3 PPO iterations" in result.stdout
-        (metrics,) = (tmp_path / "fabric" / f"fabric_{strategy}").rglob("metrics.csv")
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(metrics.open())]
+        rows = metrics_rows(tmp_path / "fabric" / f"fabric_{strategy}")
         assert [r["step"] for r in rows] == [0, 1, 2]
         for got, want in zip(rows, trainer_rows, strict=True):
             for metric in COMPARED:
@@ -275,9 +250,9 @@ def test_fabric_example_matches_the_trainer(tmp_path):
 def test_separation_overlap_trains_one_step_behind(tmp_path):
     """overlap=True: iteration k trains on the rollout of k-1 (staleness 1), generated with the weights on-policy
     training had then; the first rollout and the first update equal the on-policy run's."""
-    on_policy = [r for r in run_demo(tmp_path, "onpolicy", "--trainer.devices", "2", "--trainer.strategy",
+    on_policy = [r for r in fit_demo(tmp_path, "onpolicy", "--trainer.devices", "2", "--trainer.strategy",
                                      "rlhf_separation") if "reward/mean" in r]
-    overlap = [r for r in run_demo(tmp_path, "overlap", "--trainer.devices", "2", "--trainer.strategy",
+    overlap = [r for r in fit_demo(tmp_path, "overlap", "--trainer.devices", "2", "--trainer.strategy",
                                    "lightning_app_rlhf.strategies.SeparationStrategy",
                                    "--trainer.strategy.overlap", "true") if "reward/mean" in r]
     assert [r["overlap/staleness"] for r in overlap] == [0, 1, 1]

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, make_module, run_cli
 
 from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _calls(**overrides):
@@ -66,13 +62,10 @@ def test_wrapper_errors_name_the_fix():
 
 def test_bad_plan_fails_before_any_model_is_built(tmp_path):
     """From the CLI, an impossible ratio stops the run in the strategy's setup, before the model summary."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-         "--trainer.devices", "2", "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
-         "--trainer.strategy.reference_ratio", "0.25", "--trainer.logger.init_args.save_dir", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )
+    result = run_cli("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
+                     "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
+                     "--trainer.strategy.reference_ratio", "0.25", "--trainer.logger.init_args.save_dir", tmp_path,
+                     cwd=tmp_path, timeout=120, check=False)
     assert result.returncode != 0
     assert "reference ratio 0.25 on 2 ranks gives 0.5 ranks" in result.stderr
     assert "Trainable params" not in result.stdout  # no model was built
@@ -84,16 +77,15 @@ def test_bad_plan_fails_before_any_model_is_built(tmp_path):
     (separation_plan(4), ["actor critic reference reward", "actor critic reference reward", "actor critic",
                           "actor critic"]),
 ])
-def test_each_rank_builds_only_the_roles_its_calls_need(plan, holdings, tokenizer, tiny_gpt2_config):
+def test_each_rank_builds_only_the_roles_its_calls_need(plan, holdings, tiny_gpt2_config):
     """With a reward *model*: Interleaving keeps reference and reward on their own ranks; Separation keeps both
     off the training ranks."""
-    from lightning_app_rlhf import RLHFModule
+    from lightning_app_rlhf.placed_roles import PlacedRoles
     from lightning_app_rlhf.placement import Placement
 
     for rank, expected in enumerate(holdings):
-        module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer,
-                            reward_model={"config": tiny_gpt2_config})
-        module.placement = Placement(plan, rank)
+        module = make_module(reward_model={"config": tiny_gpt2_config})
+        module.placed_roles = PlacedRoles(Placement(plan, rank))
         module.configure_model()
         held = [name for name, attr in (("actor", "actor"), ("critic", "critic"), ("reference", "reference"),
                                         ("reward", "reward_model")) if getattr(module, attr) is not None]
@@ -139,7 +131,7 @@ def test_a_plan_needs_every_call_of_its_roles():
 DEMO_CONFIG = str(ROOT / "examples/configs/demo_cpu.yaml")
 
 
-def run_cli(args: list[str]) -> int:
+def cli_exit_code(args: list[str]) -> int:
     """``python -m lightning_app_rlhf ARGS`` in this process: its exit status (0 unless it exits)."""
     from unittest import mock
 
@@ -157,7 +149,7 @@ def test_plan_prints_the_plan_of_the_training_config(capsys):
     """`plan --config examples/configs/demo_cpu.yaml --cluster 1x4xcpu` plans what fit would run: the config's
     PPO workload (batch 32, 24 new tokens, 2 epochs x 2 minibatches) on the cluster's 4 devices, every call by its
     full name."""
-    assert run_cli(["plan", "--config", DEMO_CONFIG, "--cluster", "1x4xcpu"]) == 0
+    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--cluster", "1x4xcpu"]) == 0
     out = capsys.readouterr().out
     assert "(ppo: actor, reference, reward, critic) on 1x4xcpu: batch 32, prompt" in out
     assert "+ generation 24 tokens, 2 epoch(s) x 2 minibatches" in out
@@ -174,7 +166,7 @@ def test_plan_json_of_the_config_beside_its_strategy(capsys):
     the planner's choice."""
     args = ["plan", "--config", DEMO_CONFIG, "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
             "--search", "presets", "--json"]
-    assert run_cli(args) == 0
+    assert cli_exit_code(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["cluster"] == "1x2xcpu" and result["world_size"] == 2 and result["batch_size"] == 32
     assert result["algorithm"] == "ppo" and result["num_samples"] == 1
@@ -195,7 +187,7 @@ def test_plan_reads_the_config_s_algorithm_and_callbacks(capsys):
             "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
             "--trainer.strategy.reference_ratio", "0.3",
             "--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--json"]
-    assert run_cli(args) == 0
+    assert cli_exit_code(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["algorithm"] == "grpo" and result["num_samples"] == 4 and "critic" not in result["roles"]
     assert not [call for call in result["best"]["calls"] if call.startswith("critic.")]
@@ -217,7 +209,7 @@ def test_plan_reads_the_config_s_algorithm_and_callbacks(capsys):
 ])
 def test_plan_errors_name_the_fix(capsys, args, message):
     """Bad input stops `plan` with exit status 2 and one line that says what to change, no traceback."""
-    assert run_cli(["plan", "--config", DEMO_CONFIG, "--search", "presets", *args]) == 2
+    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--search", "presets", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
@@ -226,12 +218,12 @@ def test_plan_named_sizes_still_work(capsys, monkeypatch):
     """Without a training config the named-size flags describe the workload, as in docs/planner.md."""
     args = ["plan", "--cluster", "1x8xA100-80GB", "--actor", "llama-7b", "--critic", "llama-7b", "--search",
             "presets"]
-    assert run_cli([*args, "--json"]) == 0
+    assert cli_exit_code([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["workload"] == "llama-7b+llama-7b" and result["world_size"] == 8 and result["batch_size"] == 512
     assert set(result["presets"]) == {"flattening", "interleaving", "separation"}
     assert result["configured"] is None and set(result["best"]["calls"]) == set(CALLS)
-    assert run_cli(args) == 0
+    assert cli_exit_code(args) == 0
     table = capsys.readouterr().out
     assert "llama-7b+llama-7b (ppo: actor, reference, reward, critic) on 1x8xA100-80GB: batch 512" in table
     assert "actor.generate" in table and "critic.train" in table and "0-7" in table
@@ -240,14 +232,14 @@ def test_plan_named_sizes_still_work(capsys, monkeypatch):
 
     monkeypatch.setattr(command, "SWEEP_MODELS", ("llama-7b",))
     monkeypatch.setattr(command, "SWEEP_CLUSTERS", ("1x8xA100-80GB",))
-    assert run_cli(["plan", "--sweep", "--search", "presets"]) == 0
+    assert cli_exit_code(["plan", "--sweep", "--search", "presets"]) == 0
     row = capsys.readouterr().out.splitlines()[2]
     assert row.startswith("| llama-7b | 1x8xA100-80GB | ") and "actor.generate 0-7" in row and "actor:" in row
 
 
 def test_help_lists_every_subcommand(capsys):
     """The top-level `--help` lists the Trainer's subcommands and `plan`, each with a one-sentence summary."""
-    assert run_cli(["--help"]) == 0
+    assert cli_exit_code(["--help"]) == 0
     out = capsys.readouterr().out
     assert "{fit,validate,test,predict,plan}" in out
     assert "plan                Predict and search placements for the configured run" in out
@@ -257,7 +249,7 @@ def test_help_lists_every_subcommand(capsys):
 def test_plan_help_shows_its_flags_beside_fit_s(capsys):
     """`plan --help` has fit's --config, --trainer.*, --model and --data, and the planner's flags in the same
     style."""
-    assert run_cli(["plan", "--help"]) == 0
+    assert cli_exit_code(["plan", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--config", "--trainer.devices", "--model ", "--data ", "--cluster CLUSTER", "--time_budget",
                  "--top_k", "--num_samples", "--json", "--sweep"):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_cli, run_ranks
 
 from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import (
@@ -37,7 +37,6 @@ from lightning_app_rlhf.planner.profiler import (
     model_work,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 DEMO = {
     "model_type": "gpt2",
     "n_layer": 2,
@@ -131,7 +130,7 @@ def _demo_and_small_specs() -> dict[str, dict]:
     return {"demo": config["model"]["actor"], "small": {"config": RunSettings(preset="small").model_config()}}
 
 
-def _measure_wrapped_roles(rank: int, world: int, port: int, out: str, small: bool) -> None:
+def _measure_wrapped_roles(rank: int, port: int, world: int, out: str, small: bool) -> None:
     """One rank: every available wrapper around a fresh demo actor and critic (and with ``small`` the small preset's
     actor), one AdamW step through the wrapper, then what ``memory_bytes`` measures, in ``out/rank{rank}.json``."""
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
@@ -174,26 +173,8 @@ def _measure_wrapped_roles(rank: int, world: int, port: int, out: str, small: bo
 
 def _run_ranks(world: int, out: Path, small: bool, timeout_s: float = 240.0) -> list[dict[str, list[int]]]:
     """:func:`_measure_wrapped_roles` on ``world`` forked gloo processes; each rank's measurements."""
-    import socket
-    import time
-
-    import torch.multiprocessing as mp
-
     out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.start_processes(_measure_wrapped_roles, args=(world, port, str(out), small), nprocs=world,
-                                 join=False, start_method="fork")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"The {world} wrapper processes did not finish in {timeout_s} s.")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_measure_wrapped_roles, world, world, str(out), small, timeout=timeout_s)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
@@ -300,31 +281,8 @@ def test_mcmc_never_ends_worse_than_its_start():
 
 
 def test_plan_command_json(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_app_rlhf",
-            "plan",
-            "--cluster",
-            "1x8xA100-80GB",
-            "--actor",
-            "llama-7b",
-            "--critic",
-            "llama-7b",
-            "--json",
-            "--time_budget",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_cli("plan", "--cluster", "1x8xA100-80GB", "--actor", "llama-7b", "--critic", "llama-7b", "--json",
+                  "--time_budget", "1", cwd=tmp_path, timeout=120)
     result = json.loads(out.stdout)
     assert set(result["presets"]) == {"flattening", "interleaving", "separation"}
     best = result["best"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import make_module
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
 from lightning_app_rlhf.engine import FORWARD_OUTPUTS, RLHFEngine
@@ -23,11 +24,8 @@ ITERATIONS = 3
 
 
 def _module(tokenizer) -> RLHFModule:
-    return RLHFModule(
-        actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
-                          "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
-        tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=6),
-        ppo=PPOConfig(num_minibatches=2))
+    return make_module(tokenizer=tokenizer, generation=GenerationConfig(max_new_tokens=6),
+                       ppo=PPOConfig(num_minibatches=2))
 
 
 def _record_iterations(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
@@ -63,26 +61,19 @@ def _record_iterations(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
          lambda self, call, stats, names: ("broadcast", call, "lr" if next(iter(names)).startswith("lr-") else "stats"))
     wrap(Placement, "reallocate_weights", lambda self, role, *a, **k: ("reallocate", role))
 
-    original_step = RLHFModule.training_step
-    original_refresh = RLHFModule.refresh_learning_rates
+    original_iteration = RLHFEngine.run_iteration
 
-    def training_step(self, batch, batch_idx):
+    def run_iteration(self, *args, **kwargs):  # one whole iteration: its steps, then save them
         trace.clear()
         active[0] = True
         try:
-            return original_step(self, batch, batch_idx)
+            return original_iteration(self, *args, **kwargs)
         finally:
             active[0] = False
-
-    def refresh_learning_rates(self):  # the end of training_step: the last steps of the iteration, then save it
-        original_refresh(self)
-        if active[0]:
-            rank = self.placement.rank if self.placement is not None else 0
-            with (out / f"trace{rank}.jsonl").open("a") as f:
+            with (out / f"trace{self.placement.rank}.jsonl").open("a") as f:
                 f.write(json.dumps(trace) + "\n")
 
-    monkeypatch.setattr(RLHFModule, "training_step", training_step)
-    monkeypatch.setattr(RLHFModule, "refresh_learning_rates", refresh_learning_rates)
+    monkeypatch.setattr(RLHFEngine, "run_iteration", run_iteration)
 
 
 def _run(tmp_path: Path, tokenizer, plan: PlacementPlan) -> list[list[list[list[str]]]]:

@@ -1,4 +1,5 @@
-"""Hand-checked unit tests for the PPO math in ``lightning_app_rlhf.ppo``.
+"""Hand-checked unit tests for the PPO math in ``lightning_app_rlhf.algorithms.functional`` (and the reward shaping
+state in ``algorithms.shaping``).
 
 Every expected number is worked out on paper in the comment next to it; nothing is recomputed with the
 formula under test. Tensors are float64 where the function keeps the dtype, so tolerances can be tight.
@@ -10,10 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_app_rlhf.ppo import (
-    AdaptiveKLController,
-    FixedKLController,
-    RunningMoments,
+from lightning_app_rlhf.algorithms.functional import (
     entropy_from_logits,
     gae_advantages,
     kl_penalty,
@@ -26,6 +24,7 @@ from lightning_app_rlhf.ppo import (
     token_rewards,
     value_loss,
 )
+from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
 
 F64 = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-9}

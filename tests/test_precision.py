@@ -8,6 +8,7 @@ import dataclasses
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import fit_demo, run_ranks
 from torch import nn
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
@@ -84,7 +85,7 @@ def test_reference_copy_takes_only_a_precision(tokenizer):
                       dataclasses.asdict(ModelSpec(precision="bf16-true"))):
         module = RLHFModule(actor={"config": TINY}, tokenizer=tokenizer, reward_fn=demo.topic_reward,
                             reference=reference)
-        assert module.reference_spec is None and module.reference_precision == "bf16-true"
+        assert module.specs.reference is None and module.specs.reference_precision == "bf16-true"
     with pytest.raises(ValueError, match="takes only `precision`"):
         RLHFModule(actor={"config": TINY}, tokenizer=tokenizer, reward_fn=demo.topic_reward,
                    reference={"precision": "bf16-true", "init_seed": 3})
@@ -234,12 +235,10 @@ def test_bf16_shadows_halve_the_reallocated_bytes(tmp_path):
     """Separation on 2 processes with ``actor.shadow_precision: bf16-true`` (the critic shares the actor's spec):
     the shadows are refreshed with bf16 weights, exactly half the bytes of the float32 run, every logged value is
     finite, and the first iteration's KL (actor == reference, so only rounding) stays below 0.01 nats."""
-    from test_placements import run_demo
-
     separation = ("--trainer.devices", "2", "--trainer.strategy", "rlhf_separation")
-    bf16 = [r for r in run_demo(tmp_path, "bf16", *separation, "--model.actor.shadow_precision", "bf16-true",
+    bf16 = [r for r in fit_demo(tmp_path, "bf16", *separation, "--model.actor.shadow_precision", "bf16-true",
                                 steps=2) if "reward/mean" in r]
-    fp32 = [r for r in run_demo(tmp_path, "fp32", *separation, steps=2) if "reward/mean" in r]
+    fp32 = [r for r in fit_demo(tmp_path, "fp32", *separation, steps=2) if "reward/mean" in r]
     assert len(bf16) == len(fp32) == 2
     for got, want in zip(bf16, fp32, strict=True):
         assert got["reallocate/bytes"] == want["reallocate/bytes"] / 2 > 0
@@ -298,13 +297,7 @@ def test_tensor_parallel_copy_held_in_bf16_takes_float32_weights(tmp_path):
     tolerance (0.1 nats) of the whole float32 actor."""
     import json
 
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from test_tensor_parallel import _free_port
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    mp.start_processes(_tp_copy_in_bf16, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    run_ranks(_tp_copy_in_bf16, 2, str(tmp_path))
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["same_parameters"] and result["rounded_exactly"], result

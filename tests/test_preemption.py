@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +20,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from helpers import ROOT, cli_command, make_module, one_thread_env, run_cli
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_checkpoint_safety import fit as fit_in_process
 from test_checkpoint_safety import small_module
-from test_placements import COMPARED, ROOT
+from test_placements import COMPARED
 
 from lightning_app_rlhf import RLHFModule
 from lightning_app_rlhf.callbacks.preemption_checkpoint import PreemptionCheckpoint
-from lightning_app_rlhf.demo import topic_reward
 from lightning_app_rlhf.strategies.signal_connector import PlacementSignalConnector
 
 STEPS = 4
@@ -38,12 +37,11 @@ SIGNAL_STEP = 1  # SIGTERM arrives during iteration 1; the run stops after it, a
 
 
 def command(tmp_path: Path, name: str, *args: str, steps: int) -> tuple[list[str], dict[str, str]]:
-    """The CLI command that runs the shipped CPU demo config for ``steps`` iterations with its CSV log in
-    ``tmp_path / name`` (run it in ``tmp_path``), and its environment."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    return [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-            "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir", str(tmp_path),
-            "--trainer.logger.init_args.name", name, *args], env
+    """The CLI arguments that run the shipped CPU demo config for ``steps`` iterations with its CSV log in
+    ``tmp_path / name`` (run them in ``tmp_path``), and their environment."""
+    return ["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.max_steps", str(steps),
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
+            *args], one_thread_env(tests=True)
 
 
 def metrics(tmp_path: Path, name: str) -> list[dict[str, float]]:
@@ -57,7 +55,7 @@ def metrics(tmp_path: Path, name: str) -> list[dict[str, float]]:
 def fit(tmp_path: Path, name: str, *args: str, steps: int = STEPS) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Run the CPU demo through the CLI (12 new tokens); return the finished process and its metrics rows."""
     cli, env = command(tmp_path, name, "--model.generation.max_new_tokens", "12", *args, steps=steps)
-    result = subprocess.run(cli, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = run_cli(*cli, cwd=tmp_path, env=env, check=False)
     (tmp_path / f"{name}.out").write_text(result.stdout + result.stderr)
     return result, metrics(tmp_path, name)
 
@@ -198,7 +196,7 @@ def demo_stop(tmp_path_factory) -> DemoStop:
     cli, env = command(tmp_path, "stopped", *SEPARATION_2, steps=DEMO_STEPS)
     with (tmp_path / "stopped.out").open("w") as out:
         # A session of its own: every rank is in the launcher's process group, to check for and kill leftovers.
-        process = subprocess.Popen(cli, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(cli_command(*cli), cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
             deadline = time.monotonic() + 240
@@ -231,8 +229,7 @@ def demo_stop(tmp_path_factory) -> DemoStop:
     saved = re.search(r"SIGTERM received at iteration \d+: saved \S+; resume with --ckpt_path (\S+)", stop.output)
     if returncode == 0 and saved is not None:
         cli, env = command(tmp_path, "resumed", *SEPARATION_2, "--ckpt_path", saved.group(1), steps=DEMO_STEPS)
-        stop.resumed = subprocess.run(cli, check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
-                                      timeout=300)
+        stop.resumed = run_cli(*cli, cwd=tmp_path, env=env, check=False)
         (tmp_path / "resumed.out").write_text(stop.resumed.stdout + stop.resumed.stderr)
         stop.after = metrics(tmp_path, "resumed")
     return stop
@@ -268,8 +265,7 @@ def test_the_shipped_demo_config_resumes_as_the_uninterrupted_run(demo_stop):
     stop = demo_stop
     assert stop.after, "no resumed run (see test_the_shipped_demo_config_stops_cleanly_on_sigterm)"
     cli, env = command(stop.tmp_path, "full", *SEPARATION_2, steps=DEMO_STEPS)
-    full_result = subprocess.run(cli, check=False, cwd=stop.tmp_path, env=env, capture_output=True, text=True,
-                                 timeout=300)
+    full_result = run_cli(*cli, cwd=stop.tmp_path, env=env, check=False)
     assert full_result.returncode == 0, full_result.stderr[-4000:]
     full = metrics(stop.tmp_path, "full")
     assert [r["step"] for r in full] == list(range(DEMO_STEPS))
@@ -347,6 +343,5 @@ def test_rlhf_module_adds_preemption_checkpoint_unless_the_trainer_has_one_or_it
     module = small_module(tiny_gpt2_config, tokenizer)
     assert module.hparams["preemption_checkpoint"] is True and len(added(module)) == 1
     assert added(module, PreemptionCheckpoint(dirpath="mine")) == []
-    off = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=topic_reward,
-                     preemption_checkpoint=False)
+    off = make_module(preemption_checkpoint=False)
     assert off.hparams["preemption_checkpoint"] is False and added(off) == []

@@ -4,19 +4,18 @@ another number of ranks); the directory's files checked, read weights-only, repl
 
 from __future__ import annotations
 
-import csv
 import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import DEMO_CONFIG, metrics_rows, run_cli
 from test_checkpoint_safety import RunsCode
-from test_placements import COMPARED, ROOT
+from test_placements import COMPARED
 
 from lightning_app_rlhf.callbacks import PlacementTuner
 from lightning_app_rlhf.checkpoint import (
@@ -52,25 +51,19 @@ def checkpoints(directory: Path, **settings: str) -> list[str]:
             *(f"--trainer.callbacks.{key}={value}" for key, value in fields.items())]
 
 
-def run(tmp_path: Path, name: str, strategy: tuple[str, ...], devices: int, *args: str,
-        steps: int = 4) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-         "--trainer.max_steps", str(steps), "--trainer.devices", str(devices), "--trainer.strategy", *strategy,
-         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name, *OPTIONS,
-         *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+def run(tmp_path: Path, name: str, strategy: tuple[str, ...], devices: int, *args: str, steps: int = 4,
+        check: bool = False) -> subprocess.CompletedProcess:
+    return run_cli(
+        "fit", "--config", DEMO_CONFIG, "--trainer.max_steps", str(steps), "--trainer.devices", str(devices),
+        "--trainer.strategy", *strategy, "--trainer.logger.init_args.save_dir", tmp_path,
+        "--trainer.logger.init_args.name", name, *OPTIONS, *args, cwd=tmp_path, check=check,
     )
 
 
 def logged(tmp_path: Path, name: str, strategy: tuple[str, ...], devices: int, *args: str) -> list[dict[str, float]]:
     """Run to step 4 and return the iterations' metrics rows."""
-    result = run(tmp_path, name, strategy, devices, *args)
-    assert result.returncode == 0, result.stderr[-4000:]
-    (metrics,) = (tmp_path / name).rglob("metrics.csv")
-    rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
-    return [row for row in rows if "reward/mean" in row]
+    run(tmp_path, name, strategy, devices, *args, check=True)
+    return [row for row in metrics_rows(tmp_path / name) if "reward/mean" in row]
 
 
 def assert_resumed(resumed: list[dict[str, float]], full: list[dict[str, float]], rel: float) -> None:

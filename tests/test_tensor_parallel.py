@@ -9,23 +9,19 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ROOT, fit_demo, one_thread_env, run_python, run_ranks
 from lightning.pytorch.callbacks import Callback
 
+from lightning_app_rlhf.placed_roles import PlacedRoles
 from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
 from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/configs/demo_tp_cpu.yaml"
 COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipfrac", "policy/approx_kl",
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
@@ -83,12 +79,6 @@ def test_families_without_a_tp_plan_and_uneven_heads_are_refused(tiny_gpt2_confi
 # ---- the engine's pieces on 4 processes: TP copies against whole models ----
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _four_ranks(rank: int, port: int, out: str) -> None:
     from lightning_app_rlhf.calls import critic_forward, reference_forward, reward_forward
     from lightning_app_rlhf.config import GenerationConfig
@@ -112,7 +102,8 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
     actor, critic = build_causal_lm(spec), build_critic(spec)
     reference = build_reference(actor, None)
     roles = {"actor": actor, "reference": reference, "critic": critic, "reward": build_reward_model(spec, 0)}
-    copies = placement.tp_copies
+    placed = PlacedRoles(placement)
+    copies = placed.tp_copies
     for call in plan.tp:
         copies[call] = TensorParallelCopy.build(call, roles[call.split(".")[0]], placement.tp_group(call), 2,
                                                 torch.device("cpu"))
@@ -158,8 +149,7 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
         got = placement.gather_to_world(call, {"out": mine}, {"out": TensorSpec(torch.float32, full.dim())})["out"]
         scored[role] = (got[..., : full.shape[-1]] - full).abs().max().item()
     # The engine picks the copy for the call (and its replica's group as the lockstep group).
-    engine = RLHFEngine(placement, None, config, None, None, None, roles.get, {}, None,  # type: ignore[arg-type]
-                        seed=7)
+    engine = RLHFEngine(placed, None, config, None, None, None, roles.get, None, seed=7)  # type: ignore[arg-type]
     picked = engine._call_module("actor") is copies["actor.generate"].module
     lockstep = engine._lockstep_group("actor") is placement.tp_group("actor.generate")
     result = {
@@ -185,20 +175,7 @@ def test_tp_copies_generate_and_score_like_whole_models(tmp_path):
     tokens (``eager`` and ``static`` backends) equal the whole actor's and the log-probabilities, reference log-probabilities and critic values agree to
     float tolerance, and so do the reward model's scores. A copy takes new trained weights bit for bit, each rank
     writing only its slice."""
-    import torch.multiprocessing as mp
-
-    if dist.is_initialized():  # an earlier in-process test's 1-rank group: forked children inherit it
-        dist.destroy_process_group()
-    context = mp.start_processes(_four_ranks, args=(_free_port(), str(tmp_path)), nprocs=4, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + 180
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "the four ranks did not finish"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_four_ranks, 4, str(tmp_path), timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["rows"] for r in ranks] == [[0, 4], [0, 4], [4, 8], [4, 8]]
     assert all(r["leaders"] == [0, 2] for r in ranks)
@@ -215,17 +192,8 @@ def test_tp_copies_generate_and_score_like_whole_models(tmp_path):
 
 def run_demo(tmp_path: Path, name: str, *args: str, steps: int = 3) -> list[dict[str, float]]:
     """The TP demo config for a few iterations (the logged rows that carry ``reward/mean``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(CONFIG),
-         "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
-         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
-         "--model.generation.max_new_tokens", "12", "--trainer.check_val_every_n_epoch", "1000", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (metrics,) = (tmp_path / name).rglob("metrics.csv")
-    rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
+    rows = fit_demo(tmp_path, name, "--trainer.check_val_every_n_epoch", "1000", *args, config=CONFIG, steps=steps,
+                    timeout=400, env=one_thread_env(tests=True))
     return [r for r in rows if "reward/mean" in r]
 
 
@@ -285,9 +253,9 @@ class LayoutCheck(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mine = {}
-        for call, copy in pl_module.placement.tp_copies.items():
+        for call, copy in pl_module.placed_roles.tp_copies.items():
             role = call.split(".")[0]
-            wrapper = pl_module.role_wrappers.get(role)
+            wrapper = pl_module.placed_roles.wrappers.get(role)
             if wrapper is not None:
                 trained = _digest(p for bucket in wrapper.full_parameter_buckets() for p in bucket)
                 tp = _digest(copy.full_parameters())
@@ -382,12 +350,9 @@ def test_a_data_by_tensor_mesh_run_resumes_exactly_from_its_checkpoint(tmp_path)
 def test_fabric_with_tp_copies_follows_fabric_flattening(tmp_path):
     """Fabric's placement strategy builds and refreshes TP=2 copies (actor.generate, critic.forward) as the Trainer's
     does: 3 iterations log Flattening's values."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     runs = {}
     for mode in ("flat", "tp"):
-        result = subprocess.run([sys.executable, str(ROOT / "tests/fabric_tp_run.py"), mode, str(tmp_path)],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False)
-        assert result.returncode == 0, result.stderr[-4000:]
+        result = run_python(ROOT / "tests/fabric_tp_run.py", mode, tmp_path, cwd=tmp_path, timeout=400)
         runs[mode] = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ROWS "))[5:])
     assert len(runs["tp"]) == len(runs["flat"]) == 3
     for got, want in zip(runs["tp"], runs["flat"], strict=True):

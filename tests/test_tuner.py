@@ -8,16 +8,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from test_placements import COMPARED, run_demo
+from helpers import fit_demo, make_module
+from test_placements import COMPARED
 
 from lightning_app_rlhf import RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
-from lightning_app_rlhf.callbacks.placement_tuner import _check_saved_plan, _padded_prompt_length
+from lightning_app_rlhf.callbacks.placement_tuner import _check_saved_plan
 from lightning_app_rlhf.checkpoint import load_checkpoint_file
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import prompts, topic_reward
 from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.planner.workload import padded_prompt_length
 
 TUNER = ["--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--trainer.callbacks.time_budget_s=2",
          "--trainer.callbacks.mcmc_steps=300"]
@@ -33,8 +35,8 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
                    f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
                    "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
     common = ["--trainer.devices", "4", "--trainer.strategy", "rlhf_flattening"]
-    tuned = run_demo(tmp_path, "tuned", *common, *TUNER, *checkpoints, steps=4)
-    flat = [r for r in run_demo(tmp_path, "flat", *common, steps=4) if "reward/mean" in r]
+    tuned = fit_demo(tmp_path, "tuned", *common, *TUNER, *checkpoints, steps=4)
+    flat = [r for r in fit_demo(tmp_path, "flat", *common, steps=4) if "reward/mean" in r]
 
     (hparams,) = (tmp_path / "tuned").rglob("hparams.yaml")
     logged = yaml.safe_load(hparams.read_text())
@@ -53,7 +55,7 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
             assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), metric
 
     resumed_tuner = [*TUNER, "--trainer.callbacks.search=presets"]
-    resumed = run_demo(tmp_path, "resumed", *common, *resumed_tuner, *checkpoints, "--ckpt_path", str(step2), steps=4)
+    resumed = fit_demo(tmp_path, "resumed", *common, *resumed_tuner, *checkpoints, "--ckpt_path", str(step2), steps=4)
     (hparams,) = (tmp_path / "resumed").rglob("hparams.yaml")
     logged = yaml.safe_load(hparams.read_text())
     assert logged["placement_tuner/source"] == "checkpoint"
@@ -72,27 +74,26 @@ def test_plans_round_trip_through_checkpoint_state():
 
 
 def test_prompt_length_is_the_mean_of_per_batch_maxima():
-    assert _padded_prompt_length([3, 5, 2, 2, 4, 9, 1], batch_size=2) == round((5 + 2 + 9) / 3)
-    assert _padded_prompt_length([3, 5], batch_size=4) == 5  # fewer prompts than a batch
+    assert padded_prompt_length([3, 5, 2, 2, 4, 9, 1], batch_size=2) == round((5 + 2 + 9) / 3)
+    assert padded_prompt_length([3, 5], batch_size=4) == 5  # fewer prompts than a batch
 
 
-def test_tuner_needs_a_placement_strategy_and_a_known_search(tiny_gpt2_config, tokenizer):
+def test_tuner_needs_a_placement_strategy_and_a_known_search(tokenizer):
     with pytest.raises(ValueError, match="search must be one of"):
         PlacementTuner(search="grid")
-    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=topic_reward)
+    module = make_module()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, callbacks=[PlacementTuner()])
     with pytest.raises(TypeError, match="strategy='rlhf_flattening'"):
         trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=4))
 
 
-def test_lightning_tuner_scales_the_rollout_batch(tmp_path, tiny_gpt2_config, tokenizer):
+def test_lightning_tuner_scales_the_rollout_batch(tmp_path, tokenizer):
     """Lightning's own Tuner convention: ``batch_size`` on the datamodule is the rollout (generation) batch; the
     train minibatch is ``batch_size / ppo.num_minibatches``."""
     from lightning.pytorch.tuner import Tuner
 
-    module = RLHFModule(actor={"config": tiny_gpt2_config}, tokenizer=tokenizer, reward_fn=topic_reward,
-                        generation=GenerationConfig(max_new_tokens=4))
+    module = make_module(generation=GenerationConfig(max_new_tokens=4))
     data = PromptDataModule(prompts(), tokenizer, batch_size=2)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, default_root_dir=tmp_path)
@@ -151,7 +152,7 @@ def test_tuner_on_two_processes_runs_a_critic_free_plan_and_checkpoints_it(tmp_p
     checkpoints = ["--trainer.enable_checkpointing", "true",
                    "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                    f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2"]
-    rows = run_demo(tmp_path, "grpo", "--trainer.devices", "2", "--trainer.strategy", "rlhf_flattening", *TUNER,
+    rows = fit_demo(tmp_path, "grpo", "--trainer.devices", "2", "--trainer.strategy", "rlhf_flattening", *TUNER,
                     *checkpoints, steps=2, config="demo_grpo_cpu.yaml")
     assert [r["step"] for r in rows if "reward/mean" in r] == [0, 1]
     (saved,) = (tmp_path / "ckpt").glob("*.ckpt")

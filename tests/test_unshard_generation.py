@@ -9,8 +9,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import metrics_rows, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_app_rlhf import GenerationConfig
@@ -52,28 +51,6 @@ class Collectives(TorchDispatchMode):
         if name == ALL_GATHER:
             self.gathered_bytes += args[0].numel() * args[0].element_size()
         return func(*args, **(kwargs or {}))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run_two_ranks(target: Callable[..., None], args: tuple, timeout_s: float = 240.0) -> None:
-    import torch.multiprocessing as mp
-
-    if dist.is_initialized():  # an earlier in-process test's 1-rank group: forked children inherit it
-        dist.destroy_process_group()
-    context = mp.start_processes(target, args=args, nprocs=2, join=False, start_method="fork")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, f"the two ranks did not finish in {timeout_s} s"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
 
 
 # ---- the wrappers: one gather per rollout, freed after ----
@@ -146,7 +123,7 @@ def test_a_sharded_actor_gathers_its_weights_once_per_rollout_and_frees_them(tmp
     bytes. The tokens and log-probabilities are identical, every parameter is back to its local shard afterwards,
     with the same bytes, and the role trains after it. Under FSDP2 the forwards inside run no collective at all, so
     the ranks decode without lockstep: rank 0 (3 chunks) runs more forwards than rank 1 (2)."""
-    _run_two_ranks(_generate_both_ways, (_free_port(), str(tmp_path), wrapper_name))
+    run_ranks(_generate_both_ways, 2, str(tmp_path), wrapper_name)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, got in enumerate(ranks):
         step, once = got["step"], got["once"]
@@ -223,7 +200,7 @@ class RecordGeneration(pl.Callback):
             RLHFEngine.generate_shard = _counted_generate_shard(RLHFEngine.generate_shard)
 
     def _actor(self, pl_module: Any) -> dict[str, Any]:
-        wrapper = pl_module.role_wrappers["actor"]
+        wrapper = pl_module.placed_roles.wrappers["actor"]
         return {"memory": list(wrapper.memory_bytes()), "state": _local_state(wrapper.name, wrapper.module)}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -266,13 +243,10 @@ def _fit_rank(rank: int, port: int, out: str, wrapper_name: str, unshard: bool, 
 def _fit(tmp_path: Path, wrapper_name: str, unshard: bool, actor: dict[str, Any],
          ) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
     """:func:`_fit_rank` on 2 forked processes; each rank's record and the logged metric rows."""
-    import csv
-
     out = tmp_path / f"unshard_{unshard}"
     out.mkdir()
-    _run_two_ranks(_fit_rank, (_free_port(), str(out), wrapper_name, unshard, actor))
-    (metrics,) = (out / "log").rglob("metrics.csv")
-    rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
+    run_ranks(_fit_rank, 2, str(out), wrapper_name, unshard, actor)
+    rows = metrics_rows(out / "log")
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)], rows
 
 
@@ -390,7 +364,7 @@ def _stream_buckets(rank: int, port: int, out: str, wrapper_name: str) -> None:
 def test_a_sharded_role_streams_its_full_weights_one_bucket_at_a_time(tmp_path, wrapper_name):
     """What shadows and tensor-parallel copies are refreshed from: every parameter, whole and bit-exact, in the
     buckets both sides cut from the full shapes, never more than one bucket (or one larger parameter) whole."""
-    _run_two_ranks(_stream_buckets, (_free_port(), str(tmp_path), wrapper_name))
+    run_ranks(_stream_buckets, 2, str(tmp_path), wrapper_name)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["drawn"] == r["expected"] and len(r["drawn"]) > 3, r["drawn"]

@@ -4,16 +4,15 @@ on 2 and 4 CPU processes (gloo; DeepSpeed on its CPU accelerator)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import fit_demo, make_module, one_thread_env
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
+from lightning_app_rlhf.batch_split import check_micro_batches
 from lightning_app_rlhf.plan import flattening_plan, separation_plan
 from lightning_app_rlhf.wrappers import (
     FROZEN_WRAPPERS,
@@ -23,7 +22,6 @@ from lightning_app_rlhf.wrappers import (
     is_available,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipfrac", "policy/approx_kl",
             "policy/entropy", "value/loss", "value/clipfrac", "response/length_mean")
 PLACEMENTS = {"flattening": "FlatteningStrategy", "interleaving": "InterleavingStrategy",
@@ -58,10 +56,8 @@ def test_plans_name_the_choices_and_the_install_command(monkeypatch):
 
 def _fit(tokenizer, micro_batch_size: int | None) -> tuple[RLHFModule, list[float]]:
     pl.seed_everything(0)
-    module = RLHFModule(
-        actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
-                          "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
-        tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=10),
+    module = make_module(
+        generation=GenerationConfig(max_new_tokens=10),
         ppo=PPOConfig(kl_coef=0.01, num_minibatches=2, ppo_epochs=2, micro_batch_size=micro_batch_size),
         actor_optimizer=lambda p: torch.optim.SGD(p, lr=0.5), critic_optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
     )
@@ -95,36 +91,19 @@ def test_micro_batches_give_the_update_of_one_pass(tokenizer):
     assert not torch.equal(whole.actor.transformer.wte.weight, whole.initial_wte)  # the updates moved the weights
 
 
-def test_micro_batch_size_that_cannot_split_every_share_evenly_is_refused(tokenizer):
-    module = RLHFModule(actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
-                                          "vocab_size": 512, "n_positions": 64}},
-                        tokenizer=tokenizer, reward_fn=demo.topic_reward, ppo=PPOConfig(micro_batch_size=1))
-    module.placement = None
-    module._check_micro_batches("actor", 15, 3)  # shares of 5: 5 micro-batches of 1 each
+def test_micro_batch_size_that_cannot_split_every_share_evenly_is_refused():
+    check_micro_batches("actor", 15, 3, 1)  # shares of 5: 5 micro-batches of 1 each
     with pytest.raises(ValueError, match=r"ppo.micro_batch_size=1 .* 16-sample minibatch .* 6 micro-batches.*"
                                          r"smallest share has 5 samples. Use ppo.micro_batch_size >= 2"):
-        module._check_micro_batches("actor", 16, 3)  # shares 6, 5, 5: 6 micro-batches of 1 do not fit in 5
+        check_micro_batches("actor", 16, 3, 1)  # shares 6, 5, 5: 6 micro-batches of 1 do not fit in 5
 
 
 # ---- every wrapper under every placement ----
 
 
 def run_demo(tmp_path: Path, name: str, *args: str) -> list[dict[str, float]]:
-    """Three iterations of the demo config through the CLI; its metrics.csv rows."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-           "DS_ACCELERATOR": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"),
-         "--trainer.max_steps", "3", "--trainer.enable_checkpointing", "false",
-         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", name,
-         "--model.generation.max_new_tokens", "12", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (metrics,) = (tmp_path / name).rglob("metrics.csv")
-    import csv
-
-    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open())]
+    """Three iterations of the demo config through the CLI (DeepSpeed on its CPU accelerator); its metrics.csv rows."""
+    return fit_demo(tmp_path, name, *args, timeout=400, env=one_thread_env(tests=True, DS_ACCELERATOR="cpu"))
 
 
 EXPORT = ("--trainer.callbacks+=lightning_app_rlhf.callbacks.ExportActor", "--trainer.callbacks.dirpath=exported")
@@ -229,12 +208,7 @@ def test_tuner_applies_the_planners_generation_batch_and_micro_batch(tokenizer, 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen.append((pl_module.generation.batch_size, pl_module.ppo.micro_batch_size))
 
-    module = RLHFModule(
-        actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
-                          "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
-        tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=8),
-        ppo=PPOConfig(num_minibatches=2),
-    )
+    module = make_module(generation=GenerationConfig(max_new_tokens=8), ppo=PPOConfig(num_minibatches=2))
     tuner = PlacementTuner(search="presets", profile=False, cluster="1x1xcpu")
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="rlhf_flattening", max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -262,11 +236,7 @@ def test_the_planners_choice_with_each_wrapper_runs(tmp_path, tokenizer, wrapper
     from lightning_app_rlhf.strategies import PlacementStrategy
 
     def module() -> RLHFModule:
-        return RLHFModule(
-            actor={"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 512,
-                              "n_positions": 64, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}},
-            tokenizer=tokenizer, reward_fn=demo.topic_reward, generation=GenerationConfig(max_new_tokens=8),
-            ppo=PPOConfig(num_minibatches=2))
+        return make_module(generation=GenerationConfig(max_new_tokens=8), ppo=PPOConfig(num_minibatches=2))
 
     workload = dataclasses.replace(workload_from_module(module(), 8, 8), wrappers=(wrapper,))
     best = plan_placement(parse_cluster("1x2xcpu"), workload, search="both", time_budget_s=1.0,

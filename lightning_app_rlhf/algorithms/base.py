@@ -1,48 +1,33 @@
 """What an RL algorithm is to the engine, and the registry that finds one by name. Plain PyTorch, no Lightning.
 
-An algorithm states the roles it needs, turns a scored rollout into advantages (and returns, where it has a
-critic), and gives the loss of each role it trains. The engine does the rest: generation, scoring, placement,
-minibatches and optimizer steps. A new algorithm is one file with a subclass of :class:`Algorithm` decorated with
-:func:`register_algorithm`, imported in ``algorithms/__init__.py``.
+An algorithm is a set of names: the roles it needs, its advantage estimator (``advantages.py``), its policy loss and,
+with a critic, its value loss (``losses.py``), plus its defaults. It runs no model: the engine generates, scores,
+computes the actor's log-probabilities and the critic's values, and hands them to the algorithm's losses. A new
+algorithm is a subclass of :class:`Algorithm` decorated with :func:`register_algorithm` (and, for a new estimator or
+loss, a function decorated with ``register_advantage_estimator`` / ``register_policy_loss``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
-from torch import nn
 
-from lightning_app_rlhf import ppo
-from lightning_app_rlhf.calls import Experience, policy_logprobs
+from lightning_app_rlhf.algorithms.advantages import ScoredRollout, get_advantage_estimator
+from lightning_app_rlhf.algorithms.functional import LossScale
+from lightning_app_rlhf.algorithms.losses import get_policy_loss, get_value_loss
+from lightning_app_rlhf.algorithms.registry import Registry
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.role_table import ACTOR, REQUIRED_ROLES, TRAINABLE_ROLES
+from lightning_app_rlhf.role_table import CRITIC, REQUIRED_ROLES, TRAINABLE_ROLES
 
+if TYPE_CHECKING:  # calls.py imports the functional math from this package: no import back at runtime
+    from lightning_app_rlhf.calls import Experience
 
-@dataclass
-class ScoredRollout:
-    """What every algorithm's advantage estimator reads, for the whole (gathered) rollout batch of ``B = prompts x G``
-    samples; the ``G`` samples of a prompt are consecutive rows."""
-
-    scores: torch.Tensor
-    """[B] sequence scores after shaping (normalisation, clipping, EOS penalty); 0 for skipped samples."""
-    kl: torch.Tensor
-    """[B, T] per-token KL(policy || reference) in ``ppo.kl_estimator``, 0 outside the response."""
-    kl_coef: float
-    """The current coefficient of the KL in the reward (0: none)."""
-    response_mask: torch.Tensor
-    """[B, T] 1 on response tokens up to EOS; all 0 for skipped samples."""
-    valid: torch.Tensor
-    """[B] False for samples whose score was skipped (non-finite): they count in no statistic."""
-    group_size: int
-    """Samples per prompt (``generation.num_samples``)."""
-    values: torch.Tensor | None = None
-    """[B, T] critic values, for algorithms with a critic."""
+__all__ = ["ALGORITHMS", "Algorithm", "ScoredRollout", "build_algorithm", "register_algorithm"]
 
 
 class Algorithm:
-    """An RLHF algorithm: the roles it needs, its advantage estimator and its losses.
+    """An RLHF algorithm: the roles it needs and the names of its advantage estimator and losses.
 
     Args:
         config: Hyper-parameters of the update.
@@ -53,10 +38,20 @@ class Algorithm:
     """The name the registry and ``RLHFModule(algorithm=...)`` know it by."""
     roles: ClassVar[tuple[str, ...]] = REQUIRED_ROLES
     """The roles it needs; the plan gives ranks to their calls only."""
+    advantage_estimator: ClassVar[str]
+    """A registered advantage estimator's name (``register_advantage_estimator``)."""
+    policy_loss_mode: ClassVar[str] = "ppo_clip"
+    """A registered policy loss's name (``register_policy_loss``): the actor's loss."""
+    value_loss_mode: ClassVar[str | None] = None
+    """A registered value loss's name (``register_value_loss``): the critic's loss; None without a critic."""
     min_group_size: ClassVar[int] = 1
     """Fewest samples per prompt its estimator works with."""
     default_loss_agg_mode: ClassVar[str] = "token_mean"
     """Its paper's loss aggregation, used when ``ppo.loss_agg_mode`` is None."""
+    policy_stats: ClassVar[tuple[str, ...]] = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
+    """The statistics its policy loss reports, besides ``policy/kl_loss`` (with a KL loss term), in a fixed order."""
+    value_stats: ClassVar[tuple[str, ...]] = ("value/loss", "value/clipfrac")
+    """The statistics its value loss reports, in a fixed order."""
 
     def __init__(self, config: PPOConfig, generation: GenerationConfig) -> None:
         self.config = config
@@ -69,6 +64,10 @@ class Algorithm:
                 f"generation.num_samples to {max(self.min_group_size, 4)} or more (e.g. --model.generation.num_samples "
                 f"{max(self.min_group_size, 4)}), or use algorithm 'ppo' or 'reinforce_pp'."
             )
+        # Looked up once: a name unregistered since the class was registered fails here, not mid-iteration.
+        self._estimator = get_advantage_estimator(self.advantage_estimator)
+        self._policy_loss = get_policy_loss(self.policy_loss_mode)
+        self._value_loss = get_value_loss(self.value_loss_mode) if self.value_loss_mode is not None else None
 
     @property
     def trainable_roles(self) -> tuple[str, ...]:
@@ -79,89 +78,98 @@ class Algorithm:
         """Whether the actor's loss needs the reference log-probabilities (a KL loss term)."""
         return self.config.kl_loss_coef > 0
 
-    def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token advantages [B, T] and, for an algorithm with a critic, the critic's returns [B, T] (else None).
-        Both are 0 outside the response mask."""
-        raise NotImplementedError
-
     def stat_names(self, role: str) -> tuple[str, ...]:
-        """The statistics :meth:`loss` reports for ``role``, in a fixed order (every rank must agree)."""
-        names = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
-        return names + ("policy/kl_loss",) if self.keeps_ref_logprobs else names
+        """The statistics the loss of ``role``'s train call reports, in a fixed order (every rank must agree).
 
-    def loss(
-        self, role: str, model: nn.Module, batch: Experience, scale: ppo.LossScale
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of ``role``'s train call on one minibatch (or one data-parallel shard of it, with the whole
-        minibatch's ``scale``), and its statistics."""
-        if role != ACTOR.name:
-            raise ValueError(f"Algorithm {self.name!r} trains {list(self.trainable_roles)}, not {role!r}.")
-        # No entropy term in the loss: the entropy is only logged, so no graph for it (backward skips a vocab pass).
-        logprobs, entropy = policy_logprobs(model, batch, self.generation.temperature,
-                                            entropy_grad=self.config.entropy_coef != 0)
-        return self.policy_loss(logprobs, entropy, batch, scale)
+        Args:
+            role: A trainable role of this algorithm.
+        """
+        if role == CRITIC.name:
+            return self.value_stats
+        return self.policy_stats + ("policy/kl_loss",) if self.keeps_ref_logprobs else self.policy_stats
+
+    def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token advantages [B, T] and, with a critic, the critic's returns [B, T] (else None), from the
+        registered ``advantage_estimator``. Both are 0 outside the response mask.
+
+        Args:
+            rollout: The whole gathered batch, scored.
+        """
+        return self._estimator(rollout, self.config)
 
     def policy_loss(
-        self, logprobs: torch.Tensor, entropy: torch.Tensor, batch: Experience, scale: ppo.LossScale
+        self, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: Experience, scale: LossScale
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """PPO's clipped surrogate, aggregated by ``loss_agg_mode``, minus the entropy bonus, plus the KL loss term
-        when ``kl_loss_coef > 0``."""
-        mask, mode = batch.response_mask, self.loss_agg_mode
-        per_token, clipped, approx_kl = ppo.clipped_surrogate(
-            logprobs, batch.logprobs, batch.advantages, self.config.clip_range
-        )
-        loss = ppo.aggregate_loss(per_token, mask, mode, scale)
-        entropy_mean = ppo.aggregate_loss(entropy, mask, "token_mean", scale)
-        total = loss - self.config.entropy_coef * entropy_mean
-        stats = {
-            "policy/loss": loss.detach(),
-            "policy/clipfrac": ppo.aggregate_loss(clipped, mask, "token_mean", scale),
-            "policy/approx_kl": ppo.aggregate_loss(approx_kl, mask, "token_mean", scale),
-            "policy/entropy": entropy_mean.detach(),
-        }
-        if self.keeps_ref_logprobs:
-            assert batch.ref_logprobs is not None
-            kl = ppo.kl_penalty(logprobs, batch.ref_logprobs, self.config.kl_loss_estimator)
-            kl_loss = ppo.aggregate_loss(kl, mask, mode, scale)
-            total = total + self.config.kl_loss_coef * kl_loss
-            stats["policy/kl_loss"] = kl_loss.detach()
-        return total, stats
+        """The actor's loss (the registered ``policy_loss_mode``) on one minibatch (or one data-parallel shard of
+        it), and its statistics.
 
+        Args:
+            logprobs: [B, T] the actor's log-probabilities of ``batch``'s response tokens, with gradients.
+            entropy: [B, T] the actor's entropies there, or None.
+            batch: The minibatch's rollout-time tensors (behaviour log-probs, advantages, mask, reference log-probs).
+            scale: The whole minibatch's sizes.
+        """
+        return self._policy_loss(logprobs, batch.logprobs, batch.advantages, batch.response_mask, scale, self.config,
+                                 self.loss_agg_mode, ref_logprobs=batch.ref_logprobs, entropy=entropy)
 
-ALGORITHMS: dict[str, type[Algorithm]] = {}
-"""Name -> algorithm class; filled by :func:`register_algorithm`."""
+    def value_loss(
+        self, values: torch.Tensor, batch: Experience, scale: LossScale
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The critic's loss (the registered ``value_loss_mode``) on one minibatch (or shard), and its statistics.
+
+        Args:
+            values: [B, T] the critic's values of ``batch``'s rows, with gradients.
+            batch: The minibatch's rollout-time values, returns and mask.
+            scale: The whole minibatch's sizes.
+        """
+        if self._value_loss is None or batch.values is None or batch.returns is None:
+            raise ValueError(f"Algorithm {self.name!r} has no critic: it trains {list(self.trainable_roles)}. Give it "
+                             "the 'critic' role and a value_loss_mode (e.g. 'clipped_mse') to train one.")
+        return self._value_loss(values, batch.values, batch.returns, batch.response_mask, scale, self.config)
+
 
 A = TypeVar("A", bound=type[Algorithm])
 
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm", "@register_algorithm",
+                                                 "RLHFModule(algorithm=...), e.g. --model.algorithm grpo")
+"""Name -> algorithm class; filled by :func:`register_algorithm`."""
+
 
 def register_algorithm(cls: A) -> A:
-    """Class decorator: make ``cls`` available as ``RLHFModule(algorithm=cls.name)``."""
-    if cls.name in ALGORITHMS and ALGORITHMS[cls.name] is not cls:
-        raise ValueError(f"An algorithm named {cls.name!r} is registered already ({ALGORITHMS[cls.name].__name__}).")
+    """Class decorator: make ``cls`` available as ``RLHFModule(algorithm=cls.name)``, once its roles, estimator and
+    losses check out (each error names the fix).
+
+    Args:
+        cls: A subclass of :class:`Algorithm` that sets ``name`` and ``advantage_estimator``.
+    """
     unknown = [r for r in cls.roles if r not in (*REQUIRED_ROLES, *TRAINABLE_ROLES)]
     missing = [r for r in REQUIRED_ROLES if r not in cls.roles]
     if unknown or missing:
-        raise ValueError(f"Algorithm {cls.name!r} lists roles {list(cls.roles)}: it must include {list(REQUIRED_ROLES)} "
-                         f"and may add {[r for r in TRAINABLE_ROLES if r not in REQUIRED_ROLES]}.")
-    ALGORITHMS[cls.name] = cls
-    return cls
+        raise ValueError(f"Algorithm {cls.name!r} lists roles {list(cls.roles)}: it must include "
+                         f"{list(REQUIRED_ROLES)} and may add {[r for r in TRAINABLE_ROLES if r not in REQUIRED_ROLES]}.")
+    if not hasattr(cls, "advantage_estimator"):
+        raise ValueError(f"Algorithm {cls.name!r} names no advantage estimator: set advantage_estimator to a "
+                         "registered one, or register yours with @register_advantage_estimator(name).")
+    get_advantage_estimator(cls.advantage_estimator)
+    get_policy_loss(cls.policy_loss_mode)
+    has_critic = CRITIC.name in cls.roles
+    if has_critic and cls.value_loss_mode is None:
+        raise ValueError(f"Algorithm {cls.name!r} has a critic but no value loss: set value_loss_mode "
+                         "(e.g. 'clipped_mse').")
+    if not has_critic and cls.value_loss_mode is not None:
+        raise ValueError(f"Algorithm {cls.name!r} names value loss {cls.value_loss_mode!r} but no critic: add "
+                         f"{CRITIC.name!r} to its roles, or set value_loss_mode = None.")
+    if has_critic:
+        get_value_loss(cls.value_loss_mode)
+    return ALGORITHMS.add(cls.name, cls)
 
 
 def build_algorithm(name: str, config: PPOConfig, generation: GenerationConfig) -> Algorithm:
-    """The registered algorithm ``name`` with these settings; the error lists the registered names."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"Unknown algorithm {name!r}: choose one of {sorted(ALGORITHMS)} (e.g. "
-                         "--model.algorithm grpo), or register your own with @register_algorithm.")
-    return ALGORITHMS[name](config, generation)
+    """The registered algorithm ``name`` with these settings; the error lists the registered names.
 
-
-def sequence_rewards(rollout: ScoredRollout) -> torch.Tensor:
-    """[B] score minus ``kl_coef`` times the response's summed KL: the one reward of a sequence-level estimator."""
-    return rollout.scores - rollout.kl_coef * (rollout.kl * rollout.response_mask).sum(1)
-
-
-def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B] sequence advantages -> [B, T], the same on every response token (outcome supervision)."""
-    return advantages.unsqueeze(1).to(torch.float32) * mask.to(torch.float32)
-
-
+    Args:
+        name: A registered algorithm's name.
+        config: Hyper-parameters of the update.
+        generation: Sampling settings.
+    """
+    return ALGORITHMS.lookup(name)(config, generation)

@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from lightning_app_rlhf import ppo
-from lightning_app_rlhf.algorithms.base import (
-    Algorithm,
-    ScoredRollout,
-    per_token,
-    register_algorithm,
-    sequence_rewards,
-)
+from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
 
 
 @register_algorithm
@@ -21,10 +12,6 @@ class DrGRPO(Algorithm):
     (``seq_mean_token_sum_norm``), not by each response's length (which favours long wrong answers)."""
 
     name = "dr_grpo"
+    advantage_estimator = "dr_grpo"
     min_group_size = 2
     default_loss_agg_mode = "seq_mean_token_sum_norm"
-
-    def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rewards = sequence_rewards(rollout)
-        mean, _, _ = ppo.group_mean_std(rewards, rollout.valid, rollout.group_size)
-        return per_token(rewards - mean, rollout.response_mask), None

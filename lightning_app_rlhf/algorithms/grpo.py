@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from lightning_app_rlhf import ppo
-from lightning_app_rlhf.algorithms.base import (
-    Algorithm,
-    ScoredRollout,
-    per_token,
-    register_algorithm,
-    sequence_rewards,
-)
-
-GROUP_STD_EPS = 1e-6
-"""Added to the group's standard deviation; a group of equal rewards gets advantage 0."""
+from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
 
 
 @register_algorithm
@@ -25,16 +13,6 @@ class GRPO(Algorithm):
     the group's std (``group``, the paper), the batch's (``batch``) or none (``none``)."""
 
     name = "grpo"
+    advantage_estimator = "grpo"
     min_group_size = 2
     default_loss_agg_mode = "seq_mean_token_mean"
-
-    def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rewards = sequence_rewards(rollout)
-        mean, std, _ = ppo.group_mean_std(rewards, rollout.valid, rollout.group_size)
-        centred = rewards - mean
-        if self.config.scale_rewards == "none":
-            return per_token(centred, rollout.response_mask), None
-        if self.config.scale_rewards == "batch":  # one std over every valid reward of the (gathered) rollout batch
-            valid = rewards[rollout.valid].to(torch.float64)
-            std = valid.std() if valid.numel() > 1 else torch.zeros((), dtype=torch.float64)
-        return per_token(centred / (std + GROUP_STD_EPS), rollout.response_mask), None

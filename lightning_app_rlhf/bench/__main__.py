@@ -81,7 +81,7 @@ def compare_trl(
                      "samples_per_s_ratio": ratio})
         console.print(f"  ours {ours['samples_per_s']['median']:.1f} samples/s, TRL "
                       f"{peer['samples_per_s']['median']:.1f}: {ratio:.2f}x")
-    _save(out, {"machine": machine(), "trl": rows})
+    _save(out, "trl", rows)
     return rows
 
 
@@ -121,7 +121,7 @@ def compare_placements(
                 rows.append({"workload": workload, "settings": settings.as_dict(), "ours": summary})
                 console.print(f"{workload:>16} {count} processes {placement:>18}: "
                               f"{summary['samples_per_s']['median']:.1f} samples/s")
-    _save(out, {"machine": machine(), "placements": rows})
+    _save(out, "placements", rows)
     return rows
 
 
@@ -149,7 +149,7 @@ def profile(
                                precision=precision, warmup=2, iterations=1)
         records.append({"settings": settings.as_dict(), "phases": profile_iteration(settings)})
         print(profile_table(records[-1]), file=sys.stderr)
-    _save(out, {"machine": machine(), "profile": records})
+    _save(out, "profile", records)
     return records
 
 
@@ -204,7 +204,7 @@ def checkpoint_memory(
                 console.print(f"{preset} {count} processes {placement:>18}: peak/steady up to "
                               f"{worst['peak_over_steady']:.2f}x (rank {worst['rank']}), "
                               f"{worst['peak_rss_bytes'] / 2**20:.0f} MiB at save")
-    _save(f"{out}/checkpoint.json", {"machine": machine(), "checkpoint": rows})
+    _save(f"{out}/checkpoint.json", "checkpoint", rows)
     table = checkpoint_table(rows)
     Path(f"{out}/checkpoint.md").write_text(table + "\n")
     print(table, file=sys.stderr)
@@ -260,7 +260,7 @@ def soak(
         worst = max(ranks, key=lambda rank: rank["trend"]["slope_mib_per_100"])
         console.print(f"{name} on {devices} processes, {steps} iterations: largest slope "
                       f"{worst['trend']['slope_mib_per_100']:+.2f} MiB per 100 iterations (rank {worst['rank']})")
-    _save(f"{out}/soak.json", {"machine": machine(), "soak": rows})
+    _save(f"{out}/soak.json", "soak", rows)
     table = soak_table(rows)
     Path(f"{out}/soak.md").write_text(table + "\n")
     plot_soak(rows, Path(f"{out}/soak.png"))
@@ -352,9 +352,10 @@ def _check_trl() -> None:
                          "Run `pip install trl==1.12.0`.")
 
 
-def _save(path: str, data: dict[str, Any]) -> None:
+def _save(path: str, section: str, rows: list[dict[str, Any]]) -> None:
+    """Write a results file: this machine's description and the ``section`` of the report the rows fill."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2))
+    Path(path).write_text(json.dumps({"machine": machine(), section: rows}, indent=2))
 
 
 def main() -> None:

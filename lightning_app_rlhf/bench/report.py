@@ -50,64 +50,70 @@ def _mb(values: list[float]) -> str:
     return f"{max(values) / 2**20:.0f}"
 
 
+TRL_COLUMNS = (
+    "| preset | precision | params | ours samples/s | TRL samples/s | ours / TRL | ours generate / score / train ms "
+    "| TRL generate ms | peak RSS ours / TRL MiB |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+)
+"""Header and alignment rule of :func:`trl_table`."""
+PLACEMENT_COLUMNS = (
+    "| workload | processes | placement | samples/s | vs Flattening | generate / score / train / reallocate ms "
+    "| peak RSS per rank MiB (max) |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+)
+"""Header and alignment rule of :func:`placement_tables`."""
+CHECKPOINT_COLUMNS = (
+    "| preset | processes | placement | rank | steady MiB | peak during save MiB | peak/steady | save s | file MiB |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+)
+"""Header and alignment rule of :func:`checkpoint_table`."""
+
+
 def trl_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     s = rows[0]["settings"]
-    lines = [
-        "### Ours vs TRL 1.12.0 PPOTrainer",
-        "",
-        (f"Batch {s['batch_size']}, {s['new_tokens']} new tokens, {s['threads']} thread, 1 PPO epoch, 1 minibatch, "
-        "one process, the same random-init models (actor, critic, reference, reward); medians over "
-        "all measured iterations of alternating runs (min-max in brackets)."),
-        "",
-        ("| preset | precision | params | ours samples/s | TRL samples/s | ours / TRL | ours generate / score / "
-         "train ms | TRL generate ms | peak RSS ours / TRL MiB |"),
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    body = []
     for row in rows:
         ours, peer = row["ours"], row["trl"]
-        lines.append(
-            f"| {row['settings']['preset']} | {row['settings']['precision']} | {row['params'] / 1e6:.2f}M | {_spread(ours['samples_per_s'])} "
-            f"| {_spread(peer['samples_per_s'])} | **{row['samples_per_s_ratio']:.2f}x** "
+        body.append(
+            f"| {row['settings']['preset']} | {row['settings']['precision']} | {row['params'] / 1e6:.2f}M "
+            f"| {_spread(ours['samples_per_s'])} | {_spread(peer['samples_per_s'])} "
+            f"| **{row['samples_per_s_ratio']:.2f}x** "
             f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} "
             f"| {_ms(peer, 'generate_s')} | {_mb(ours['peak_rss_bytes'])} / {_mb(peer['peak_rss_bytes'])} |"
         )
-    return "\n".join(lines)
+    caption = (f"Batch {s['batch_size']}, {s['new_tokens']} new tokens, {s['threads']} thread, 1 PPO epoch, 1 "
+               "minibatch, one process, the same random-init models (actor, critic, reference, reward); medians over "
+               "all measured iterations of alternating runs (min-max in brackets).")
+    return _section("Ours vs TRL 1.12.0 PPOTrainer", caption, TRL_COLUMNS, body)
 
 
 def placement_tables(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     s = rows[0]["settings"]
-    lines = [
-        "### Placements",
-        "",
-        (f"Preset `{s['preset']}`, batch {s['batch_size']}, one thread per process; medians (min-max). "
-        "Phase times are rank 0's (a generating rank in every placement); with overlap, training runs "
-        "on the other ranks during generation."),
-        "",
-        ("| workload | processes | placement | samples/s | vs Flattening | generate / score / train / reallocate ms "
-        "| peak RSS per rank MiB (max) |"),
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
+    body = []
     for (workload, processes), group in _groups(rows).items():
         base = group["flattening"]["ours"]["samples_per_s"]["median"]
         for placement, row in group.items():
             ours = row["ours"]
             speedup = ours["samples_per_s"]["median"] / base
-            lines.append(
+            body.append(
                 f"| {workload} | {processes} | {placement} | {_spread(ours['samples_per_s'])} | {speedup:.2f}x "
                 f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} / "
                 f"{_ms(ours, 'reallocate_s')} | {_mb(ours['peak_rss_bytes'])} |"
             )
-    lines += ["", "Winners:", ""]
+    body += ["", "Winners:", ""]
     for (workload, processes), group in _groups(rows).items():
         ranked = sorted(group.items(), key=lambda item: -item[1]["ours"]["samples_per_s"]["median"])
         (best, top), (second, runner_up) = ranked[0], ranked[1]
         margin = top["ours"]["samples_per_s"]["median"] / runner_up["ours"]["samples_per_s"]["median"]
-        lines.append(f"- {workload}, {processes} processes: **{best}**, {margin:.2f}x the runner-up ({second}).")
-    return "\n".join(lines)
+        body.append(f"- {workload}, {processes} processes: **{best}**, {margin:.2f}x the runner-up ({second}).")
+    caption = (f"Preset `{s['preset']}`, batch {s['batch_size']}, one thread per process; medians (min-max). Phase "
+               "times are rank 0's (a generating rank in every placement); with overlap, training runs on the other "
+               "ranks during generation.")
+    return _section("Placements", caption, PLACEMENT_COLUMNS, body)
 
 
 def checkpoint_table(rows: list[dict[str, Any]]) -> str:
@@ -125,27 +131,27 @@ def checkpoint_table(rows: list[dict[str, Any]]) -> str:
     how = {"clear_refs": "VmHWM after resetting it through /proc/self/clear_refs",
            "sampling": "VmRSS sampled every 2 ms"}
     s = rows[0]["settings"]
-    lines = [
-        "### Memory at checkpoint save",
-        "",
-        (f"`ModelCheckpoint` every {rows[0]['every']} of {s['warmup'] + s['iterations']} iterations, batch "
-         f"{s['batch_size']}, {s['new_tokens']} new tokens, one thread per process. Steady: RSS just before the "
-         f"save; peak: the highest RSS during `trainer.save_checkpoint` (dump, strategy save, write, barrier), by "
-         f"{' or '.join(how.get(method, method) for method in methods)}; both from the save with the highest peak/steady. Save s: median over saves."),
-        "",
-        ("| preset | processes | placement | rank | steady MiB | peak during save MiB | peak/steady | save s "
-         "| file MiB |"),
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    caption = (f"`ModelCheckpoint` every {rows[0]['every']} of {s['warmup'] + s['iterations']} iterations, batch "
+               f"{s['batch_size']}, {s['new_tokens']} new tokens, one thread per process. Steady: RSS just before "
+               "the save; peak: the highest RSS during `trainer.save_checkpoint` (dump, strategy save, write, "
+               f"barrier), by {' or '.join(how.get(method, method) for method in methods)}; both from the save with "
+               "the highest peak/steady. Save s: median over saves.")
+    body = []
     for row in rows:
         for rank in row["ranks"]:
             file_mib = f"{rank['file_bytes'] / 2**20:.1f}" if rank.get("file_bytes") is not None else "-"
-            lines.append(
+            body.append(
                 f"| {row['settings']['preset']} | {row['settings']['processes']} | {row['settings']['placement']} "
                 f"| {rank['rank']} | {rank['steady_rss_bytes'] / 2**20:.0f} | {rank['peak_rss_bytes'] / 2**20:.0f} "
                 f"| {rank['peak_over_steady']:.2f}x | {rank['save_s']:.2f} | {file_mib} |"
             )
-    return "\n".join(lines)
+    return _section("Memory at checkpoint save", caption, CHECKPOINT_COLUMNS, body)
+
+
+def _section(title: str, caption: str, columns: tuple[str, str], body: list[str]) -> str:
+    """A markdown section: its heading, a caption, and a table (``columns``: header and alignment rule; ``body``:
+    the lines after them)."""
+    return "\n".join([f"### {title}", "", caption, "", *columns, *body])
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:

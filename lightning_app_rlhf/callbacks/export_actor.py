@@ -29,7 +29,7 @@ class ExportActor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not hasattr(pl_module, "export_actor"):
             raise TypeError(f"ExportActor exports an RLHFModule's actor; got {type(pl_module).__name__}.")
-        if not self.merge and pl_module.actor_spec.lora is None:  # fail before training, not after
+        if not self.merge and pl_module.specs.actor.lora is None:  # fail before training, not after
             raise ValueError(
                 "ExportActor(merge=False) saves a LoRA adapter, but the actor has no `lora` settings. "
                 "Use merge=True to save its full weights, or give the actor a `lora` config."

@@ -36,7 +36,7 @@ class PlacementSummary(Callback):
             raise TypeError(f"PlacementSummary summarises an RLHFModule; got {type(pl_module).__name__}.")
         rows = pl_module.gather_memory()  # collective: every rank takes part
         if trainer.is_global_zero and self.print_tables:
-            print_placement_summary(pl_module._placement(), rows)
+            print_placement_summary(pl_module.placed_roles.placement, rows)
         for logger in trainer.loggers:
             logger.log_metrics(memory_metrics(rows), step=0)
 

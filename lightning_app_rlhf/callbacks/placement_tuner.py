@@ -62,10 +62,9 @@ class PlacementTuner(Callback):
             raise ValueError(f"search must be one of {sorted(SEARCHES)}, got {search!r}.")
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}.")
-        self.search = search
-        self.seed = seed
-        self.time_budget_s = time_budget_s
-        self.mcmc_steps = mcmc_steps
+        self.search_options: dict[str, Any] = {"search": search, "seed": seed, "time_budget_s": time_budget_s,
+                                               "mcmc_steps": mcmc_steps}
+        """The planner's search settings, as :func:`~lightning_app_rlhf.planner.plan_placement` takes them."""
         self.profile = profile
         self.cluster = cluster
         self.ckpt_path = ckpt_path
@@ -127,7 +126,7 @@ class PlacementTuner(Callback):
             parse_cluster,
             plan_placement,
             profile_workload,
-            workload_from_module,
+            workload_from_data,
         )
 
         try:
@@ -135,9 +134,7 @@ class PlacementTuner(Callback):
             if datamodule is None or getattr(datamodule, "dataset", None) is None:
                 raise ValueError("PlacementTuner reads the batch size and prompt lengths from a PromptDataModule: "
                                  "pass one to fit (datamodule=...).")
-            lengths = [len(ids) for ids in datamodule.dataset.input_ids]
-            workload = workload_from_module(pl_module, datamodule.batch_size, _padded_prompt_length(
-                lengths, datamodule.batch_size))
+            workload = workload_from_data(pl_module, datamodule)
             profile = None
             if self.profile:
                 profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,
@@ -149,8 +146,7 @@ class PlacementTuner(Callback):
             if cluster.world_size != trainer.world_size:
                 raise ValueError(f"cluster={self.cluster!r} has {cluster.world_size} devices but the job runs "
                                  f"{trainer.world_size} processes: describe the job's devices, or leave cluster unset.")
-            result = plan_placement(cluster, workload, search=self.search, seed=self.seed,
-                                    time_budget_s=self.time_budget_s, mcmc_steps=self.mcmc_steps, profile=profile)
+            result = plan_placement(cluster, workload, profile=profile, **self.search_options)
         except Exception as err:  # noqa: BLE001 - sent to every rank, which all raise it
             return f"PlacementTuner failed on rank 0: {type(err).__name__}: {err}"
         best = result.best
@@ -251,9 +247,3 @@ def _prediction_text(prediction: dict[str, Any]) -> str:
     versus = f"{speedup:.2f}x Flattening" if speedup else "Flattening does not fit"
     return (f"{prediction['source']}; predicted {prediction['iteration_s']:.3f} s/iteration, "
             f"{prediction['samples_per_s']:.1f} samples/s, {versus}")
-
-
-def _padded_prompt_length(lengths: list[int], batch_size: int) -> int:
-    """Batches are left-padded to their longest prompt: the mean of per-batch maxima, in dataset order."""
-    maxima = [max(lengths[i : i + batch_size]) for i in range(0, len(lengths) - batch_size + 1, batch_size)]
-    return round(sum(maxima) / len(maxima)) if maxima else max(lengths)

@@ -35,7 +35,9 @@ from lightning_app_rlhf.planner.workload import (
     Workload,
     installed_wrappers,
     llama_workload,
+    padded_prompt_length,
     role_shape,
+    workload_from_data,
     workload_from_module,
 )
 
@@ -62,10 +64,12 @@ __all__ = [
     "mcmc_search",
     "measure_background_cores",
     "measure_compute_shares",
+    "padded_prompt_length",
     "parse_cluster",
     "plan_placement",
     "profile_workload",
     "role_shape",
     "simulate",
+    "workload_from_data",
     "workload_from_module",
 ]

@@ -533,11 +533,10 @@ def measure_shape(
     """Op times of one role shape over ``batches`` x (sequence length, half of it)."""
     import torch
 
-    from lightning_app_rlhf.algorithms import build_algorithm
-    from lightning_app_rlhf.calls import Experience, critic_forward, reference_forward
+    from lightning_app_rlhf.algorithms import LossScale, build_algorithm
+    from lightning_app_rlhf.calls import Experience, critic_forward, critic_values, policy_logprobs, reference_forward
     from lightning_app_rlhf.config import GenerationConfig, PPOConfig
     from lightning_app_rlhf.generation import Rollout, generate, position_ids_from_mask
-    from lightning_app_rlhf.ppo import LossScale
     from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     if shape.config is None:
@@ -573,7 +572,12 @@ def measure_shape(
     def train_step(experience: Experience) -> None:
         role = ACTOR.name if shape.kind == "causal_lm" else CRITIC.name
         scale = LossScale(experience.response_mask.sum().float(), len(experience.sequences), g)
-        loss, _ = algorithm.loss(role, model, experience, scale)
+        if role == CRITIC.name:
+            loss, _ = algorithm.value_loss(critic_values(model, experience), experience, scale)
+        else:
+            logprobs, entropy = policy_logprobs(model, experience, algorithm.generation.temperature,
+                                                entropy_grad=algorithm.config.entropy_coef != 0)
+            loss, _ = algorithm.policy_loss(logprobs, entropy, experience, scale)
         loss.backward()
 
     for b in batches:

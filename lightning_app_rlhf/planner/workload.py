@@ -546,10 +546,10 @@ def workload_from_module(
         return role_shape(spec.load_config().to_dict(), kind, dtype_bytes)
 
     roles = module.algorithm.roles
-    actor = shape(module.actor_spec, "causal_lm")
-    reference = shape(module.reference_spec, "causal_lm") if module.reference_spec is not None else actor
-    reward = shape(module.reward_spec, "classifier") if module.reward_spec is not None else None
-    critic = shape(module.critic_spec, "value") if CRITIC.name in roles else None
+    actor = shape(module.specs.actor, "causal_lm")
+    reference = shape(module.specs.reference, "causal_lm") if module.specs.reference is not None else actor
+    reward = shape(module.specs.reward, "classifier") if module.specs.reward is not None else None
+    critic = shape(module.specs.critic, "value") if CRITIC.name in roles else None
     return Workload(
         actor=actor,
         critic=critic,
@@ -567,8 +567,28 @@ def workload_from_module(
         name=f"module ({module.algorithm.name})",
         wrappers=installed_wrappers(),
         # LoRA: adapters of this rank train (peft's default r is 8); the reference then shares the actor's base.
-        lora_rank=int(module.actor_spec.lora.get("r", 8)) if module.actor_spec.lora is not None else None,
+        lora_rank=int(module.specs.actor.lora.get("r", 8)) if module.specs.actor.lora is not None else None,
     )
+
+
+def workload_from_data(module: Any, datamodule: Any, optimizer_slots: int = 2) -> Workload:
+    """The workload ``fit`` runs: :func:`workload_from_module` at the datamodule's batch size and the
+    :func:`padded_prompt_length` of its prompts.
+
+    Args:
+        module: An ``RLHFModule`` (models need not be built).
+        datamodule: A ``PromptDataModule`` after ``setup("fit")`` (its prompts tokenised).
+        optimizer_slots: State tensors per parameter of the optimizer (AdamW: 2, SGD with momentum: 1).
+    """
+    lengths = [len(ids) for ids in datamodule.dataset.input_ids]
+    return workload_from_module(module, datamodule.batch_size, padded_prompt_length(lengths, datamodule.batch_size),
+                                optimizer_slots)
+
+
+def padded_prompt_length(lengths: list[int], batch_size: int) -> int:
+    """Batches are left-padded to their longest prompt: the mean of per-batch maxima, in dataset order."""
+    maxima = [max(lengths[i : i + batch_size]) for i in range(0, len(lengths) - batch_size + 1, batch_size)]
+    return round(sum(maxima) / len(maxima)) if maxima else max(lengths)
 
 
 def installed_wrappers() -> tuple[str, ...]:

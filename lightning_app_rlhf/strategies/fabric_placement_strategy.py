@@ -41,7 +41,12 @@ from lightning_app_rlhf.checkpoint import (
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, Placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
-from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
+from lightning_app_rlhf.strategies.placement_setup import (
+    PlacementProcesses,
+    place,
+    start_distributed,
+    wrap_roles,
+)
 from lightning_app_rlhf.strategies.placement_strategy import (
     read_placed_checkpoint,
     refuse_unsafe_loading,
@@ -64,7 +69,7 @@ _RESERVED_KEYS = (*CHECKED_KEYS, CHECKSUM_KEY, "rlhf_plan", "global_step", Light
 """Entries of a checkpoint that hold the module's state (as in a Trainer checkpoint), not the user's."""
 
 
-class FabricPlacementStrategy(ParallelStrategy):
+class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
     """Places the algorithm's roles by a :class:`PlacementPlan` under Fabric; the Fabric twin of
     :class:`~lightning_app_rlhf.strategies.PlacementStrategy`, sharing its core (plan, placement, wrappers) and its
     checkpoints.
@@ -114,33 +119,10 @@ class FabricPlacementStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision=precision,
         )
-        self._plan = plan
-        self._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._threads_per_process = threads_per_process
-        self._num_nodes = 1
+        self._set_placement_settings(plan, timeout, start_method, process_group_backend, threads_per_process)
         self.placement: Placement | None = None
         self._module: RLHFModule | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     @override
@@ -170,13 +152,13 @@ class FabricPlacementStrategy(ParallelStrategy):
     def setup_rlhf(self, fabric: Fabric, module: nn.Module) -> nn.Module:
         """Build the roles this rank holds, wrap each trainable role on its train group, and set up its optimizers
         with Fabric. Returns the module, ready for ``module.training_step(batch, batch_idx)``."""
-        if not hasattr(module, "placement"):
+        if not hasattr(module, "placed_roles"):
             raise TypeError(f"setup_rlhf takes an RLHFModule; got {type(module).__name__}.")
-        self.placement = place(self._plan, module, self.world_size, self.global_rank, self.root_device,
-                               self._timeout)
-        module.placement = self.placement
+        module.placed_roles = place(self._plan, module, self.world_size, self.global_rank, self.root_device,
+                                    self._timeout)
+        self.placement = module.placed_roles.placement
         module.configure_model()
-        wrap_roles(module, self.placement, self.root_device)  # before the optimizers: FSDP2 replaces parameters
+        wrap_roles(module, self.root_device)  # before the optimizers: FSDP2 replaces parameters
         optimizers, schedulers = module.configure_optimizers()
         # Fabric returns the module alone when a rank trains nothing (Separation's generation ranks).
         fabric_module, *fabric_optimizers = fabric.setup(module, *optimizers) if optimizers else (fabric.setup(module),)

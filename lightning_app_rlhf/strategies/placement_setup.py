@@ -15,13 +15,11 @@ from lightning.fabric.utilities.distributed import (
 )
 from torch import nn
 
-from lightning_app_rlhf.placement import Placement, create_placement, start_heartbeat
+from lightning_app_rlhf.heartbeat import start_heartbeat
+from lightning_app_rlhf.placed_roles import PlacedRoles
+from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.role_table import ROLES
-from lightning_app_rlhf.roles import hold_in
-from lightning_app_rlhf.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy, check_tensor_parallel
-from lightning_app_rlhf.wrappers import RoleWrapper, wrapper_class
-from lightning_app_rlhf.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
+from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 
 
 def start_distributed(
@@ -41,6 +39,54 @@ def start_distributed(
         torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(1, local_processes)))
 
 
+class PlacementProcesses:
+    """What the Trainer's and Fabric's placement strategies share (two class trees, as in Lightning itself): their
+    settings, one process per device, and the placement they hand the module.
+
+    Args:
+        plan: A plan, or a function from the world size (and the algorithm's ``roles``) to a plan.
+        timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
+        start_method: ``popen`` re-runs the script per process; ``fork``/``spawn`` otherwise.
+        process_group_backend: ``gloo``/``nccl``; default by device.
+        threads_per_process: CPU threads per process (default: cores / local processes).
+    """
+
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+
+    def _set_placement_settings(
+        self,
+        plan: PlacementPlan | Callable[..., PlacementPlan] | None,
+        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        threads_per_process: int | None = None,
+    ) -> None:
+        self._plan = plan
+        self._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._threads_per_process = threads_per_process
+        self._num_nodes = 1
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+
 def place(
     plan: PlacementPlan | Callable[..., PlacementPlan],
     module: nn.Module,
@@ -48,8 +94,9 @@ def place(
     global_rank: int,
     root_device: torch.device,
     timeout: datetime.timedelta,
-) -> Placement:
-    """Build the plan for the module's algorithm, validate it, and create every call's group (collective).
+) -> PlacedRoles:
+    """Build the plan for the module's algorithm, validate it, and create every call's group (collective); the
+    module's :class:`PlacedRoles`, wrapped once its models exist.
 
     ``plan`` is a plan, a preset builder ``(world_size, roles=...) -> plan``, or a user's ``(world_size) -> plan``.
     Bad plans fail here, before any model is built.
@@ -65,58 +112,10 @@ def place(
                          "ranks.")
     plan.check_roles(algorithm.roles, algorithm.name)
     check_tensor_parallel(plan)
-    return create_placement(plan, global_rank, root_device, timeout)
+    return PlacedRoles(create_placement(plan, global_rank, root_device, timeout))
 
 
-def wrap_roles(module: nn.Module, placement: Placement, device: torch.device) -> None:
-    """Wrap each trainable role this rank trains on its own train group (never the whole module), and shard the
-    frozen roles the plan gives a wrapper over their forward call's group. The wrappers land in
-    ``module.role_wrappers``; the trained ones get their optimizers from ``module.attach_optimizers``.
-
-    First, each call with a tensor-parallel degree that this rank runs gets its copy of the role
-    (``placement.tp_copies``), cut from the whole module before any wrapper shards it."""
-    plan = placement.plan
-    build_tp_copies(module, placement, device)
-    for role in module.trained_roles():
-        wrapper = _wrapper(module, placement, role, f"{role}.train", device)
-        wrapper.wrap()
-    for role in (entry.name for entry in ROLES if not entry.trainable):
-        call = f"{role}.forward"
-        if role in plan.wrappers and module.role_module(role) is not None and placement.runs(call):
-            _wrapper(module, placement, role, call, device).wrap_frozen()
-
-
-def build_tp_copies(module: nn.Module, placement: Placement, device: torch.device) -> None:
-    """This rank's :class:`TensorParallelCopy` of the role of every generate / forward call with ``tp > 1`` that it
-    runs (a train call with a degree cuts the role itself: :class:`TensorParallelFSDP2Wrapper`), held in bfloat16
-    where the role's ``shadow_precision`` is ``bf16-true``.
-
-    Raises a ``ValueError`` naming the fix when the role has no model here (a reward function) or its family no
-    ``tp_plan``."""
-    for call in placement.plan.tp:
-        if call not in INFERENCE_CALLS or not placement.runs(call):
-            continue
-        role = call.split(".")[0]
-        source = module.role_module(role)
-        if source is None:
-            raise ValueError(f"Call {call!r} has a tensor-parallel degree, but role {role!r} has no model here (a "
-                             f"reward function runs whole on each rank): remove {call!r} from the plan's `tp`.")
-        copy = TensorParallelCopy.build(call, source, placement.tp_group(call), placement.tp_degree(call), device)
-        # A trained role's copy is refreshed from float32 weights (a cast on copy), so it may be held in bf16.
-        hold_in(copy.module, module.shadow_precisions().get(role))
-        placement.tp_copies[call] = copy
-
-
-def _wrapper(module: nn.Module, placement: Placement, role: str, call: str, device: torch.device) -> RoleWrapper:
-    cls = wrapper_class(placement.plan.wrappers[role], role)
-    args = (module.role_module(role), placement.groups.get(call), placement.group_size(call),
-            placement.group_rank(call), device)
-    degree = placement.tp_degree(call)
-    if call.endswith(".train") and degree > 1:  # a data x tensor mesh (check_tensor_parallel: FSDP2 only)
-        ranks = torch.tensor(placement.plan.ranks(call)).view(-1, degree)
-        wrapper = TensorParallelFSDP2Wrapper(*args, tp_group=placement.tp_group(call),
-                                             dp_group=placement.dp_groups[call], mesh_ranks=ranks, call=call)
-    else:
-        wrapper = cls(*args)
-    module.role_wrappers[role] = wrapper
-    return wrapper
+def wrap_roles(module: nn.Module, device: torch.device) -> None:
+    """Wrap the roles of ``module`` that this rank holds, by its plan (:meth:`PlacedRoles.wrap`): after its models
+    are built, before its optimizers (FSDP2 replaces parameters)."""
+    module.placed_roles.wrap(module.role_module, module.trained_roles(), module.shadow_precisions(), device)

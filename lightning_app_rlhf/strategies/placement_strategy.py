@@ -37,12 +37,18 @@ from lightning_app_rlhf.checkpoint import (
     sharded_roles,
     verify,
 )
+from lightning_app_rlhf.placed_roles import PlacedRoles
 from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.plan import PlacementPlan
 from lightning_app_rlhf.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_launcher import PlacementMultiProcessingLauncher
-from lightning_app_rlhf.strategies.placement_setup import place, start_distributed, wrap_roles
+from lightning_app_rlhf.strategies.placement_setup import (
+    PlacementProcesses,
+    place,
+    start_distributed,
+    wrap_roles,
+)
 from lightning_app_rlhf.strategies.sharded_checkpoint import (
     PendingRestore,
     check_shards,
@@ -58,7 +64,7 @@ from lightning_app_rlhf.strategies.signal_connector import use_placement_signal_
 from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
 
 
-class PlacementStrategy(ParallelStrategy):
+class PlacementStrategy(PlacementProcesses, ParallelStrategy):
     """Places the algorithm's roles by a :class:`PlacementPlan`: each role lives on the ranks of its calls and is
     wrapped on its own process group, never the whole LightningModule.
 
@@ -101,12 +107,7 @@ class PlacementStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        self._plan = plan
-        self._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._threads_per_process = threads_per_process
-        self._num_nodes = 1
+        self._set_placement_settings(plan, timeout, start_method, process_group_backend, threads_per_process)
         self.placement_plan: PlacementPlan | None = None
         self._pending_restore: PendingRestore | None = None
 
@@ -116,24 +117,6 @@ class PlacementStrategy(ParallelStrategy):
             raise ValueError("PlacementStrategy needs a `plan` (a PlacementPlan, or a function of the world size). "
                              "Or use a preset: strategy='rlhf_flattening', 'rlhf_interleaving' or 'rlhf_separation'.")
         return self._plan(world_size) if callable(self._plan) else self._plan
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     # `is_distributed` stays unset (False) on purpose: every rank must read the same global batch, which each
     # call's group then shards (Placement.shard), so Lightning must not inject a DistributedSampler. Metrics
@@ -153,13 +136,13 @@ class PlacementStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         module = self.lightning_module
-        if not hasattr(module, "placement"):
+        if not hasattr(module, "placed_roles"):
             raise TypeError(f"{type(self).__name__} runs an RLHFModule; got {type(module).__name__}.")
         start_distributed(self.cluster_environment, self.root_device, self.num_processes,
                           self._process_group_backend, self._threads_per_process, self._timeout)
-        module.placement = place(self.build_plan, module, self.world_size, self.global_rank, self.root_device,
-                                 self._timeout)
-        self.placement_plan = module.placement.plan
+        module.placed_roles = place(self.build_plan, module, self.world_size, self.global_rank, self.root_device,
+                                    self._timeout)
+        self.placement_plan = module.placed_roles.placement.plan
 
     def apply_plan(self, plan: PlacementPlan) -> None:
         """Replace the plan after the process group exists and before any model is built, e.g. from a callback's
@@ -174,7 +157,7 @@ class PlacementStrategy(ParallelStrategy):
                              f"{self.world_size} ranks, or launch {plan.world_size} processes.")
         plan.check_roles(module.algorithm.roles, module.algorithm.name)
         check_tensor_parallel(plan)
-        module.placement = create_placement(plan, self.global_rank, self.root_device, self._timeout)
+        module.placed_roles = PlacedRoles(create_placement(plan, self.global_rank, self.root_device, self._timeout))
         self.placement_plan = plan
 
     @override
@@ -194,8 +177,7 @@ class PlacementStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         module = self.lightning_module
-        placement = module.placement
-        wrap_roles(module, placement, self.root_device)
+        wrap_roles(module, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             module.attach_optimizers(self.optimizers)

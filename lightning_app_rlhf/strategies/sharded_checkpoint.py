@@ -80,9 +80,9 @@ def staging_directory(strategy: Any, filepath: Any) -> Path:
 def save_shards(module: Any, roles: list[str], staging: Path, optimizer: bool) -> None:
     """Each rank writes its shard of every sharded role it holds a part of, role by role in the same order on
     every rank (each role's save is a collective over its own group)."""
-    placement = module.placement
+    placement = module.placed_roles.placement
     for role in roles:
-        wrapper = module.role_wrappers.get(role)
+        wrapper = module.placed_roles.wrappers.get(role)
         if wrapper is not None and placement.runs(home_call(role)):
             trains = role in TRAINABLE_ROLES and role in module.trained_roles()
             wrapper.save_sharded(staging / role, optimizer=optimizer and trains)
@@ -138,13 +138,13 @@ def restore_special_roles(module: Any, restore: PendingRestore, checkpoint: dict
     held whole here, every shard read on this rank), or whole weights into an FSDP2 role's shards. Shadow copies of
     a trained role restored from shards get its weights by reallocation, as after an update. Every rank calls it,
     after the roles are wrapped and their optimizers attached."""
-    placement = module.placement
+    placement = module.placed_roles.placement
     trained = module.trained_roles()
     for role in module.algorithm.roles:
         mode = restore.modes.get(role, "whole")
         if mode == "whole" or not placement.holds(role):
             continue
-        wrapper = module.role_wrappers.get(role)
+        wrapper = module.placed_roles.wrappers.get(role)
         home = wrapper is not None and placement.runs(home_call(role))
         trains = role in trained
         if mode == "shards":
@@ -163,7 +163,7 @@ def restore_special_roles(module: Any, restore: PendingRestore, checkpoint: dict
         if restore.modes.get(role) != "shards" or not placement.plan.shadow_ranks(role):
             continue
         if placement.runs(f"{role}.train"):
-            placement.reallocate_weights(role, trained_buckets(module.role_wrappers[role],
+            placement.reallocate_weights(role, trained_buckets(module.placed_roles.wrappers[role],
                                                                 module.shadow_precisions().get(role)))
         elif placement.rank in placement.plan.shadow_ranks(role):
             placement.reallocate_weights(role, shadow_buckets(module.role_module(role)))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_app_rlhf.wrapper_names import WRAPPER_TRAITS
 from lightning_app_rlhf.wrappers.sharded_io import load_dcp, save_dcp
 
 Backward = Callable[[torch.Tensor], None]
@@ -73,7 +74,9 @@ class RoleWrapper(ABC):
     """
 
     name: ClassVar[str]
-    """The plan's name for the wrapper (``PlacementPlan.wrappers`` values)."""
+    """The plan's name for the wrapper (``PlacementPlan.wrappers`` values). A class that sets it takes
+    :attr:`shards_params`, :attr:`wraps_frozen`, :attr:`package` and :attr:`extra` from that name's row of
+    :data:`~lightning_app_rlhf.wrapper_names.WRAPPER_TRAITS`."""
     shards_params: ClassVar[bool] = False
     """No rank holds the full parameters: a forward gathers them, collectively over the group."""
     shards_grads: ClassVar[bool] = False
@@ -92,6 +95,13 @@ class RoleWrapper(ABC):
     checkpoint_format: ClassVar[str] = "dcp"
     """What :meth:`save_sharded` writes: ``dcp`` (``torch.distributed.checkpoint``, loadable under any sharding
     and number of ranks) or ``deepspeed`` (DeepSpeed's own files, loadable on as many ranks as saved them)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls):  # the plan's table holds what it must know without importing a wrapper
+            traits = WRAPPER_TRAITS[cls.name]
+            cls.shards_params, cls.wraps_frozen = traits.shards_params, traits.wraps_frozen
+            cls.package, cls.extra = traits.package, traits.extra
 
     def __init__(
         self, module: nn.Module, group: dist.ProcessGroup | None, group_size: int, group_rank: int,
@@ -140,9 +150,10 @@ class RoleWrapper(ABC):
     # ---- the calls ----
 
     @property
-    @abstractmethod
     def train_module(self) -> nn.Module:
-        """The module the train call runs forward and backward through."""
+        """The module the train call runs forward and backward through: the role's own, unless the wrapper wraps it
+        in another (DDP, a DeepSpeed engine)."""
+        return self.module
 
     def running(self) -> contextlib.AbstractContextManager[None]:
         """Enter around any call of the role on this rank (forward, generate, backward, step, gathers)."""

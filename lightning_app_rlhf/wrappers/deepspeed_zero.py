@@ -49,8 +49,6 @@ class ZeroWrapper(RoleWrapper):
     # ZeRO-3's forward hooks re-record their module trace after any change of call pattern (train -> generate),
     # checking it against the other ranks with broadcasts at the start of a forward, gathered weights or not.
     lockstep_when_unsharded = True
-    package = "deepspeed"
-    extra = "deepspeed"
     checkpoint_format = "deepspeed"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -259,10 +257,8 @@ class Zero3Wrapper(ZeroWrapper):
 
     name = "zero3"
     stage = 3
-    shards_params = True
     shards_grads = True
     shards_optimizer = True
-    wraps_frozen = True
 
 
 def import_deepspeed(device: torch.device) -> Any:

@@ -20,10 +20,8 @@ class FSDP2Wrapper(RoleWrapper):
     are sharded in place; a forward all-gathers a block's weights and frees them after."""
 
     name = "fsdp2"
-    shards_params = True
     shards_grads = True
     shards_optimizer = True
-    wraps_frozen = True
 
     @override
     def wrap(self) -> None:
@@ -33,11 +31,6 @@ class FSDP2Wrapper(RoleWrapper):
     @override
     def wrap_frozen(self) -> None:
         self.wrap()
-
-    @property
-    @override
-    def train_module(self) -> nn.Module:
-        return self.module
 
     @override
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:

@@ -2,7 +2,8 @@
 
 The role is cut with its family's Hugging Face ``tp_plan`` over each replica's ``t`` ranks (the tensor dimension),
 then sharded with FSDP2 over the ``n / t`` replicas (the data dimension): torchtitan's FSDP + TP layout. Each
-replica trains on its share of every minibatch, its ``t`` ranks on the same rows.
+replica trains on its share of every minibatch, its ``t`` ranks on the same rows. The cut itself
+(:func:`cut_tensor_parallel`) also builds the tensor-parallel copies of :mod:`lightning_app_rlhf.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,67 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_app_rlhf.roles import AdapterDisabledReference, ValueModel, is_lora
 from lightning_app_rlhf.wrappers.fsdp2 import FSDP2Wrapper, shard_with_fsdp2
+
+
+def hf_model(module: nn.Module, call: str) -> nn.Module:
+    """The Hugging Face model inside a role's module that the family's ``tp_plan`` shards.
+
+    Args:
+        module: The role's module on this rank (a causal LM, a :class:`ValueModel`, a sequence classifier).
+        call: The call, for the error message.
+    """
+    if isinstance(module, AdapterDisabledReference) or is_lora(module):
+        raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role carries LoRA adapters (or is the "
+                         "LoRA actor's base with adapters off), which the family's tp_plan does not cover: remove "
+                         f"{call!r} from the plan's `tp`, or train without `lora`.")
+    if isinstance(module, ValueModel):
+        return module.backbone  # the value head stays whole on every rank (one output column)
+    if not hasattr(module, "_resolve_parallel_plans"):
+        raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a {type(module).__name__}, not "
+                         "a Hugging Face model with a tp_plan: remove the call from the plan's `tp`.")
+    return module
+
+
+def family_tp_plan(model: nn.Module, degree: int, call: str) -> dict[str, str]:
+    """The model family's ``tp_plan``, expanded to one entry per module and parameter of ``model``.
+
+    Args:
+        model: A Hugging Face model.
+        degree: The tensor-parallel degree.
+        call: The call, for error messages.
+    """
+    from transformers.distributed import DistributedConfig
+
+    config = model.config
+    try:
+        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
+    except ValueError as err:
+        raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, but {type(model).__name__} "
+                         f"({config.model_type}) has no tp_plan in transformers: use a family that has one (llama, "
+                         f"mistral, qwen2, ...), or remove {call!r} from the plan's `tp`. ({err})") from err
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % degree:
+            raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, which does not divide the model's "
+                             f"{name}={heads}: each rank holds whole heads. Use a degree that divides {heads}.")
+    return plan
+
+
+def cut_tensor_parallel(module: nn.Module, mesh: DeviceMesh, call: str, plan: dict[str, str] | None = None) -> None:
+    """Cut the Hugging Face model inside ``module`` (:func:`hf_model`) in place, tensor-parallel over ``mesh``.
+
+    Args:
+        module: The role's module on this rank, whole, identical on every rank of ``mesh``.
+        mesh: The replica's 1-D device mesh (its size is the tensor-parallel degree).
+        call: The call, for error messages.
+        plan: The family's ``tp_plan`` already resolved (:func:`family_tp_plan`); default: resolved here.
+    """
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    model = hf_model(module, call)
+    apply_tensor_parallelism(model, mesh, plan if plan is not None else family_tp_plan(model, mesh.size(), call))
 
 
 class TensorParallelFSDP2Wrapper(FSDP2Wrapper):
@@ -52,12 +113,7 @@ class TensorParallelFSDP2Wrapper(FSDP2Wrapper):
 
     @override
     def wrap(self) -> None:
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-        from lightning_app_rlhf.tensor_parallel import family_tp_plan, hf_model
-
-        model = hf_model(self.module, self.call)
-        apply_tensor_parallelism(model, self.mesh["tp"], family_tp_plan(model, self.degree, self.call))
+        cut_tensor_parallel(self.module, self.mesh["tp"], self.call)
         if self.mesh["dp"].size() > 1:
             shard_with_fsdp2(self.module, self.mesh["dp"])
 

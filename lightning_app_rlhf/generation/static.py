@@ -12,15 +12,16 @@ The approach of gpt-fast and litgpt, on the model family's own Hugging Face modu
 - the decode step can run through ``torch.compile`` (``generation.compile``; ``reduce-overhead``, i.e. CUDA graphs,
   on CUDA).
 
-The uniforms are eager's own (:func:`~lightning_app_rlhf.generation.keyed_uniforms`: one CPU generator per key, float64),
-drawn once per call and copied to the device: a device generator (CUDA's Philox) would draw another stream, and the
-same keys must give the same tokens under every backend, device and placement. The sampling arithmetic is
-eager's too (same functions), so tokens are equal and log-probs equal within float tolerance (the attention runs over
-the preallocated length, which changes the float rounding only).
+The uniforms are eager's own (:func:`~lightning_app_rlhf.generation.sampling.keyed_uniforms`: one CPU generator per
+key, float64), drawn once per call and copied to the device: a device generator (CUDA's Philox) would draw another
+stream, and the same keys must give the same tokens under every backend, device and placement. The sampling
+arithmetic is eager's too (:func:`~lightning_app_rlhf.generation.sampling.next_token`), so tokens are equal and
+log-probs equal within float tolerance (the attention runs over the preallocated length, which changes the float
+rounding only).
 
 Supported: every model whose attention writes through transformers' ``Cache`` API, which in transformers 5 includes
 GPT-2, Llama, Qwen2/Qwen3 and SmolLM2 (Llama). A model that ignores the static cache is detected after the prefill and
-refused with an error that names the fix (``generation.backend: eager``).
+refused with an error that names the fix (``generation.backend: eager``). The backend registers itself on import.
 """
 
 from __future__ import annotations
@@ -32,21 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import StaticCache
 
 from lightning_app_rlhf.config import GenerationConfig
-from lightning_app_rlhf.generation import (
-    GenerationBackend,
-    Rollout,
-    StopCondition,
-    _all_done,
-    _next_token,
-    keyed_uniforms,
-    position_ids_from_mask,
-    register_backend,
-)
-from lightning_app_rlhf.hf_cache import cache_kwargs, returned_cache
+from lightning_app_rlhf.generation.backend import DecodeRequest, GenerationBackend, register_backend
+from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
+from lightning_app_rlhf.generation.rollout import Rollout
+from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token, position_ids_from_mask
+from lightning_app_rlhf.generation.stopping import all_done
 
 COMPILED_LENGTH_MULTIPLE = 64
 """With a compiled step, the cache length is rounded up to a multiple of this, so that prompts of a few different
@@ -127,10 +121,6 @@ class StaticBackend(GenerationBackend):
     def __init__(self) -> None:
         self._states: weakref.WeakKeyDictionary[torch.nn.Module, _ModelState] = weakref.WeakKeyDictionary()
 
-    def release(self, model: torch.nn.Module) -> None:
-        """Free the cache and compiled step kept for ``model`` (e.g. before training needs the memory)."""
-        self._states.pop(model, None)
-
     def _state(self, model: torch.nn.Module, config: GenerationConfig, device: torch.device) -> _ModelState:
         state = self._states.setdefault(model, _ModelState())
         compiled = _compile_on(config, device)
@@ -156,20 +146,10 @@ class StaticBackend(GenerationBackend):
             state.cache, state.cache_shape = OneDtypeStaticCache(config=config, max_cache_len=length), shape
         return state.cache
 
-    def decode(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        config: GenerationConfig,
-        keys: torch.Tensor,
-        stops: StopCondition,
-        pad_token_id: int,
-        lockstep_group: dist.ProcessGroup | None,
-        active: bool = True,
-    ) -> Rollout:
+    def decode(self, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
+        input_ids, attention_mask, config = request.input_ids, request.attention_mask, request.config
         batch, prompt_length = input_ids.shape
-        steps, device = config.max_new_tokens, input_ids.device
+        steps, device, pad_token_id = config.max_new_tokens, input_ids.device, request.pad_token_id
         _check_transformers()
         _model_config(model)
         state = self._state(model, config, device)
@@ -178,7 +158,7 @@ class StaticBackend(GenerationBackend):
             length = -(-length // COMPILED_LENGTH_MULTIPLE) * COMPILED_LENGTH_MULTIPLE
         cache = self._cache(model, state, batch, length, device)
         # Eager's uniforms (CPU generators, float64), moved once: the draws then happen on the device.
-        uniforms = keyed_uniforms(keys, steps).to(device, non_blocking=True) if config.do_sample else None
+        uniforms = keyed_uniforms(request.keys, steps).to(device, non_blocking=True) if config.do_sample else None
         mask = attention_mask.new_ones(batch, length)
         mask[:, :prompt_length] = attention_mask
         position_ids = position_ids_from_mask(attention_mask)
@@ -194,16 +174,14 @@ class StaticBackend(GenerationBackend):
         tokens = torch.full((batch, steps), pad_token_id, dtype=input_ids.dtype, device=device)
         logprobs = torch.zeros(batch, steps, device=device)
         masks = torch.zeros(batch, steps, dtype=torch.bool, device=device)
-        done = torch.full((batch,), not active, dtype=torch.bool, device=device)
+        done = torch.full((batch,), not request.active, dtype=torch.bool, device=device)
+        stops, lockstep_group = request.stops, request.lockstep_group
         for step in range(steps):
-            log_probs = F.log_softmax(logits.float() / config.temperature, dim=-1)
-            token = _next_token(log_probs, config, uniforms, step)
-            token = torch.where(done, torch.full_like(token, pad_token_id), token)
+            token, logprobs[:, step] = next_token(logits, config, uniforms, step, done, pad_token_id)
             masks[:, step] = ~done
-            logprobs[:, step] = log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done)
             tokens[:, step] = token
             done = done | stops.ended_window(tokens[:, max(0, step + 1 - stops.window) : step + 1])
-            if step == steps - 1 or ((step + 1) % config.sync_every == 0 and _all_done(done, lockstep_group)):
+            if step == steps - 1 or ((step + 1) % config.sync_every == 0 and all_done(done, lockstep_group)):
                 break
             position.add_(1)
             if state.compiled and device.type == "cuda":
@@ -211,14 +189,8 @@ class StaticBackend(GenerationBackend):
             logits = state.step(model, cache, token.unsqueeze(-1), position, mask)
         width = self._width(masks, lockstep_group)
         response_mask = masks[:, :width].to(attention_mask.dtype)
-        return Rollout(
-            sequences=torch.cat([input_ids, tokens[:, :width]], dim=1),
-            attention_mask=torch.cat([attention_mask, response_mask], dim=1),
-            response_mask=response_mask,
-            logprobs=logprobs[:, :width],
-            prompt_length=prompt_length,
-            stopped=done,
-        )
+        return Rollout.from_responses(input_ids, attention_mask, tokens[:, :width], response_mask,
+                                      logprobs[:, :width], done)
 
     @staticmethod
     def _width(masks: torch.Tensor, lockstep_group: dist.ProcessGroup | None) -> int:

@@ -1,0 +1,76 @@
+"""Batched sampling with a KV cache: the ``actor.generate`` call. Plain PyTorch, no Lightning.
+
+Every random draw is keyed by a per-sample integer (derived from the seed, the iteration and the sample's
+global index), never by the batch it happens to sit in. A prompt therefore gets the same response whether
+it is generated alone, in a batch of 32, or on any rank of a placement.
+
+A row ends at the first of its stop tokens (EOS, the actor's other end ids, ``generation.stop_token_ids``) or at
+the token that completes one of ``generation.stop_strings``; that token is kept, with mask 1. With
+``generation.do_sample=False`` the most likely token is taken instead of a keyed draw (greedy decoding).
+
+The modules, each importing only those above it:
+
+- :mod:`.hf_cache`: the KV-cache keyword of the installed transformers;
+- :mod:`.rollout`: :class:`Rollout`, the per-sample keys, repeated samples, row chunks;
+- :mod:`.sampling`: positions, keyed uniforms, top-k/top-p filtering, the next token;
+- :mod:`.stopping`: the stop condition, the model's end ids, the context-length check;
+- :mod:`.backend`: the :class:`GenerationBackend` interface, its registry and :func:`generate`;
+- :mod:`.eager` and :mod:`.static`: the decoding loops ``generation.backend`` chooses between, ``eager`` (a dynamic
+  cache, a host sync per token) or ``static`` (a preallocated cache, CUDA-graph friendly). Both draw the same keyed
+  uniforms, so they give the same tokens for the same keys. Importing this package registers both.
+"""
+
+from lightning_app_rlhf.generation.backend import (
+    DecodeRequest,
+    GenerationBackend,
+    generate,
+    get_backend,
+    register_backend,
+)
+from lightning_app_rlhf.generation.eager import EagerBackend
+from lightning_app_rlhf.generation.rollout import Rollout, concat_rollouts, repeat_samples, row_chunks, sample_keys
+from lightning_app_rlhf.generation.sampling import (
+    filter_probs,
+    inverse_cdf_sample,
+    keyed_uniforms,
+    next_token,
+    position_ids_from_mask,
+)
+from lightning_app_rlhf.generation.static import OneDtypeStaticCache, StaticBackend
+from lightning_app_rlhf.generation.stopping import (
+    StopCondition,
+    all_done,
+    check_context_length,
+    context_length,
+    model_eos_token_ids,
+    stop_condition,
+    stop_string_criteria,
+)
+
+__all__ = [
+    "DecodeRequest",
+    "EagerBackend",
+    "GenerationBackend",
+    "OneDtypeStaticCache",
+    "Rollout",
+    "StaticBackend",
+    "StopCondition",
+    "all_done",
+    "check_context_length",
+    "concat_rollouts",
+    "context_length",
+    "filter_probs",
+    "generate",
+    "get_backend",
+    "inverse_cdf_sample",
+    "keyed_uniforms",
+    "model_eos_token_ids",
+    "next_token",
+    "position_ids_from_mask",
+    "register_backend",
+    "repeat_samples",
+    "row_chunks",
+    "sample_keys",
+    "stop_condition",
+    "stop_string_criteria",
+]

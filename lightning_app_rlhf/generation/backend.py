@@ -1,0 +1,167 @@
+"""The decoder interface and the ``actor.generate`` entry point. Plain PyTorch.
+
+:func:`generate` checks the context length, builds the stop condition, splits the rows into chunks
+(``generation.batch_size``) and keeps a lockstep group's forwards paired; each chunk's prefill and decode loop is
+the :meth:`GenerationBackend.decode` of the backend that ``generation.backend`` names in the registry
+(:func:`register_backend`, :func:`get_backend`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.generation.rollout import Rollout, concat_rollouts, row_chunks
+from lightning_app_rlhf.generation.stopping import StopCondition, check_context_length, stop_condition
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What one prefill and decode loop (:meth:`GenerationBackend.decode`) runs on: rows and the call's settings."""
+
+    input_ids: torch.Tensor
+    """[B, P] left-padded prompt tokens (B >= 1)."""
+    attention_mask: torch.Tensor
+    """[B, P] 1 for real prompt tokens."""
+    config: GenerationConfig
+    """Sampling settings."""
+    keys: torch.Tensor
+    """[B] per-row keys; row b's draws are ``keyed_uniforms(keys[b:b+1], config.max_new_tokens)``."""
+    stops: StopCondition
+    """What ends a row."""
+    pad_token_id: int
+    """Token written after a row's stop."""
+    lockstep_group: dist.ProcessGroup | None = None
+    """Ranks that must run the same number of forwards (a sharded model), or None."""
+    active: bool = True
+    """False: the rows are done from the start (a stand-in that only keeps a lockstep group's forwards paired)."""
+
+    def select(self, rows: slice) -> DecodeRequest:
+        """The same request for a subset of the rows."""
+        return replace(self, input_ids=self.input_ids[rows], attention_mask=self.attention_mask[rows],
+                       keys=self.keys[rows])
+
+    def stand_in(self) -> DecodeRequest:
+        """One row, done from the start, for a rank without rows in a chunk of a lockstep group: its first row, or a
+        row of pad tokens when it has none. Decoding it only takes part in the group's forwards."""
+        if len(self.input_ids):
+            input_ids, attention_mask = self.input_ids[:1], self.attention_mask[:1]
+        else:
+            input_ids = torch.full((1, self.input_ids.shape[1]), self.pad_token_id, dtype=self.input_ids.dtype,
+                                   device=self.input_ids.device)
+            attention_mask = torch.ones_like(input_ids, dtype=self.attention_mask.dtype)
+        return replace(self, input_ids=input_ids, attention_mask=attention_mask,
+                       keys=torch.zeros(1, dtype=torch.int64), active=False)
+
+
+class GenerationBackend(ABC):
+    """A decoder for ``actor.generate``, chosen by name (``generation.backend``).
+
+    It implements one prefill and decode loop (:meth:`decode`) over left-padded prompts with one key per row, and
+    returns the rollout: tokens, masks, behaviour log-probabilities and stop flags (:class:`Rollout`). The chunking
+    of rows (``generation.batch_size``), the stop condition and the lockstep rules of sharded models are shared
+    (:func:`generate`). Every backend must give, for the same keys, the tokens of ``eager``.
+    """
+
+    name: ClassVar[str]
+    """The value of ``generation.backend`` that selects it."""
+
+    @abstractmethod
+    def decode(self, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
+        """One prefill and decode loop over all of the request's (non-empty) rows.
+
+        Args:
+            model: The causal LM (or PEFT model) to sample from.
+            request: The rows, their keys and the call's settings.
+
+        Returns:
+            The rollout, with as many response columns as the longest response of the lockstep group (of the
+            rows, without a group): the width ``eager`` returns.
+        """
+
+
+_BACKENDS: dict[str, GenerationBackend] = {}
+
+
+def register_backend(backend: GenerationBackend) -> GenerationBackend:
+    """Make ``backend`` the one ``generation.backend: <backend.name>`` selects (replacing any of that name)."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> GenerationBackend:
+    """The backend registered as ``name`` (the built-in ``eager`` and ``static`` register on import of the
+    :mod:`lightning_app_rlhf.generation` package)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"Unknown generation.backend {name!r}: choose from {sorted(_BACKENDS)}.")
+    return _BACKENDS[name]
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    keys: torch.Tensor,
+    eos_token_id: int | Sequence[int],
+    pad_token_id: int,
+    lockstep_group: dist.ProcessGroup | None = None,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> Rollout:
+    """Sample responses for left-padded prompts with a KV cache, stopping each row at its first stop.
+
+    A row stops at a token of ``eos_token_id`` or ``config.stop_token_ids``, or at the token that completes one of
+    ``config.stop_strings`` (matched within the response); the stopping token is kept, with mask 1, and pad follows.
+    ``config.do_sample=False`` takes the most likely token at every step instead of a keyed draw.
+
+    With ``config.batch_size`` set, the rows run in consecutive chunks of at most that many rows (see
+    :func:`row_chunks`), each a separate prefill and decode loop that stops when its rows are done; the chunks'
+    responses are padded (``pad_token_id``; mask and log-probs 0) to the longest and concatenated. Every draw is
+    keyed per row, so the tokens are those of one call on all rows, and the log-probabilities equal within float
+    tolerance.
+
+    Args:
+        model: A Hugging Face causal LM (or anything with the same call signature and output), or a PEFT model
+            wrapping one; its adapters run unmerged.
+        input_ids: [B, P] left-padded prompt tokens.
+        attention_mask: [B, P] 1 for real prompt tokens.
+        config: Sampling settings, with the extra stop ids and stop strings.
+        keys: [B] per-sample keys from :func:`sample_keys`; they fix every random draw of that row.
+        eos_token_id: Token id, or ids, that end a response besides ``config.stop_token_ids``: the tokenizer's
+            EOS, plus the actor's other end ids (:func:`model_eos_token_ids`).
+        pad_token_id: Token written after a row's stop.
+        lockstep_group: Ranks whose model is sharded (FSDP2): they must run the same number of forwards, so every
+            rank of the group runs the same number of chunks (from the group's largest shard), and a chunk's
+            generation stops only when every rank of the group is done with it. A rank without rows in a chunk
+            runs its forwards on a stand-in row that is done from the start.
+        tokenizer: Needed only for ``config.stop_strings``, to match text.
+
+    The loop is ``config.backend``'s :class:`GenerationBackend` (``eager`` or ``static``); both give the same tokens
+    for the same keys.
+    """
+    backend = get_backend(config.backend)
+    num_rows, prompt_length = input_ids.shape
+    check_context_length(model, prompt_length, config.max_new_tokens)
+    stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
+    request = DecodeRequest(input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
+    chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
+    if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
+        return backend.decode(model, request)
+    parts = []
+    for rows in chunks:
+        if rows.stop > rows.start:
+            parts.append(backend.decode(model, request.select(rows)))
+        else:  # only with a lockstep group: take part in the group's forwards, keep nothing
+            backend.decode(model, request.stand_in())
+    return concat_rollouts(parts, input_ids, attention_mask, pad_token_id)

@@ -1,0 +1,159 @@
+"""The batch-level side of ``actor.generate``: the :class:`Rollout` it returns, the per-sample keys that fix its
+random draws, the repeated prompt rows of a group, and the row chunks a call runs in. Plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class Rollout:
+    """What ``actor.generate`` produces for one batch of left-padded prompts."""
+
+    sequences: torch.Tensor
+    """[B, P + T] prompt tokens (left-padded) followed by response tokens (pad after EOS)."""
+    attention_mask: torch.Tensor
+    """[B, P + T] 1 for real prompt tokens and for response tokens up to and including EOS."""
+    response_mask: torch.Tensor
+    """[B, T] 1 for response tokens up to and including EOS."""
+    logprobs: torch.Tensor
+    """[B, T] behaviour log-probabilities of the sampled tokens at the sampling temperature (no top-k/top-p)."""
+    prompt_length: int
+    """P, the padded prompt length."""
+    stopped: torch.Tensor | None = None
+    """[B] True where the response ended at a stop token or stop string (its last masked token), False where it
+    was cut at ``max_new_tokens``. None when unknown, e.g. a rollout rebuilt from gathered tensors."""
+
+    @classmethod
+    def from_responses(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        responses: torch.Tensor,
+        response_mask: torch.Tensor,
+        logprobs: torch.Tensor,
+        stopped: torch.Tensor,
+    ) -> Rollout:
+        """The rollout of left-padded prompts followed by their responses.
+
+        Args:
+            input_ids: [B, P] left-padded prompt tokens.
+            attention_mask: [B, P] 1 for real prompt tokens.
+            responses: [B, T] response tokens, pad after a row's end.
+            response_mask: [B, T] 1 for response tokens up to and including a row's end, in ``attention_mask``'s
+                dtype.
+            logprobs: [B, T] behaviour log-probabilities of the response tokens, 0 after a row's end.
+            stopped: [B] whether each row ended at a stop (else it was cut at ``max_new_tokens``).
+        """
+        return cls(
+            sequences=torch.cat([input_ids, responses], dim=1),
+            attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+            response_mask=response_mask,
+            logprobs=logprobs,
+            prompt_length=input_ids.shape[1],
+            stopped=stopped,
+        )
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_length :]
+
+    def select(self, rows: slice) -> Rollout:
+        """The rollout of a subset of rows."""
+        return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
+                       self.logprobs[rows], self.prompt_length,
+                       self.stopped[rows] if self.stopped is not None else None)
+
+
+def sample_keys(
+    seed: int, iteration: int, sample_indices: torch.Tensor, repeat_indices: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One 63-bit key per sample from (seed, iteration, prompt index, sample index), by a splitmix64-style mix.
+
+    ``sample_indices`` are the prompts' global indices; ``repeat_indices`` which of the ``generation.num_samples``
+    responses of its prompt a row is (None: all 0, the first response, whose key does not depend on the group size).
+    """
+    repeats = repeat_indices.tolist() if repeat_indices is not None else [0] * len(sample_indices)
+    keys = []
+    for index, repeat in zip(sample_indices.tolist(), repeats):
+        z = (seed * 0x9E3779B97F4A7C15 + iteration * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB
+             + repeat * 0xD1B54A32D192ED03) & _MASK64
+        z = ((z ^ (z >> 31)) * 0xD6E8FEAC8F3A5A1D) & _MASK64
+        keys.append(z ^ (z >> 29))
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+def repeat_samples(batch: dict[str, Any], num_samples: int) -> dict[str, Any]:
+    """Each prompt row repeated ``num_samples`` times, consecutively (a prompt's group is contiguous), with
+    ``sample``: which repeat a row is. Row fields (lists) are repeated alike."""
+    repeat = lambda t: t.repeat_interleave(num_samples, dim=0)
+    out = {key: repeat(batch[key]) for key in ("input_ids", "attention_mask", "index")}
+    out["sample"] = torch.arange(num_samples, device=batch["index"].device).repeat(len(batch["index"]))
+    fields = batch.get("fields") or {}
+    out["fields"] = {name: [v for v in values for _ in range(num_samples)] for name, values in fields.items()}
+    return out
+
+
+def row_chunks(
+    num_rows: int,
+    batch_size: int | None,
+    lockstep_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> list[slice]:
+    """Consecutive row chunks of a rank's ``num_rows`` rows, each of at most ``batch_size`` rows.
+
+    ``ceil(num_rows / batch_size)`` chunks of near-equal size (sizes differ by at most one), covering the rows in
+    order; ``batch_size=None``: one chunk of every row. With ``lockstep_group`` (ranks whose model is sharded and
+    must run the same number of forwards), the count is ``ceil(max rows over the group / batch_size)`` on every
+    rank, from one all-reduce on ``device``: a rank's chunks are then non-empty when it has at least as many rows as
+    chunks, and a rank with fewer rows gets empty chunks, which its caller runs on a stand-in row so that the
+    group's collectives stay paired. Without a group, zero rows give no chunks.
+    """
+    if batch_size is None:
+        num_chunks = 1 if num_rows > 0 or lockstep_group is not None else 0
+    else:
+        most = num_rows
+        if lockstep_group is not None:
+            count = torch.tensor([num_rows], dtype=torch.int64, device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=lockstep_group)
+            most = int(count.item())
+        num_chunks = -(-most // batch_size)
+    bounds = [i * num_rows // num_chunks for i in range(num_chunks + 1)] if num_chunks else []
+    return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
+
+
+def _pad_columns(tensor: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
+
+
+def concat_rollouts(
+    parts: list[Rollout], input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int
+) -> Rollout:
+    """The rollouts of consecutive row chunks as one, responses padded to the longest chunk's.
+
+    Args:
+        parts: The chunks' rollouts, in row order (none: an empty rollout).
+        input_ids: [B, P] the prompts of all the chunks' rows.
+        attention_mask: [B, P] their mask.
+        pad_token_id: Token written in a shorter chunk's extra response columns (their mask and log-probs are 0).
+    """
+    width = max((part.response_mask.shape[1] for part in parts), default=0)
+    if parts:
+        responses = torch.cat([_pad_columns(part.responses, width, pad_token_id) for part in parts])
+        response_mask = torch.cat([_pad_columns(part.response_mask, width, 0) for part in parts])
+        logprobs = torch.cat([_pad_columns(part.logprobs, width, 0.0) for part in parts])
+        stopped = torch.cat([part.stopped for part in parts])
+    else:
+        responses, response_mask = input_ids.new_zeros(0, 0), attention_mask.new_zeros(0, 0)
+        logprobs = torch.zeros(0, 0, device=input_ids.device)
+        stopped = torch.zeros(0, dtype=torch.bool, device=input_ids.device)
+    return Rollout.from_responses(input_ids, attention_mask, responses, response_mask, logprobs, stopped)

@@ -1,0 +1,112 @@
+"""``PlacedRoles``: what a placement strategy hands the module, once. Plain PyTorch, no Lightning.
+
+Lightning's ``ModelParallelStrategy`` hands its module one device mesh; a placement strategy hands an
+:class:`~lightning_app_rlhf.RLHFModule` one :class:`PlacedRoles`: the :class:`~lightning_app_rlhf.placement.Placement`
+(which ranks run each call, and the collectives between them) before any model is built, then, once this rank's
+models exist, its wrappers (:meth:`PlacedRoles.wrap`) and its tensor-parallel copies. The engine reads everything
+from it; nothing else writes to the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_app_rlhf.placement import Placement
+from lightning_app_rlhf.role_table import ROLES
+from lightning_app_rlhf.roles import hold_in
+from lightning_app_rlhf.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy
+from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper, wrapper_class
+from lightning_app_rlhf.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
+
+Models = Callable[[str], nn.Module | None]
+"""Role -> its module on this rank (None where this rank does not hold it)."""
+
+
+@dataclass
+class PlacedRoles:
+    """The roles as placed on this rank.
+
+    Args:
+        placement: Which ranks run each call, and the collectives between them.
+        wrappers: Role -> its wrapper on this rank: the roles this rank trains, and the frozen roles the plan shards
+            here. Filled by :meth:`wrap` (or :meth:`wrap_whole`).
+        tp_copies: Call -> this rank's tensor-parallel copy of its role, for each generate or forward call with a
+            degree above 1 that this rank runs. Filled by :meth:`wrap`.
+    """
+
+    placement: Placement
+    wrappers: dict[str, RoleWrapper] = field(default_factory=dict)
+    tp_copies: dict[str, TensorParallelCopy] = field(default_factory=dict)
+
+    @classmethod
+    def single_process(cls, device: torch.device, roles: tuple[str, ...]) -> PlacedRoles:
+        """Every call of ``roles`` on one process (the module without a placement strategy)."""
+        return cls(Placement.single_process(device, roles))
+
+    @property
+    def wrapped(self) -> bool:
+        return bool(self.wrappers)
+
+    def wrap(
+        self, models: Models, trained_roles: Sequence[str], shadow_precisions: Mapping[str, str], device: torch.device
+    ) -> None:
+        """Wrap each role this rank trains on its own train group (never the whole module), and shard the frozen
+        roles the plan gives a wrapper over their forward call's group. First, each call with a tensor-parallel degree
+        that this rank runs gets its copy of the role, cut from the whole module before any wrapper shards it.
+
+        Args:
+            models: This rank's module of each role.
+            trained_roles: The roles whose train call runs on this rank, in optimizer order.
+            shadow_precisions: Trained role -> ``bf16-true`` where its copies that do not train are held in bfloat16.
+            device: This rank's device.
+        """
+        self._build_tp_copies(models, shadow_precisions, device)
+        for role in trained_roles:
+            self._wrapper(models, role, f"{role}.train", device).wrap()
+        for role in (entry.name for entry in ROLES if not entry.trainable):
+            call = f"{role}.forward"
+            if role in self.placement.plan.wrappers and models(role) is not None and self.placement.runs(call):
+                self._wrapper(models, role, call, device).wrap_frozen()
+
+    def wrap_whole(self, models: Models, trained_roles: Sequence[str], device: torch.device) -> None:
+        """One process: each trained role in a plain wrapper (no group)."""
+        for role in trained_roles:
+            self.wrappers[role] = DDPWrapper(models(role), None, 1, 0, device)
+            self.wrappers[role].wrap()
+
+    def _build_tp_copies(self, models: Models, shadow_precisions: Mapping[str, str], device: torch.device) -> None:
+        """This rank's :class:`TensorParallelCopy` of the role of every generate / forward call with ``tp > 1`` that it
+        runs (a train call with a degree cuts the role itself: :class:`TensorParallelFSDP2Wrapper`), held in bfloat16
+        where the role's ``shadow_precision`` is ``bf16-true``. Raises a ``ValueError`` naming the fix when the role
+        has no model here (a reward function)."""
+        placement = self.placement
+        for call in placement.plan.tp:
+            if call not in INFERENCE_CALLS or not placement.runs(call):
+                continue
+            role = call.split(".")[0]
+            source = models(role)
+            if source is None:
+                raise ValueError(f"Call {call!r} has a tensor-parallel degree, but role {role!r} has no model here (a "
+                                 f"reward function runs whole on each rank): remove {call!r} from the plan's `tp`.")
+            copy = TensorParallelCopy.build(call, source, placement.tp_group(call), placement.tp_degree(call), device)
+            # A trained role's copy is refreshed from float32 weights (a cast on copy), so it may be held in bf16.
+            hold_in(copy.module, shadow_precisions.get(role))
+            self.tp_copies[call] = copy
+
+    def _wrapper(self, models: Models, role: str, call: str, device: torch.device) -> RoleWrapper:
+        placement = self.placement
+        args = (models(role), placement.groups.get(call), placement.group_size(call), placement.group_rank(call),
+                device)
+        degree = placement.tp_degree(call)
+        if call.endswith(".train") and degree > 1:  # a data x tensor mesh (check_tensor_parallel: FSDP2 only)
+            ranks = torch.tensor(placement.plan.ranks(call)).view(-1, degree)
+            wrapper = TensorParallelFSDP2Wrapper(*args, tp_group=placement.tp_group(call),
+                                                 dp_group=placement.dp_groups[call], mesh_ranks=ranks, call=call)
+        else:
+            wrapper = wrapper_class(placement.plan.wrappers[role], role)(*args)
+        self.wrappers[role] = wrapper
+        return wrapper

@@ -1,0 +1,167 @@
+"""Plain helpers shared by the tests (conftest.py makes the tokenizer and the tiny config fixtures of them).
+
+- ``one_thread_env``: the environment of every subprocess (this checkout importable, one torch thread);
+- ``run_python`` / ``run_cli`` / ``cli_command``: a script or ``python -m lightning_app_rlhf ...`` in a subprocess,
+  failing the test with the tails of its stdout and stderr unless it exits 0 (``check=False`` to look yourself);
+- ``fit_demo`` / ``metrics_rows``: a demo config fitted from the CLI, and the rows of its metrics.csv;
+- ``run_ranks`` / ``free_port``: a function on forked (or spawned) gloo ranks, failing the test with the rank that
+  raised or hung;
+- ``make_module``: an ``RLHFModule`` on the tiny GPT-2 and the demo tokenizer.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+DEMO_CONFIG = ROOT / "examples/configs/demo_cpu.yaml"
+
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 1,
+    "n_embd": 32,
+    "n_head": 2,
+    "vocab_size": 512,
+    "n_positions": 64,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+"""One layer, 32 dims: builds in milliseconds and matches the demo tokenizer's 512 tokens."""
+
+
+# ---- subprocesses ----
+
+
+def one_thread_env(*, tests: bool = False, one_thread: bool = True, **extra: str) -> dict[str, str]:
+    """``os.environ`` for a subprocess: this checkout on ``PYTHONPATH`` (and ``tests/`` with ``tests=True``, for the
+    callbacks and scripts kept there), ``OMP_NUM_THREADS=1`` (``one_thread=False`` keeps torch's default, as a
+    user's run), then ``extra``."""
+    path = f"{ROOT}{os.pathsep}{TESTS}" if tests else str(ROOT)
+    return {**os.environ, "PYTHONPATH": path, **({"OMP_NUM_THREADS": "1"} if one_thread else {}), **extra}
+
+
+def output_tail(result: subprocess.CompletedProcess, chars: int = 4000) -> str:
+    """The exit status and the last ``chars`` characters of a finished process's stdout and stderr."""
+    return (f"`{' '.join(map(str, result.args))}` exited with {result.returncode}\n"
+            f"--- stdout (tail) ---\n{(result.stdout or '')[-chars:]}\n"
+            f"--- stderr (tail) ---\n{(result.stderr or '')[-chars:]}")
+
+
+def run_python(*args: str | Path, cwd: Path | None = None, timeout: float = 300, check: bool = True,
+               one_thread: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` in ``cwd`` (environment ``env``, by default ``one_thread_env(one_thread=one_thread)``), its
+    output captured as text. ``check``: raise an AssertionError with the output's tails unless it exits 0."""
+    env = one_thread_env(one_thread=one_thread) if env is None else env
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    if check and result.returncode != 0:  # an AssertionError, as the tests' own checks raise
+        raise AssertionError(output_tail(result))
+    return result
+
+
+def cli_command(*args: str | Path) -> list[str]:
+    """The command line of ``python -m lightning_app_rlhf ARGS`` (for a ``subprocess.Popen`` of one's own)."""
+    return [sys.executable, "-m", "lightning_app_rlhf", *map(str, args)]
+
+
+def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 300, check: bool = True,
+            one_thread: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m lightning_app_rlhf ARGS`` (fit, validate, plan, ...) in ``cwd``, as :func:`run_python` runs it."""
+    return run_python("-m", "lightning_app_rlhf", *args, cwd=cwd, timeout=timeout, check=check,
+                      one_thread=one_thread, env=env)
+
+
+def metrics_rows(directory: Path) -> list[dict[str, float]]:
+    """The rows of the one metrics.csv below ``directory``, their non-empty values as floats."""
+    (metrics,) = Path(directory).rglob("metrics.csv")
+    with metrics.open() as file:
+        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(file)]
+
+
+def fit_demo(tmp_path: Path, name: str, *args: str | Path, config: Path = DEMO_CONFIG, steps: int = 3,
+             max_new_tokens: int = 12, timeout: float = 300,
+             env: dict[str, str] | None = None) -> list[dict[str, float]]:
+    """``fit --config CONFIG`` for ``steps`` iterations, checkpointing off, ``max_new_tokens`` new tokens, its CSV
+    log in ``tmp_path / name``, then ``args``; run in ``tmp_path``, its stdout kept in ``name.out``. Its metrics
+    rows."""
+    result = run_cli(
+        "fit", "--config", config, "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
+        "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.logger.init_args.name", name,
+        "--model.generation.max_new_tokens", str(max_new_tokens), *args, cwd=tmp_path, timeout=timeout, env=env,
+    )
+    (tmp_path / f"{name}.out").write_text(result.stdout)
+    return metrics_rows(tmp_path / name)
+
+
+# ---- ranks in processes ----
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, timeout: float = 240.0,
+              start_method: str = "fork") -> None:
+    """``fn(rank, port, *args)`` in ``world_size`` processes (``port``: a free one for their gloo group). Fails the
+    test naming the rank that raised (with its traceback) or died, or when they have not all finished after
+    ``timeout`` seconds; no process is left running."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if dist.is_available() and dist.is_initialized():  # an earlier in-process test's group: children inherit it
+        dist.destroy_process_group()
+    context = mp.start_processes(fn, args=(free_port(), *args), nprocs=world_size, join=False,
+                                 start_method=start_method)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"The {world_size} ranks of {fn.__name__} did not finish in {timeout} s.", pytrace=False)
+    except mp.ProcessRaisedException as error:
+        pytest.fail(f"Rank {error.error_index} of {world_size} ({fn.__name__}) raised:\n{error}", pytrace=False)
+    except mp.ProcessExitedException as error:
+        pytest.fail(f"Rank {error.error_index} of {world_size} ({fn.__name__}) died: {error}", pytrace=False)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+# ---- modules ----
+
+
+@functools.cache
+def demo_tokenizer():
+    """The demo byte-level BPE tokenizer (<pad>=0, <bos>=1, <eos>=2, 512 tokens, left padding), built once. Do not
+    mutate."""
+    from lightning_app_rlhf.demo import build_tokenizer
+
+    return build_tokenizer()
+
+
+def make_module(**overrides: Any):
+    """An ``RLHFModule`` with actor ``{"config": <a copy of TINY_GPT2>}``, the demo tokenizer and
+    ``demo.topic_reward`` (none when ``reward_model`` is given); ``overrides`` replace these and add the rest."""
+    from lightning_app_rlhf import RLHFModule
+    from lightning_app_rlhf.demo import topic_reward
+
+    defaults: dict[str, Any] = {"actor": {"config": dict(TINY_GPT2)}, "tokenizer": demo_tokenizer()}
+    if "reward_model" not in overrides:
+        defaults["reward_fn"] = topic_reward
+    return RLHFModule(**{**defaults, **overrides})
