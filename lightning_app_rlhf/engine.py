@@ -286,14 +286,8 @@ class RLHFEngine:
             "stopped": TensorSpec(torch.uint8, 1),
         }
         out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs)
-        return Rollout(
-            sequences=torch.cat([batch["input_ids"], out["responses"]], dim=1),
-            attention_mask=torch.cat([batch["attention_mask"], out["response_mask"]], dim=1),
-            response_mask=out["response_mask"],
-            logprobs=out["logprobs"],
-            prompt_length=batch["input_ids"].shape[1],
-            stopped=out["stopped"].bool(),
-        )
+        return Rollout.from_responses(batch["input_ids"], batch["attention_mask"], out["responses"],
+                                      out["response_mask"], out["logprobs"], out["stopped"].bool())
 
     # ---- forward calls ----
 
@@ -591,15 +585,6 @@ class RLHFEngine:
         everyone: list[Any] = [None] * self.placement.plan.world_size
         torch.distributed.all_gather_object(everyone, mine)
         return everyone
-
-
-def decode_rollout(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> tuple[list[str], list[str]]:
-    """Prompt texts (padding dropped) and completion texts (up to and including the stop token) of a rollout."""
-    prompt_mask = rollout.attention_mask[:, : rollout.prompt_length].bool()
-    prompts = [tokenizer.decode(ids[mask]) for ids, mask in
-               zip(rollout.sequences[:, : rollout.prompt_length], prompt_mask)]
-    completions = [tokenizer.decode(ids[mask]) for ids, mask in zip(rollout.responses, rollout.response_mask.bool())]
-    return prompts, completions
 
 
 def trained_buckets(wrapper: RoleWrapper, shadow_precision: str | None) -> Iterator[list[torch.Tensor]]:

@@ -33,7 +33,7 @@ from lightning_app_rlhf.callbacks import PlacementSummary, PreemptionCheckpoint,
 from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 from lightning_app_rlhf.checkpoint import check_checkpoint_file, checkpoint_file
 from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.engine import RLHFEngine, decode_rollout
+from lightning_app_rlhf.engine import RLHFEngine
 from lightning_app_rlhf.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
 from lightning_app_rlhf.memory import RoleMemory
@@ -284,11 +284,8 @@ class RLHFModule(pl.LightningModule):
     # ---- one iteration, and evaluation ----
 
     @override
-    def on_fit_start(self) -> None:
-        self._wrap_whole_roles()
-
-    @override
     def on_train_start(self) -> None:
+        self._wrap_whole_roles()  # also when the batch-size tuner runs the fit loop without on_fit_start
         self.learning_rates = self.engine.learning_rates()
 
     @override
@@ -320,7 +317,7 @@ class RLHFModule(pl.LightningModule):
         rollout, scores = self._latest
         rows = slice(0, max_rows)
         return [{"prompt": prompt, "completion": completion, "reward": float(score)}
-                for prompt, completion, score in zip(*decode_rollout(self.tokenizer, rollout.select(rows)),
+                for prompt, completion, score in zip(*rollout.select(rows).texts(self.tokenizer),
                                                      scores[rows].tolist())]
 
     @override
@@ -336,7 +333,7 @@ class RLHFModule(pl.LightningModule):
         """Completions of a batch of prompts with ``eval_generation``: per prompt, its text, the completion's text
         and token ids (up to and including the stop token), and the reward's score."""
         rollout, scores = self.engine.sample_and_score(batch, self.iteration, self.eval_generation)
-        prompts, completions = decode_rollout(self.tokenizer, rollout)
+        prompts, completions = rollout.texts(self.tokenizer)
         ids = [response[mask.bool()].tolist() for response, mask in zip(rollout.responses, rollout.response_mask)]
         return [{"prompt": p, "completion": c, "completion_ids": i, "reward": float(r), "index": int(index)}
                 for p, c, i, r, index in zip(prompts, completions, ids, scores.tolist(), batch["index"].tolist())]

@@ -80,14 +80,14 @@ def test_adaptive_kl_and_state_survive_checkpoint(demo_tokenizer, tmp_path):
     data = PromptDataModule(demo.prompts(64), demo_tokenizer, batch_size=8)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     _trainer(2, enable_checkpointing=True, callbacks=[checkpoint]).fit(module, data)
-    assert module.kl_controller.value != 0.1
-    assert module.reward_moments.count == 16
+    assert module.shaping.kl_controller.value != 0.1
+    assert module.shaping.reward_moments.count == 16
 
     restored = _module(demo_tokenizer, kl_coef=0.1, kl_target=0.01, kl_horizon=100, reward_norm=True)
     state = torch.load(tmp_path / "last.ckpt", weights_only=False)
     restored.on_load_checkpoint(state)
-    assert restored.kl_controller.value == module.kl_controller.value
-    assert restored.reward_moments.state_dict() == module.reward_moments.state_dict()
+    assert restored.shaping.kl_controller.value == module.shaping.kl_controller.value
+    assert restored.shaping.reward_moments.state_dict() == module.shaping.reward_moments.state_dict()
     actor_keys = [k for k in state["state_dict"] if k.startswith("actor.")]
     assert actor_keys and all(k.replace("actor.", "reference.", 1) in state["state_dict"] for k in actor_keys)
 

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from helpers import fit_demo, make_module
+from helpers import DEMO_CONFIG, fit_demo, make_module
 from test_placements import COMPARED
 
 from lightning_app_rlhf import RLHFModule
@@ -153,7 +153,7 @@ def test_tuner_on_two_processes_runs_a_critic_free_plan_and_checkpoints_it(tmp_p
                    "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                    f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2"]
     rows = fit_demo(tmp_path, "grpo", "--trainer.devices", "2", "--trainer.strategy", "rlhf_flattening", *TUNER,
-                    *checkpoints, steps=2, config="demo_grpo_cpu.yaml")
+                    *checkpoints, steps=2, config=DEMO_CONFIG.with_name("demo_grpo_cpu.yaml"))
     assert [r["step"] for r in rows if "reward/mean" in r] == [0, 1]
     (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
     checkpoint = load_checkpoint_file(saved)

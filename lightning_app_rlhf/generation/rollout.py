@@ -67,6 +67,15 @@ class Rollout:
     def responses(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_length :]
 
+    def texts(self, tokenizer: Any) -> tuple[list[str], list[str]]:
+        """Prompt texts (padding dropped) and completion texts (up to and including the stop token), decoded by
+        ``tokenizer``."""
+        prompt_mask = self.attention_mask[:, : self.prompt_length].bool()
+        prompts = [tokenizer.decode(ids[mask]) for ids, mask in zip(self.sequences[:, : self.prompt_length],
+                                                                    prompt_mask)]
+        completions = [tokenizer.decode(ids[mask]) for ids, mask in zip(self.responses, self.response_mask.bool())]
+        return prompts, completions
+
     def select(self, rows: slice) -> Rollout:
         """The rollout of a subset of rows."""
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
