@@ -43,9 +43,9 @@ class PlacementPlan:
     """Call name -> the ranks that run it (sorted, no duplicates)."""
     wrappers: dict[str, str] = field(default_factory=dict)
     """Role -> its wrapper (:data:`~lightning_app_rlhf.wrapper_names.WRAPPER_NAMES`). A trainable role: ``ddp``
-    (default), ``fsdp2``, ``zero1``, ``zero2`` or ``zero3``, on its train group. Optionally a frozen role (``reference``,
-    ``reward``) -> ``fsdp2`` or ``zero3``: sharded over its forward call's group, whose ranks run the forward in
-    lockstep."""
+    (default), ``fsdp2``, ``zero1``, ``zero2`` or ``zero3``, on its train group. Optionally a frozen role
+    (``reference``, ``reward``) -> ``fsdp2`` or ``zero3``: sharded over its forward call's group, whose ranks run the
+    forward in lockstep."""
     name: str = "custom"
     """A label for summaries and logs."""
     overlap: bool = False

@@ -17,7 +17,7 @@ def _digest(params) -> str:
 def _role_digest(pl_module, role: str) -> str:
     """The trained parameters of ``role``: gathered through its wrapper where this rank trains it (FSDP2 and ZeRO-3
     shards -> whole tensors, a collective over the train group), the shadow's own elsewhere."""
-    wrapper = pl_module.role_wrappers.get(role)
+    wrapper = pl_module.placed_roles.wrappers.get(role)
     if wrapper is None:
         return _digest(p for p in getattr(pl_module, role).parameters() if p.requires_grad)
     return _digest(p for bucket in wrapper.full_parameter_buckets() for p in bucket)
