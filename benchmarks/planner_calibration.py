@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from lightning_app_rlhf.demo import build_tokenizer, prompts, topic_reward
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import (
     CostModel,
     DeviceType,

@@ -25,14 +25,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     CheckpointError,
     is_sharded_checkpoint,
     load_checkpoint_file,
 )
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
-from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import known_devices
 from lightning_app_rlhf.planner.command import (
     PlanOptions,
@@ -43,7 +43,7 @@ from lightning_app_rlhf.planner.command import (
 )
 from lightning_app_rlhf.planner.workload import workload_from_data
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
-from lightning_app_rlhf.upstream_warnings import UPSTREAM_WARNINGS
+from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
 
 PLAN = "plan"
 """The subcommand that runs the planner instead of a Trainer method."""

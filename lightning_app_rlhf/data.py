@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_app_rlhf.roles import load_tokenizer, resolve_import
+from lightning_app_rlhf.models.roles import load_tokenizer, resolve_import
 
 Messages = list[dict[str, str]]
 """A chat prompt in TRL's conversational format: ``[{"role": "user", "content": "..."}, ...]``."""

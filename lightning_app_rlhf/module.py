@@ -1,10 +1,10 @@
 """``RLHFModule``: an RLHF algorithm over its roles as a LightningModule, the Lightning glue around the engine.
 
-One ``training_step`` is one iteration, run by :meth:`~lightning_app_rlhf.engine.RLHFEngine.run_iteration`; this
+One ``training_step`` is one iteration, run by :meth:`~lightning_app_rlhf.engine.engine.RLHFEngine.run_iteration`; this
 class binds it to the Trainer and Fabric: hooks, optimizers and schedulers, logging, checkpoint hooks. The models
-come from :class:`~lightning_app_rlhf.role_specs.RoleSpecs`, their placement from a strategy
-(:class:`~lightning_app_rlhf.placed_roles.PlacedRoles`), the checkpoint state from
-:mod:`~lightning_app_rlhf.module_checkpoint`, the export from :mod:`~lightning_app_rlhf.export`.
+come from :class:`~lightning_app_rlhf.models.role_specs.RoleSpecs`, their placement from a strategy
+(:class:`~lightning_app_rlhf.parallel.placed_roles.PlacedRoles`), the checkpoint state from
+:mod:`~lightning_app_rlhf.module_checkpoint`, the export from :mod:`~lightning_app_rlhf.engine.export`.
 """
 
 from __future__ import annotations
@@ -27,20 +27,22 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_app_rlhf import export, module_checkpoint
+from lightning_app_rlhf import module_checkpoint
+
+from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.callbacks import PlacementSummary, PreemptionCheckpoint, RLHFProgressBar
 from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
-from lightning_app_rlhf.checkpoint import check_checkpoint_file, checkpoint_file
-from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.engine import RLHFEngine
-from lightning_app_rlhf.experience import RewardShaping
+from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.engine.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
-from lightning_app_rlhf.memory import RoleMemory
-from lightning_app_rlhf.placed_roles import PlacedRoles
-from lightning_app_rlhf.role_specs import ModelSource, RoleSpecs
-from lightning_app_rlhf.role_table import CRITIC, ROLES
-from lightning_app_rlhf.roles import RewardFunction, check_vocabularies, load_tokenizer, resolve_import
+from lightning_app_rlhf.parallel.memory import RoleMemory
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
+from lightning_app_rlhf.core.role_table import CRITIC, ROLES
+from lightning_app_rlhf.models.roles import RewardFunction, check_vocabularies, load_tokenizer, resolve_import
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 EPOCH_METRICS = ("reward/mean", "kl/mean", "response/length_mean")

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_app_rlhf.calls import Experience
-from lightning_app_rlhf.checkpoint import LAYOUT_KEY, OPTIMIZERS_KEY, CheckpointError, rank_state, seal, verify
-from lightning_app_rlhf.role_table import ROLES
-from lightning_app_rlhf.roles import resolve_import, tokenizer_files
+from lightning_app_rlhf.models.calls import Experience
+from lightning_app_rlhf.checkpoint.format import LAYOUT_KEY, OPTIMIZERS_KEY, CheckpointError, rank_state, seal, verify
+from lightning_app_rlhf.core.role_table import ROLES
+from lightning_app_rlhf.models.roles import resolve_import, tokenizer_files
 
 if TYPE_CHECKING:
     from lightning_app_rlhf.module import RLHFModule

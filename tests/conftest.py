@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import TINY_GPT2
 
-from lightning_app_rlhf.upstream_warnings import UPSTREAM_WARNINGS
+from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
 
 torch.set_num_threads(1)
 

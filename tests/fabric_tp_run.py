@@ -9,7 +9,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
 from lightning_app_rlhf.strategies import FabricPlacementStrategy
 
 tp = sys.argv[1] == "tp"

@@ -24,8 +24,8 @@ import sys
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_app_rlhf.engine import RLHFEngine
-from lightning_app_rlhf.placement import Placement
+from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.parallel.placement import Placement
 
 PHASES = ("generate", "score_gather", "train", "reallocate")
 

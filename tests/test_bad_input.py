@@ -10,7 +10,7 @@ import torch
 from helpers import make_module
 
 from lightning_app_rlhf import GenerationConfig, ModelSpec, PPOConfig, PromptDataModule, RLHFModule
-from lightning_app_rlhf.roles import load_tokenizer
+from lightning_app_rlhf.models.roles import load_tokenizer
 
 PROMPTS = ["list some fruit:", "red", "name a few animals:", "blue", "give me colors, like pink:", "sun"]
 LONG_PROMPT = "give me fruit, like apple banana cherry grape lemon mango:"
@@ -364,7 +364,7 @@ def rollout_of(tokenizer, prompts, response_length=2):
 def test_reward_fn_that_raises_names_iteration_and_first_prompt(tokenizer, tiny_gpt2_config):
     """A reward function raising at the second iteration stops fit with a RewardFunctionError naming iteration 1
     and that batch's first prompt; the function's own exception is the cause, with its traceback."""
-    from lightning_app_rlhf.calls import RewardFunctionError
+    from lightning_app_rlhf.models.calls import RewardFunctionError
 
     calls = []
 
@@ -399,7 +399,7 @@ def test_reward_fn_that_raises_names_iteration_and_first_prompt(tokenizer, tiny_
 ])
 def test_reward_fn_bad_return_value_says_what_came_back(tokenizer, returned, shown):
     """Anything but one number per response is refused, naming what was expected and what came back."""
-    from lightning_app_rlhf.calls import reward_forward
+    from lightning_app_rlhf.models.calls import reward_forward
 
     rollout = rollout_of(tokenizer, ["red", "blue", "sun"])
     with pytest.raises(ValueError, match=shown) as info:
@@ -412,7 +412,7 @@ def test_reward_fn_bad_return_value_says_what_came_back(tokenizer, returned, sho
 def test_reward_fn_numpy_object_array_names_the_first_non_number(tokenizer):
     """A numpy array of strings or objects is refused with its dtype and first offending item."""
     np = pytest.importorskip("numpy")
-    from lightning_app_rlhf.calls import reward_forward
+    from lightning_app_rlhf.models.calls import reward_forward
 
     rollout = rollout_of(tokenizer, ["red", "blue", "sun"])
     with pytest.raises(ValueError, match=r"returned a ndarray of dtype object, whose item #1 is None\."):
@@ -423,7 +423,7 @@ def test_reward_fn_accepted_return_types(tokenizer):
     """Lists or tuples of floats, ints and bools (numpy scalars and 0-d tensors too), 1-D tensors, numpy arrays
     and [B, 1] columns all give float32 scores."""
     np = pytest.importorskip("numpy")
-    from lightning_app_rlhf.calls import reward_forward
+    from lightning_app_rlhf.models.calls import reward_forward
 
     rollout = rollout_of(tokenizer, ["red", "blue", "sun"])
     for returned in ([1.0, 0, True], (1, 0, 1), [np.float32(1), np.int64(0), np.bool_(True)],
@@ -495,7 +495,7 @@ def test_plan_world_size_differs_from_devices(tokenizer, tiny_gpt2_config):
     """A plan for 2 ranks in a 1-process job fails naming both numbers and --trainer.devices."""
     import datetime
 
-    from lightning_app_rlhf.plan import flattening_plan
+    from lightning_app_rlhf.parallel.plan import flattening_plan
     from lightning_app_rlhf.strategies.placement_setup import place
 
     module = tiny_module(tokenizer, tiny_gpt2_config)
@@ -520,7 +520,7 @@ def custom_code_directory(directory, marker, config_name, auto_map):
 def test_model_directory_custom_code_is_not_run(tmp_path):
     """A local model directory whose config.json declares auto_map code: nothing runs, and the error names
     trust_remote_code and the setting that would allow it."""
-    from lightning_app_rlhf.roles import build_causal_lm
+    from lightning_app_rlhf.models.roles import build_causal_lm
 
     marker = tmp_path / "executed"
     path = custom_code_directory(tmp_path / "model", marker, "config.json",

@@ -15,7 +15,7 @@ from helpers import run_python
 from lightning_app_rlhf.bench.presets import RunSettings
 from lightning_app_rlhf.bench.report import BEGIN, END
 from lightning_app_rlhf.bench.trl_peer import peer_models
-from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_reward_model
+from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_reward_model
 
 SPREAD = {"median", "min", "max"}
 

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_checkpoint_safety import small_module
 
 from lightning_app_rlhf import PromptDataModule, RLHFModule
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     CheckpointError,
     check_checkpoint_file,
     load_checkpoint_file,
@@ -40,7 +40,7 @@ from lightning_app_rlhf.checkpoint import (
     verify,
 )
 from lightning_app_rlhf.demo import prompts
-from lightning_app_rlhf.files import TEMPORARY_NAME, remove_stale_temporaries, write_atomically
+from lightning_app_rlhf.core.files import TEMPORARY_NAME, remove_stale_temporaries, write_atomically
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 WTE = "actor.transformer.wte.weight"

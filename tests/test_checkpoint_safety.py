@@ -16,7 +16,7 @@ from test_placements import COMPARED
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
 from lightning_app_rlhf.callbacks import PlacementTuner
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     OPTIMIZERS_KEY,
     CheckpointError,
     checksum,
@@ -28,8 +28,8 @@ from lightning_app_rlhf.checkpoint import (
     verify,
 )
 from lightning_app_rlhf.demo import prompts, topic_reward
-from lightning_app_rlhf.files import write_atomically
-from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.core.files import write_atomically
+from lightning_app_rlhf.parallel.plan import flattening_plan, interleaving_plan, separation_plan
 
 
 class RunsCode:

@@ -19,7 +19,7 @@ from helpers import run_ranks
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.engine import (
+from lightning_app_rlhf.engine.engine import (
     GRAD_NORM,
     SKIPPED_UPDATES,
     DivergenceError,
@@ -27,9 +27,9 @@ from lightning_app_rlhf.engine import (
     first_nonfinite,
     record_update,
 )
-from lightning_app_rlhf.placed_roles import PlacedRoles
-from lightning_app_rlhf.wrappers import WRAPPERS, DDPWrapper, is_available
-from lightning_app_rlhf.wrappers.base import SkippedUpdates
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+from lightning_app_rlhf.parallel.wrappers import WRAPPERS, DDPWrapper, is_available
+from lightning_app_rlhf.parallel.wrappers.base import SkippedUpdates
 
 NAN, INF = math.nan, math.inf
 
@@ -232,11 +232,11 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
     import torch.distributed as dist
 
     from lightning_app_rlhf.algorithms import build_algorithm
-    from lightning_app_rlhf.calls import Experience
-    from lightning_app_rlhf.engine import RLHFEngine
-    from lightning_app_rlhf.placement import Placement
-    from lightning_app_rlhf.plan import flattening_plan
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm
+    from lightning_app_rlhf.models.calls import Experience
+    from lightning_app_rlhf.engine.engine import RLHFEngine
+    from lightning_app_rlhf.parallel.placement import Placement
+    from lightning_app_rlhf.parallel.plan import flattening_plan
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm
 
     if "deepspeed" in __import__("sys").modules:  # imported by the parent for another device: its CPU one here
         from deepspeed.accelerator import set_accelerator

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_app_rlhf.calls import reward_forward
+from lightning_app_rlhf.models.calls import reward_forward
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.generation import Rollout, repeat_samples
 

@@ -53,8 +53,8 @@ def run(argv: list[str]) -> None:
     after ``--save-at`` iterations (each rank then dumps its live optimizer, scheduler and weights). Rank 0 writes
     the logged rows, what ``fabric.load`` returned, and the error of loading each ``--refused`` file."""
     from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, demo
-    from lightning_app_rlhf.checkpoint import CheckpointError
-    from lightning_app_rlhf.plan import flattening_plan
+    from lightning_app_rlhf.checkpoint.format import CheckpointError
+    from lightning_app_rlhf.parallel.plan import flattening_plan
     from lightning_app_rlhf.strategies import FabricPlacementStrategy
 
     parser = argparse.ArgumentParser()
@@ -145,7 +145,7 @@ def test_fabric_save_under_separation_holds_every_role_and_resumes_exactly(tmp_p
     anything is loaded."""
     from test_checkpoint_safety import crafted_checkpoint, flip_tensor_bytes
 
-    from lightning_app_rlhf.checkpoint import OPTIMIZERS_KEY, SCHEDULERS_KEY, load_checkpoint_file, verify
+    from lightning_app_rlhf.checkpoint.format import OPTIMIZERS_KEY, SCHEDULERS_KEY, load_checkpoint_file, verify
 
     checkpoint_path = tmp_path / "iteration=2.ckpt"
     full = launch(tmp_path / "full", "--iterations", "3", "--save", str(checkpoint_path), "--save-at", "2")

@@ -33,7 +33,7 @@ import psutil
 import pytest
 from helpers import ROOT, cli_command, free_port, metrics_rows, one_thread_env, run_python
 
-from lightning_app_rlhf.checkpoint import load_checkpoint_file, verify
+from lightning_app_rlhf.checkpoint.format import load_checkpoint_file, verify
 
 TIMEOUT_S = 20
 """The collective timeout the cells run under (``--trainer.strategy.timeout``)."""
@@ -181,7 +181,7 @@ def test_heartbeat_names_the_rank_that_stopped():
 
     import torch.distributed as dist
 
-    from lightning_app_rlhf.heartbeat import HEARTBEAT_KEY, Heartbeat
+    from lightning_app_rlhf.parallel.heartbeat import HEARTBEAT_KEY, Heartbeat
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=5))
@@ -200,7 +200,7 @@ EXIT_WHILE_BEATING = """
 import datetime, time
 import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
-from lightning_app_rlhf.heartbeat import Heartbeat
+from lightning_app_rlhf.parallel.heartbeat import Heartbeat
 store = dist.TCPStore("127.0.0.1", find_free_network_port(), is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=5))
 beats = [Heartbeat(store, rank, 4, interval=0.0005) for rank in range(3)]  # never stopped: the exit ends them

@@ -14,7 +14,7 @@ from helpers import make_module
 from lightning.pytorch.callbacks import Callback
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, separation_plan
 
 def _digest(tensors) -> str:
     sha = hashlib.sha256()

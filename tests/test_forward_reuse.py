@@ -9,8 +9,8 @@ import torch
 from helpers import fit_demo
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.engine import RLHFEngine
-from lightning_app_rlhf.placed_roles import PlacedRoles
+from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 
 TINY = {
     "config": {

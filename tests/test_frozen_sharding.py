@@ -8,7 +8,7 @@ import pytest
 import yaml
 from helpers import ROOT, fit_demo
 
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
 
 COMPARED = (
     "reward/mean",
@@ -46,7 +46,7 @@ def run_plan(tmp_path: Path, name: str, plan: PlacementPlan) -> list[dict[str, f
 def test_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
     """Sharding the frozen roles (the reference with FSDP2, the reward model with ZeRO-3 inference where
     deepspeed is installed) changes where their bytes live (half on each rank), not what is learned."""
-    from lightning_app_rlhf.wrappers import is_available
+    from lightning_app_rlhf.parallel.wrappers import is_available
 
     whole = flattening_plan(2)
     reward = "zero3" if is_available("zero3") else "fsdp2"
@@ -60,7 +60,7 @@ def test_sharded_reference_and_reward_log_what_whole_copies_log(tmp_path):
         for metric in COMPARED:
             assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), metric
     memory = {name: next(r for r in rows if "memory/param_bytes_rank0" in r) for name, rows in runs.items()}
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_reward_model
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm, build_reward_model
 
     config = yaml.safe_load((ROOT / "examples/configs/demo_cpu.yaml").read_text())
     spec = as_model_spec(config["model"]["actor"])

@@ -14,11 +14,11 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_app_rlhf.algorithms import build_algorithm, functional
-from lightning_app_rlhf.calls import critic_forward, reference_forward, response_logits, reward_forward
-from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.models.calls import critic_forward, reference_forward, response_logits, reward_forward
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import collate_left_padded
-from lightning_app_rlhf.engine import RLHFEngine
-from lightning_app_rlhf.experience import RewardShaping, make_experience
+from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
 from lightning_app_rlhf.generation import (
     Rollout,
     check_context_length,
@@ -32,7 +32,7 @@ from lightning_app_rlhf.generation import (
     sample_keys,
 )
 from lightning_app_rlhf.generation.hf_cache import CACHE_ARGUMENT
-from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
 PAD, EOS = 0, 2
 VOCAB = 8
@@ -631,7 +631,7 @@ def test_engine_generate_stops_at_generation_config_ids(tokenizer):
     generation_config.eos_token_id and generation.stop_token_ids; all rows done before the limit ends the loop."""
     model = ScriptedLM([[5, 6, 3, 3, 3], [4, EOS, 3, 3, 3], [4, 3, 7, 3, 3]], vocab=16)
     model.generation_config = SimpleNamespace(eos_token_id=[EOS, 6])  # as Llama 3 / Qwen list several
-    from lightning_app_rlhf.placed_roles import PlacedRoles
+    from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 
     generation = GenerationConfig(max_new_tokens=5, top_k=1, stop_token_ids=[7])
     engine = RLHFEngine(placed=PlacedRoles.single_process(torch.device("cpu"), ("actor",)), algorithm=None,

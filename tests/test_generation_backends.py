@@ -21,10 +21,10 @@ from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.data import collate_left_padded
 from lightning_app_rlhf.generation import Rollout, generate, get_backend, sample_keys
-from lightning_app_rlhf.roles import ModelSpec, build_causal_lm
+from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
 PAD, EOS = 0, 2
 FAMILIES = {

@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_app_rlhf"
 
 LAYERS = {
-    "core": 0, "generation": 1, "models": 2, "algorithms": 3, "parallel": 4, "checkpoint": 5, "engine": 6,
+    "core": 0, "generation": 1, "algorithms": 2, "models": 3, "parallel": 4, "checkpoint": 5, "engine": 6,
     "planner": 7, "strategies": 8, "callbacks": 9, "demo": 9, "data": 9, "module_checkpoint": 10, "module": 10,
     "cli": 11, "bench": 12, "__main__": 12, "__init__": 12,
 }
@@ -26,9 +26,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, module: str) -> list[tuple[str, bool]]:
-    """``(imported module, at module level)`` of every import in ``path``; relative imports resolved."""
+    """``(imported module, at module level)`` of every import in ``path`` that runs (not the type checker's:
+    ``if TYPE_CHECKING:``); relative imports resolved."""
     tree = ast.parse(path.read_text())
     top = set(map(id, tree.body))
+    for node in ast.walk(tree):  # drop the type checker's imports
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -38,8 +42,8 @@ def _imports(path: Path, module: str) -> list[tuple[str, bool]]:
             if node.level:
                 parts = module.split(".")[: -node.level + (1 if path.name == "__init__.py" else 0) or None]
                 base = ".".join([*parts, *([base] if base else [])])
+            # pkg.mod.Name resolves to pkg.mod, pkg.submodule to the submodule (_internal)
             out += [(f"{base}.{alias.name}", id(node) in top) for alias in node.names]
-            out.append((base, id(node) in top))
     return out
 
 

@@ -17,7 +17,7 @@ from helpers import (
     run_python,
 )
 
-from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import flattening_plan, interleaving_plan, separation_plan
 
 GRPO_CONFIG = ROOT / "examples/configs/demo_grpo_cpu.yaml"
 STRATEGIES = ("rlhf_flattening", "rlhf_interleaving", "rlhf_separation")
@@ -65,7 +65,7 @@ def test_grpo_placements_give_the_same_trajectory_as_one_process(tmp_path, devic
     no rank holds or prints a critic."""
     import yaml
 
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm
 
     common = GRPO_BATCH
     reference = [r for r in grpo_one_process if "reward/mean" in r]
@@ -97,7 +97,7 @@ def check_memory_figures(memory_rows: dict[str, dict[str, float]]) -> None:
     """The logged per-rank bytes show each role only where the plan puts it (4 ranks, fp32, AdamW)."""
     import yaml
 
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm, build_critic
 
     config = yaml.safe_load((ROOT / "examples/configs/demo_cpu.yaml").read_text())
     spec = as_model_spec(config["model"]["actor"])
@@ -166,8 +166,8 @@ def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
 def test_batches_too_small_for_the_groups_are_rejected():
     """Every rank of a call needs a sample, and every rank of a train call one per minibatch; errors name the fix."""
     from lightning_app_rlhf import PPOConfig
-    from lightning_app_rlhf.placed_roles import PlacedRoles
-    from lightning_app_rlhf.placement import Placement
+    from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+    from lightning_app_rlhf.parallel.placement import Placement
 
     module = make_module(reward_fn=lambda p, r: [0.0] * len(p), ppo=PPOConfig(num_minibatches=2))
     module.placed_roles = PlacedRoles(Placement(flattening_plan(4)))

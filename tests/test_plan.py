@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import ROOT, make_module, run_cli
 
-from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 
 
 def _calls(**overrides):
@@ -80,8 +80,8 @@ def test_bad_plan_fails_before_any_model_is_built(tmp_path):
 def test_each_rank_builds_only_the_roles_its_calls_need(plan, holdings, tiny_gpt2_config):
     """With a reward *model*: Interleaving keeps reference and reward on their own ranks; Separation keeps both
     off the training ranks."""
-    from lightning_app_rlhf.placed_roles import PlacedRoles
-    from lightning_app_rlhf.placement import Placement
+    from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+    from lightning_app_rlhf.parallel.placement import Placement
 
     for rank, expected in enumerate(holdings):
         module = make_module(reward_model={"config": tiny_gpt2_config})

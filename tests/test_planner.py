@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, run_cli, run_ranks
 
-from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import (
     CostModel,
     PlanChoice,
@@ -70,7 +70,7 @@ def demo_workload(**overrides) -> Workload:
 
 
 def test_shapes_count_what_the_built_models_hold():
-    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     spec = ModelSpec(config=DEMO)
     assert (
@@ -137,8 +137,8 @@ def _measure_wrapped_roles(rank: int, port: int, world: int, out: str, small: bo
     import torch
     import torch.distributed as dist
 
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
-    from lightning_app_rlhf.wrappers import WRAPPERS, available_wrappers
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm, build_critic
+    from lightning_app_rlhf.parallel.wrappers import WRAPPERS, available_wrappers
 
     if "deepspeed" in sys.modules:  # imported by the parent for another device: DeepSpeed on this CPU instead
         from deepspeed.accelerator import set_accelerator
@@ -185,8 +185,8 @@ def test_planner_memory_equals_what_each_wrapper_measures(tmp_path):
     byte for byte: FSDP2's uneven dim-0 chunks (the critic's one-row value head on rank 0), ZeRO-1/2's flat parameter
     buffer padded to a multiple of 2 x ranks, ZeRO-3's per-parameter padding, and ZeRO's fp32 master copy next to
     its moments."""
-    from lightning_app_rlhf.roles import as_model_spec
-    from lightning_app_rlhf.wrappers import available_wrappers
+    from lightning_app_rlhf.models.roles import as_model_spec
+    from lightning_app_rlhf.parallel.wrappers import available_wrappers
 
     specs = {model: as_model_spec(fields) for model, fields in _demo_and_small_specs().items()}
     shapes = {model: spec.load_config().to_dict() for model, spec in specs.items()}
@@ -340,7 +340,7 @@ def test_the_search_space_is_the_registry_less_what_is_not_installed(monkeypatch
     """The planner searches the registry's wrappers, in its order, that are installed and the workload allows;
     frozen roles get only wrappers that can shard them. Without DeepSpeed the ZeRO wrappers are neither searched nor
     accepted: ``--wrappers`` naming one fails with the install command."""
-    import lightning_app_rlhf.wrappers as registry
+    import lightning_app_rlhf.parallel.wrappers as registry
     from lightning_app_rlhf.planner import installed_wrappers
     from lightning_app_rlhf.planner.search import _frozen_choices, _wrappers
 
@@ -592,7 +592,7 @@ def test_lora_workload_trains_adapters_and_the_reference_is_the_actor_base():
 def test_frozen_roles_sharded_with_fsdp2_hold_a_shard_per_rank():
     """A frozen role with an fsdp2 wrapper holds its dim-0 chunk of every parameter on each rank of its forward group:
     a quarter of the demo's matrices and vectors on 4 ranks, and the reward model's one-row score on rank 0."""
-    from lightning_app_rlhf.plan import PlacementPlan
+    from lightning_app_rlhf.parallel.plan import PlacementPlan
 
     workload = demo_workload(reward=role_shape(DEMO, "classifier"))
     flat = flattening_plan(4)
@@ -698,7 +698,7 @@ def test_a_critic_free_llama_workload_needs_less_memory_than_ppo():
     """LLaMA-7B on 1x8 A100, bf16: under the same plan and batches each device holds the critic's weights, gradients
     and optimizer state less (DDP: 2 + 2 + 4 bytes per parameter, AdamW's two moments in bf16; FSDP2: its dim-0
     chunk of each parameter, the value head on rank 0), and the searched plans have no critic call."""
-    from lightning_app_rlhf.wrappers import WRAPPERS
+    from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 
     cluster = parse_cluster("1x8xA100-80GB")
     ppo_workload = llama_workload("llama-7b", num_samples=4)
@@ -746,7 +746,7 @@ def test_plan_command_plans_critic_free_algorithms(capsys):
 
 
 def test_workload_from_a_critic_free_module_and_its_profile(tmp_path):
-    from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+    from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
     from lightning_app_rlhf.module import RLHFModule
 
     module = RLHFModule(

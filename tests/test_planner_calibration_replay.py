@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner import CostModel, PlanChoice, cluster_from_environment
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
 from lightning_app_rlhf.planner.profiler import Profile

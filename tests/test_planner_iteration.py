@@ -1,4 +1,4 @@
-"""The engine's iteration, as it runs, equals its description (``lightning_app_rlhf.iteration``) and the cost model's
+"""The engine's iteration, as it runs, equals its description (``lightning_app_rlhf.engine.iteration``) and the cost model's
 task list: real iterations on 2 forked gloo processes, with the engine's calls and the ``Placement`` collectives
 wrapped (in this test only) to record what each rank ran, in order."""
 
@@ -14,10 +14,10 @@ import torch
 from helpers import make_module
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.engine import FORWARD_OUTPUTS, RLHFEngine
-from lightning_app_rlhf.iteration import FORWARD_ROLES, iteration_steps
-from lightning_app_rlhf.placement import Placement
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.engine.engine import FORWARD_OUTPUTS, RLHFEngine
+from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, iteration_steps
+from lightning_app_rlhf.parallel.placement import Placement
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import CostModel, PlanChoice, parse_cluster, workload_from_module
 
 ITERATIONS = 3

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_app_rlhf.iteration import iteration_steps, relayout_calls
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan, separation_plan
+from lightning_app_rlhf.engine.iteration import iteration_steps, relayout_calls
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, separation_plan
 from lightning_app_rlhf.planner import (
     CostModel,
     PlanChoice,

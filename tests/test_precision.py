@@ -12,9 +12,9 @@ from helpers import fit_demo, run_ranks
 from torch import nn
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.calls import critic_values, policy_logprobs, reference_forward
+from lightning_app_rlhf.models.calls import critic_values, policy_logprobs, reference_forward
 from lightning_app_rlhf.generation import generate, sample_keys
-from lightning_app_rlhf.roles import (
+from lightning_app_rlhf.models.roles import (
     ModelSpec,
     build_causal_lm,
     build_critic,
@@ -252,9 +252,9 @@ def _tp_copy_in_bf16(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from lightning_app_rlhf.placement import create_placement
-    from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
-    from lightning_app_rlhf.tensor_parallel import TensorParallelCopy
+    from lightning_app_rlhf.parallel.placement import create_placement
+    from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
+    from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_app_rlhf.files import write_atomically
+from lightning_app_rlhf.core.files import write_atomically
 from lightning_app_rlhf.planner import Workload, profile_workload, role_shape
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
 from lightning_app_rlhf.planner.profiler import (

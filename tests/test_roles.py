@@ -1,4 +1,4 @@
-"""Tests for ``lightning_app_rlhf.roles``: seeded random init, frozen references, offline loading, dropout off."""
+"""Tests for ``lightning_app_rlhf.models.roles``: seeded random init, frozen references, offline loading, dropout off."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from torch import nn
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model, PreTrainedTokenizerBase
 
 from lightning_app_rlhf.generation import position_ids_from_mask
-from lightning_app_rlhf.roles import (
+from lightning_app_rlhf.models.roles import (
     ModelSpec,
     ValueModel,
     as_model_spec,

@@ -18,7 +18,7 @@ from test_checkpoint_safety import RunsCode
 from test_placements import COMPARED
 
 from lightning_app_rlhf.callbacks import PlacementTuner
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     FILES_KEY,
     LAYOUT_KEY,
     META_FILE,
@@ -31,11 +31,11 @@ from lightning_app_rlhf.checkpoint import (
     role_layout,
     verify,
 )
-from lightning_app_rlhf.files import replace_atomically, write_atomically
-from lightning_app_rlhf.plan import flattening_plan, separation_plan
+from lightning_app_rlhf.core.files import replace_atomically, write_atomically
+from lightning_app_rlhf.parallel.plan import flattening_plan, separation_plan
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.sharded_checkpoint import publish
-from lightning_app_rlhf.wrappers.sharded_io import WeightsOnlyUnpicklingError, dcp_reader, deepspeed_load
+from lightning_app_rlhf.parallel.wrappers.sharded_io import WeightsOnlyUnpicklingError, dcp_reader, deepspeed_load
 
 FSDP2 = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "fsdp2")
 ZERO3 = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "zero3")

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from helpers import ROOT, fit_demo, one_thread_env, run_python, run_ranks
 from lightning.pytorch.callbacks import Callback
 
-from lightning_app_rlhf.placed_roles import PlacedRoles
-from lightning_app_rlhf.plan import PlacementPlan, flattening_plan
-from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 
 CONFIG = ROOT / "examples/configs/demo_tp_cpu.yaml"
 COMPARED = ("reward/mean", "reward/std", "kl/mean", "policy/loss", "policy/clipfrac", "policy/approx_kl",
@@ -65,8 +65,8 @@ def test_the_plan_names_the_calls_that_take_a_layout_reallocation():
 
 
 def test_families_without_a_tp_plan_and_uneven_heads_are_refused(tiny_gpt2_config):
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm
-    from lightning_app_rlhf.tensor_parallel import family_tp_plan
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm
+    from lightning_app_rlhf.parallel.tensor_parallel import family_tp_plan
 
     gpt2 = build_causal_lm(as_model_spec({"config": tiny_gpt2_config}))
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel \(gpt2\) has no tp_plan in transformers: use a family"):
@@ -80,19 +80,19 @@ def test_families_without_a_tp_plan_and_uneven_heads_are_refused(tiny_gpt2_confi
 
 
 def _four_ranks(rank: int, port: int, out: str) -> None:
-    from lightning_app_rlhf.calls import critic_forward, reference_forward, reward_forward
-    from lightning_app_rlhf.config import GenerationConfig
-    from lightning_app_rlhf.engine import RLHFEngine
+    from lightning_app_rlhf.models.calls import critic_forward, reference_forward, reward_forward
+    from lightning_app_rlhf.core.config import GenerationConfig
+    from lightning_app_rlhf.engine.engine import RLHFEngine
     from lightning_app_rlhf.generation import generate, sample_keys
-    from lightning_app_rlhf.placement import TensorSpec, create_placement
-    from lightning_app_rlhf.roles import (
+    from lightning_app_rlhf.parallel.placement import TensorSpec, create_placement
+    from lightning_app_rlhf.models.roles import (
         as_model_spec,
         build_causal_lm,
         build_critic,
         build_reference,
         build_reward_model,
     )
-    from lightning_app_rlhf.tensor_parallel import TensorParallelCopy
+    from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
@@ -225,7 +225,7 @@ def test_tp2_generation_with_ddp_training_follows_flattening(tmp_path, flattenin
     # projections, embedding and head cut in two) and its norms whole.
     import yaml
 
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm, build_critic
 
     spec = as_model_spec(yaml.safe_load(CONFIG.read_text())["model"]["actor"])
     actor, critic = (sum(p.numel() * 4 for p in m.parameters()) for m in (build_causal_lm(spec), build_critic(spec)))
@@ -277,8 +277,8 @@ def test_fsdp2_training_layout_reallocates_bit_exactly_into_tp_layouts(tmp_path,
     critic's and reference's scoring forwards) is bit-exact after every update; the bytes each rank receives (the
     all-gather of the 3/4 of each role it does not keep) are logged in ``reallocate/bytes``; the trajectory is
     Flattening's."""
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
-    from lightning_app_rlhf.wrappers import FSDP2Wrapper
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm, build_critic
+    from lightning_app_rlhf.parallel.wrappers import FSDP2Wrapper
 
     digests = tmp_path / "digests.json"
     plan = "{actor.generate: 2, critic.forward: 2, reference.forward: 2}"
@@ -307,7 +307,7 @@ def test_tp2_training_on_a_data_by_tensor_mesh_follows_flattening(tmp_path, flat
     Flattening's within float tolerance. Each rank keeps a quarter of each role, so it receives 3/4 of it."""
     from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2 present)
 
-    from lightning_app_rlhf.roles import as_model_spec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm, build_critic
 
     digests = tmp_path / "digests.json"
     plan = "{actor.train: 2, critic.train: 2, actor.generate: 2, critic.forward: 2}"

@@ -22,9 +22,9 @@ from helpers import metrics_rows, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_app_rlhf import GenerationConfig
-from lightning_app_rlhf.engine import RLHFEngine
+from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.generation import generate
-from lightning_app_rlhf.wrappers import WRAPPERS, is_available
+from lightning_app_rlhf.parallel.wrappers import WRAPPERS, is_available
 
 ALL_GATHER = "c10d._allgather_base_"
 """The dispatcher op of FSDP2's ``all_gather_single`` and of DeepSpeed's parameter all-gathers on gloo."""
@@ -321,7 +321,7 @@ def test_flattening_with_a_zero3_actor_gathers_once_per_rollout_and_trains_the_s
 
 def test_parameter_buckets_cut_consecutive_runs_by_full_size_and_dtype():
     """Hand-counted: at most 100 elements a bucket, a larger parameter alone, a dtype change starts a bucket."""
-    from lightning_app_rlhf.wrappers.base import parameter_buckets
+    from lightning_app_rlhf.parallel.wrappers.base import parameter_buckets
 
     params = [torch.zeros(60), torch.zeros(40), torch.zeros(10), torch.zeros(150), torch.zeros(5),
               torch.zeros(5, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.bfloat16)]
@@ -334,7 +334,7 @@ def _stream_buckets(rank: int, port: int, out: str, wrapper_name: str) -> None:
     largest number of elements gathered at once, and whether they equal the whole module's."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from lightning_app_rlhf.wrappers.base import parameter_buckets
+    from lightning_app_rlhf.parallel.wrappers.base import parameter_buckets
 
     torch.set_num_threads(1)
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2")

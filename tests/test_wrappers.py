@@ -12,9 +12,9 @@ import torch
 from helpers import fit_demo, make_module, one_thread_env
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.batch_split import check_micro_batches
-from lightning_app_rlhf.plan import flattening_plan, separation_plan
-from lightning_app_rlhf.wrappers import (
+from lightning_app_rlhf.engine.batch_split import check_micro_batches
+from lightning_app_rlhf.parallel.plan import flattening_plan, separation_plan
+from lightning_app_rlhf.parallel.wrappers import (
     FROZEN_WRAPPERS,
     SHARDED_WRAPPERS,
     WRAPPERS,
@@ -142,7 +142,7 @@ def test_every_wrapper_logs_the_one_process_trajectory(tmp_path, one_process, wr
     the per-rank parameter, gradient and optimizer bytes logged are the planner's prediction, exactly."""
     from test_planner import demo_workload
 
-    from lightning_app_rlhf.plan import interleaving_plan
+    from lightning_app_rlhf.parallel.plan import interleaving_plan
     from lightning_app_rlhf.planner import CostModel, parse_cluster
 
     digests = tmp_path / "digests.json"
@@ -185,7 +185,9 @@ def test_tuner_applies_the_planners_generation_batch_and_micro_batch(tokenizer, 
     samples and scores in chunks of 4 and trains in micro-batches of 2; a smaller size the user gave stays."""
     import dataclasses
 
-    from lightning_app_rlhf import calls, planner
+    from lightning_app_rlhf import planner
+
+    from lightning_app_rlhf.models import calls
     from lightning_app_rlhf.callbacks import PlacementTuner
 
     real = planner.plan_placement

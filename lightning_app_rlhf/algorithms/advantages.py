@@ -14,7 +14,7 @@ import torch
 
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.algorithms.registry import Registry
-from lightning_app_rlhf.config import PPOConfig
+from lightning_app_rlhf.core.config import PPOConfig
 
 GROUP_STD_EPS = 1e-6
 """Added to GRPO's standard deviation; a group of equal rewards gets advantage 0."""

@@ -17,11 +17,11 @@ from lightning_app_rlhf.algorithms.advantages import ScoredRollout, get_advantag
 from lightning_app_rlhf.algorithms.functional import LossScale
 from lightning_app_rlhf.algorithms.losses import get_policy_loss, get_value_loss
 from lightning_app_rlhf.algorithms.registry import Registry
-from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.role_table import CRITIC, REQUIRED_ROLES, TRAINABLE_ROLES
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.role_table import CRITIC, REQUIRED_ROLES, TRAINABLE_ROLES
 
 if TYPE_CHECKING:  # calls.py imports the functional math from this package: no import back at runtime
-    from lightning_app_rlhf.calls import Experience
+    from lightning_app_rlhf.models.calls import Experience
 
 __all__ = ["ALGORITHMS", "Algorithm", "ScoredRollout", "build_algorithm", "register_algorithm"]
 

@@ -18,7 +18,7 @@ import torch
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.algorithms.functional import LossScale
 from lightning_app_rlhf.algorithms.registry import Registry
-from lightning_app_rlhf.config import PPOConfig
+from lightning_app_rlhf.core.config import PPOConfig
 
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]

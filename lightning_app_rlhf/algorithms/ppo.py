@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
-from lightning_app_rlhf.role_table import ROLE_NAMES
+from lightning_app_rlhf.core.role_table import ROLE_NAMES
 
 
 @register_algorithm

@@ -1,7 +1,7 @@
 """Reward-shaping state carried from iteration to iteration (and checkpointed): the KL coefficient's controllers and
 the running moments of the scores. Plain PyTorch, no Lightning.
 
-Not part of the stateless math in ``functional.py``: :class:`~lightning_app_rlhf.experience.RewardShaping` owns one
+Not part of the stateless math in ``functional.py``: :class:`~lightning_app_rlhf.engine.experience.RewardShaping` owns one
 of each and the module saves their ``state_dict`` with its checkpoint.
 """
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_app_rlhf.bench.presets import MODEL_PRESETS, SPECIAL_TOKENS
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.generation import generate, sample_keys
 
 DECODE_MODELS: dict[str, dict[str, Any]] = {

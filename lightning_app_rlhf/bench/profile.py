@@ -13,10 +13,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_app_rlhf.bench.presets import RunSettings
-from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import build_tokenizer, prompts
-from lightning_app_rlhf.engine import RLHFEngine
+from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.module import RLHFModule
 
 ENGINE_PHASES = {"generate": "generate_shard", "score": "score_rollout"}

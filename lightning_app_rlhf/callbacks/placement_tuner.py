@@ -10,8 +10,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_app_rlhf.checkpoint import load_checkpoint_file
-from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.checkpoint.format import load_checkpoint_file
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 if TYPE_CHECKING:

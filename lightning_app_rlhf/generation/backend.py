@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.generation.rollout import Rollout, concat_rollouts, row_chunks
 from lightning_app_rlhf.generation.stopping import StopCondition, check_context_length, stop_condition
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from transformers import StaticCache
 
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.generation.backend import DecodeRequest, GenerationBackend, register_backend
 from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
 from lightning_app_rlhf.generation.rollout import Rollout

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lightning_app_rlhf.config import GenerationConfig
+from lightning_app_rlhf.core.config import GenerationConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -7,7 +7,7 @@ Read top to bottom:
 3. Per-call time: compute from a measured :class:`~lightning_app_rlhf.planner.profiler.Profile` or an analytic
    fallback (FLOPs and bytes against the device's ceilings), plus data-parallel / ZeRO communication.
 4. The task graph of the engine, priced from its own description of an iteration
-   (:func:`~lightning_app_rlhf.iteration.iteration_steps`), and a discrete-event schedule of it (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
+   (:func:`~lightning_app_rlhf.engine.iteration.iteration_steps`), and a discrete-event schedule of it (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
    processes that outnumber the cores share them.
 
 Everything iterates over the workload's roles and calls (the role table's, less the critic's for a critic-free
@@ -19,20 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_app_rlhf.iteration import Step, iteration_steps, relayout_calls
-from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.engine.iteration import Step, iteration_steps, relayout_calls
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
-from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
-from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
-from lightning_app_rlhf.wrappers import WRAPPERS
-from lightning_app_rlhf.wrappers.base import REALLOCATION_BUCKET_NUMEL
+from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
+from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
+from lightning_app_rlhf.parallel.wrappers import WRAPPERS
+from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL
 
 if TYPE_CHECKING:
     from lightning_app_rlhf.planner.profiler import Profile
 
 REALLOCATION_BUCKET_BYTES = REALLOCATION_BUCKET_NUMEL * 4
-"""A reallocation bucket (:data:`~lightning_app_rlhf.wrappers.base.REALLOCATION_BUCKET_NUMEL` float32 elements):
+"""A reallocation bucket (:data:`~lightning_app_rlhf.parallel.wrappers.base.REALLOCATION_BUCKET_NUMEL` float32 elements):
 what ``Placement.reallocate_weights`` sends at once, and what a sharded train rank gathers at once."""
 GPU_USABLE_MEMORY = 0.9
 """Fraction of a GPU's memory a plan may fill: 10% stays for the allocator and the CUDA context."""
@@ -101,7 +101,7 @@ def ranks_text(ranks: tuple[int, ...]) -> str:
 
 @dataclass
 class RankMemory:
-    """Bytes one rank holds. ``param_bytes`` and ``state_bytes`` count what ``memory.py`` logs."""
+    """Bytes one rank holds. ``param_bytes`` and ``state_bytes`` count what ``parallel/memory.py`` logs."""
 
     rank: int
     weights: int = 0
@@ -587,7 +587,7 @@ class CostModel:
         """(ranks involved, seconds) to bring a trained role's new weights to its other layouts, as the engine does
         after every update: the shadow copies get a broadcast from the train leader (after a gather of the full
         weights when the training layout shards them: FSDP2, ZeRO-3 or tensor parallel); then every tensor-parallel
-        copy (:func:`~lightning_app_rlhf.iteration.relayout_calls`) takes its ``1/t`` slice, on the train ranks from
+        copy (:func:`~lightning_app_rlhf.engine.iteration.relayout_calls`) takes its ``1/t`` slice, on the train ranks from
         the full weights (gathered again when sharded), elsewhere from the shadow (a local copy). No ranks when every
         call runs on the trained weights as they are."""
         shape = self.workload.shape(role)
@@ -628,7 +628,7 @@ class CostModel:
 
     def tasks(self, choice: PlanChoice) -> list[Task]:
         """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order: the
-        steps of :func:`~lightning_app_rlhf.iteration.iteration_steps` (the engine's iteration, checked against
+        steps of :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` (the engine's iteration, checked against
         traced runs), each priced by :meth:`step_task`."""
         plan = choice.plan
         self.check_plan(plan)

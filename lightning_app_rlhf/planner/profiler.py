@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_app_rlhf.files import write_atomically
+from lightning_app_rlhf.core.files import write_atomically
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
-from lightning_app_rlhf.role_table import ACTOR, CRITIC
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +84,7 @@ class Profile:
         return Profile(self.hardware, other.device or self.device, ops)
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as JSON, atomically (:func:`~lightning_app_rlhf.files.write_atomically`).
+        """Write the profile as JSON, atomically (:func:`~lightning_app_rlhf.core.files.write_atomically`).
 
         Args:
             path: The file to write; its directory is created if missing.
@@ -416,7 +416,7 @@ def _ddp_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: int)
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_app_rlhf.generation import position_ids_from_mask
-    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic
 
     model = (build_causal_lm if shape.kind == "causal_lm" else build_critic)(ModelSpec(config=dict(shape.config)))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -534,10 +534,10 @@ def measure_shape(
     import torch
 
     from lightning_app_rlhf.algorithms import LossScale, build_algorithm
-    from lightning_app_rlhf.calls import Experience, critic_forward, critic_values, policy_logprobs, reference_forward
-    from lightning_app_rlhf.config import GenerationConfig, PPOConfig
+    from lightning_app_rlhf.models.calls import Experience, critic_forward, critic_values, policy_logprobs, reference_forward
+    from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
     from lightning_app_rlhf.generation import Rollout, generate, position_ids_from_mask
-    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     if shape.config is None:
         raise ValueError(
@@ -649,9 +649,9 @@ def model_work(workload: Workload, batch: int = 2) -> Callable[[], None]:
     """
     import torch
 
-    from lightning_app_rlhf.config import GenerationConfig
+    from lightning_app_rlhf.core.config import GenerationConfig
     from lightning_app_rlhf.generation import generate, position_ids_from_mask
-    from lightning_app_rlhf.roles import ModelSpec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic
 
     def build(shape: RoleShape | None, builder: Callable[[ModelSpec], torch.nn.Module]) -> torch.nn.Module | None:
         if shape is None:
@@ -712,7 +712,7 @@ def measure_reward_fn(
     """Seconds per sample of decoding and scoring with a Python reward function."""
     import torch
 
-    from lightning_app_rlhf.calls import reward_forward
+    from lightning_app_rlhf.models.calls import reward_forward
     from lightning_app_rlhf.generation import Rollout
 
     b, p, g = 32, workload.prompt_length, workload.generation_length

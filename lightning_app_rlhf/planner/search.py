@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from lightning_app_rlhf.plan import (
+from lightning_app_rlhf.parallel.plan import (
     PlacementPlan,
     flattening_plan,
     interleaving_plan,
@@ -35,8 +35,8 @@ from lightning_app_rlhf.planner.cost_model import (
 )
 from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
-from lightning_app_rlhf.role_table import ACTOR, FROZEN_ROLES, REFERENCE, TRAINABLE_ROLES, calls_of, role_of
-from lightning_app_rlhf.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, available_wrappers
+from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, TRAINABLE_ROLES, calls_of, role_of
+from lightning_app_rlhf.parallel.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, available_wrappers
 
 SEARCHES = ("app", "mcmc", "both", "presets")
 PRESETS = ("flattening", "interleaving", "separation")
@@ -409,13 +409,13 @@ def _penalised(e: Estimate) -> float:
 
 def _wrappers(model: CostModel) -> list[str]:
     """The search space of the trainable roles' wrappers: the registry's, in its order, that this machine can run
-    (:func:`~lightning_app_rlhf.wrappers.available_wrappers`) and the workload allows."""
+    (:func:`~lightning_app_rlhf.parallel.wrappers.available_wrappers`) and the workload allows."""
     return [w for w in available_wrappers() if w in model.workload.wrappers]
 
 
 def _frozen_choices(model: CostModel) -> list[str | None]:
     """Options for a frozen role's wrapper: held whole (None), or sharded over its forward group by one of the
-    searched wrappers that can (:data:`~lightning_app_rlhf.wrappers.FROZEN_WRAPPERS`)."""
+    searched wrappers that can (:data:`~lightning_app_rlhf.parallel.wrappers.FROZEN_WRAPPERS`)."""
     return [None, *[w for w in _wrappers(model) if w in FROZEN_WRAPPERS]]
 
 

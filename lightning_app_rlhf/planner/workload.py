@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_app_rlhf.role_table import CRITIC, REQUIRED_ROLES, ROLE_NAMES, TRAINABLE_ROLES, calls_of
-from lightning_app_rlhf.wrappers import available_wrappers, wrapper_class
+from lightning_app_rlhf.core.role_table import CRITIC, REQUIRED_ROLES, ROLE_NAMES, TRAINABLE_ROLES, calls_of
+from lightning_app_rlhf.parallel.wrappers import available_wrappers, wrapper_class
 
 ROLE_KINDS = ("causal_lm", "value", "classifier")
 
@@ -51,7 +51,7 @@ class RoleShape:
     """The Hugging Face config fields it was read from (the profiler builds the model from them)."""
     param_shapes: tuple[Shape, ...] = field(default=(), repr=False)
     """Every parameter's shape, in the built module's ``parameters()`` order (tied weights once): what the wrappers
-    shard, parameter by parameter (:meth:`~lightning_app_rlhf.wrappers.RoleWrapper.predicted_bytes`). Empty: only
+    shard, parameter by parameter (:meth:`~lightning_app_rlhf.parallel.wrappers.RoleWrapper.predicted_bytes`). Empty: only
     the count is known, and the memory model reads the body as one flat parameter (see :attr:`shapes`)."""
 
     @property
@@ -332,7 +332,7 @@ def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
 class Workload:
     """One RLHF iteration: the shapes of the algorithm's roles and the batch they run.
 
-    The roles are those of :data:`~lightning_app_rlhf.role_table.REQUIRED_ROLES` (actor, reference, reward) plus
+    The roles are those of :data:`~lightning_app_rlhf.core.role_table.REQUIRED_ROLES` (actor, reference, reward) plus
     the critic when ``critic`` is given (PPO); ``critic=None`` is a critic-free algorithm (GRPO, RLOO, ...), whose
     plans have no ``critic.*`` calls.
     """
@@ -363,8 +363,8 @@ class Workload:
     are :attr:`roles`: give ``critic`` exactly when it has a critic."""
     wrappers: tuple[str, ...] = ("ddp", "fsdp2")
     """Wrappers the search may give the trainable roles (and, those of
-    :data:`~lightning_app_rlhf.wrappers.FROZEN_WRAPPERS`, the frozen ones): names of the registry,
-    :data:`~lightning_app_rlhf.wrappers.WRAPPERS`, whose packages are installed (DeepSpeed's ``zero1``-``zero3``
+    :data:`~lightning_app_rlhf.parallel.wrappers.FROZEN_WRAPPERS`, the frozen ones): names of the registry,
+    :data:`~lightning_app_rlhf.parallel.wrappers.WRAPPERS`, whose packages are installed (DeepSpeed's ``zero1``-``zero3``
     need deepspeed; see :func:`installed_wrappers`). Another name fails with the choices or the install command."""
     optimizer_bytes_per_param: float = 8.0
     """Optimizer work per trainable parameter, for the analytic time of a step: AdamW's two slots in the parameter
@@ -373,7 +373,7 @@ class Workload:
     optimizer_slots: int = 2
     """Optimizer state tensors per trainable element (AdamW: 2, SGD with momentum: 1): the wrappers' ``slots``.
     DDP and FSDP2 keep them in the parameter's dtype; DeepSpeed's ZeRO keeps them in fp32 next to an fp32 master
-    copy (:meth:`~lightning_app_rlhf.wrappers.RoleWrapper.predicted_bytes`)."""
+    copy (:meth:`~lightning_app_rlhf.parallel.wrappers.RoleWrapper.predicted_bytes`)."""
     gradient_checkpointing: bool = False
     """Train calls keep only each layer's input and recompute the rest in backward (one more forward)."""
     flash_attention: bool = False
@@ -420,7 +420,7 @@ class Workload:
 
     @property
     def calls(self) -> tuple[str, ...]:
-        """The model calls of one iteration, phase by phase (:func:`~lightning_app_rlhf.role_table.calls_of`)."""
+        """The model calls of one iteration, phase by phase (:func:`~lightning_app_rlhf.core.role_table.calls_of`)."""
         return calls_of(self.roles)
 
     @property
@@ -592,7 +592,7 @@ def padded_prompt_length(lengths: list[int], batch_size: int) -> int:
 
 
 def installed_wrappers() -> tuple[str, ...]:
-    """Wrappers this machine can run, in registry order: :func:`lightning_app_rlhf.wrappers.available_wrappers`
+    """Wrappers this machine can run, in registry order: :func:`lightning_app_rlhf.parallel.wrappers.available_wrappers`
     (those whose package is installed; ``PlacementPlan`` refuses the others)."""
     return available_wrappers()
 

@@ -6,7 +6,7 @@ import functools
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_app_rlhf.plan import flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.strategies.fabric_placement_strategy import FabricPlacementStrategy
 from lightning_app_rlhf.strategies.flattening import FlatteningStrategy
 from lightning_app_rlhf.strategies.interleaving import InterleavingStrategy

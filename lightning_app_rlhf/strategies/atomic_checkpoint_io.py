@@ -9,12 +9,12 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_app_rlhf.checkpoint import check_checkpoint_file
-from lightning_app_rlhf.files import remove_path, write_atomically
+from lightning_app_rlhf.checkpoint.format import check_checkpoint_file
+from lightning_app_rlhf.core.files import remove_path, write_atomically
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes local checkpoints with :func:`~lightning_app_rlhf.files.write_atomically`: ``torch.save`` streams to
+    """Writes local checkpoints with :func:`~lightning_app_rlhf.core.files.write_atomically`: ``torch.save`` streams to
     a temporary file in the checkpoint's directory (no copy of the whole file in memory), renamed over the target. Lightning's own writer first
     serialises the whole file into memory and stages it in the system's temporary directory, where an interrupted
     save leaves it. Remote paths (``s3://`` and the like) go through Lightning's writer.
@@ -39,8 +39,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's reader, after :func:`~lightning_app_rlhf.checkpoint.check_checkpoint_file` for a local file:
-        an empty, truncated or missing file fails with a :class:`~lightning_app_rlhf.checkpoint.CheckpointError`
+        """Lightning's reader, after :func:`~lightning_app_rlhf.checkpoint.format.check_checkpoint_file` for a local file:
+        an empty, truncated or missing file fails with a :class:`~lightning_app_rlhf.checkpoint.format.CheckpointError`
         that names it and the fix, not with a ``PytorchStreamReader`` error that names no file."""
         if "://" not in str(path):
             check_checkpoint_file(path)

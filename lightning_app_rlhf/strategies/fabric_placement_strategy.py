@@ -30,7 +30,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from typing_extensions import override
 
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     CHECKED_KEYS,
     CHECKSUM_KEY,
     SHARDS_LOADER_KEY,
@@ -38,8 +38,8 @@ from lightning_app_rlhf.checkpoint import (
     sharded_roles,
     verify,
 )
-from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, Placement
-from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, Placement
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_setup import (
     PlacementProcesses,

@@ -14,7 +14,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_app_rlhf.export import gather_trained_weights, load_trained_weights
+from lightning_app_rlhf.engine.export import gather_trained_weights, load_trained_weights
 
 
 class PlacementMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -24,7 +24,7 @@ class PlacementMultiProcessingLauncher(_MultiProcessingLauncher):
     Lightning's own launcher sends rank 0's ``state_dict()`` back. Under a placement, rank 0 may hold a shard of a
     role (a DTensor that the main process cannot load), a shadow, or no copy of it at all, and the main process has
     built no model. Here every rank takes part in
-    :func:`~lightning_app_rlhf.export.gather_trained_weights` (each trained role, whole, from its
+    :func:`~lightning_app_rlhf.engine.export.gather_trained_weights` (each trained role, whole, from its
     train group to rank 0), and the main process builds every role and loads them: after ``trainer.fit(model)``,
     ``model.actor`` is the trained actor. The frozen roles are built from their specs, as the ranks built them.
     """

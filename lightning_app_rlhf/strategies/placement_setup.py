@@ -15,11 +15,11 @@ from lightning.fabric.utilities.distributed import (
 )
 from torch import nn
 
-from lightning_app_rlhf.heartbeat import start_heartbeat
-from lightning_app_rlhf.placed_roles import PlacedRoles
-from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
-from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
+from lightning_app_rlhf.parallel.heartbeat import start_heartbeat
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
+from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 
 
 def start_distributed(

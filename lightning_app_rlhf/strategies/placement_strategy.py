@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     LAYOUT_KEY,
     SHARDS_LOADER_KEY,
     assemble,
@@ -37,10 +37,10 @@ from lightning_app_rlhf.checkpoint import (
     sharded_roles,
     verify,
 )
-from lightning_app_rlhf.placed_roles import PlacedRoles
-from lightning_app_rlhf.placement import DEFAULT_TIMEOUT, create_placement
-from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.role_table import ROLE_NAMES
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
+from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.core.role_table import ROLE_NAMES
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.placement_launcher import PlacementMultiProcessingLauncher
 from lightning_app_rlhf.strategies.placement_setup import (
@@ -61,7 +61,7 @@ from lightning_app_rlhf.strategies.sharded_checkpoint import (
     staging_directory,
 )
 from lightning_app_rlhf.strategies.signal_connector import use_placement_signal_connector
-from lightning_app_rlhf.tensor_parallel import check_tensor_parallel
+from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 
 
 class PlacementStrategy(PlacementProcesses, ParallelStrategy):
@@ -266,7 +266,7 @@ def save_placed_checkpoint(
     """Write one file for the whole job from this rank's ``checkpoint`` (Lightning's layout: its ``state_dict``,
     ``optimizer_states`` and ``lr_schedulers`` cover the roles this rank holds and trains). Collective: every rank
     calls it; rank 0 writes, with one copy of each role taken from its owner rank
-    (:func:`~lightning_app_rlhf.checkpoint.role_owner`). Only the roles that rank 0 does not own travel to it, one
+    (:func:`~lightning_app_rlhf.checkpoint.format.role_owner`). Only the roles that rank 0 does not own travel to it, one
     owner at a time, so a save holds at most one extra copy of those roles, never every rank's state.
 
     A role that its wrapper shards (FSDP2, ZeRO over more than one rank) is never gathered: each rank of its group
@@ -318,7 +318,7 @@ def read_placed_checkpoint(
 
     Any plan that places the saved roles can resume: whole roles load from their one copy wherever this plan
     holds them, FSDP2 shards reshard to this run's groups, ZeRO shards need the saved stage and number of ranks
-    (:func:`~lightning_app_rlhf.checkpoint.restore_modes` names the fix otherwise). A checkpoint directory's
+    (:func:`~lightning_app_rlhf.checkpoint.format.restore_modes` names the fix otherwise). A checkpoint directory's
     shard files are checked against the CRC-32 values its meta file lists, by every rank, before anything loads.
 
     Returns:

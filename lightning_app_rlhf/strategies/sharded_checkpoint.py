@@ -1,7 +1,7 @@
 """Checkpoints with sharded roles, for :class:`~lightning_app_rlhf.strategies.PlacementStrategy`: each rank of a
 sharded role's group writes its own shard into a staging directory beside the target, rank 0 adds the meta file,
 and the directory then replaces the target in one rename. On resume each role loads by its
-:func:`~lightning_app_rlhf.checkpoint.restore_modes` entry, once the roles are wrapped and their optimizers exist.
+:func:`~lightning_app_rlhf.checkpoint.format.restore_modes` entry, once the roles are wrapped and their optimizers exist.
 
 Layout of ``epoch=0-step=2.ckpt/``::
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 
-from lightning_app_rlhf.checkpoint import (
+from lightning_app_rlhf.checkpoint.format import (
     FILES_KEY,
     META_FILE,
     OPTIMIZERS_KEY,
@@ -34,10 +34,10 @@ from lightning_app_rlhf.checkpoint import (
     home_call,
     shard_files,
 )
-from lightning_app_rlhf.engine import shadow_buckets, trained_buckets
-from lightning_app_rlhf.files import remove_path, replace_atomically
-from lightning_app_rlhf.role_table import ROLES, TRAINABLE_ROLES
-from lightning_app_rlhf.wrappers.sharded_io import load_dcp, load_full
+from lightning_app_rlhf.engine.engine import shadow_buckets, trained_buckets
+from lightning_app_rlhf.core.files import remove_path, replace_atomically
+from lightning_app_rlhf.core.role_table import ROLES, TRAINABLE_ROLES
+from lightning_app_rlhf.parallel.wrappers.sharded_io import load_dcp, load_full
 
 
 @dataclass

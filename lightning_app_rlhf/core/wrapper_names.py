@@ -1,8 +1,8 @@
 """The parallel wrappers by name, and what a plan must know of each, without importing one. Plain Python, no torch.
 
-One table: :class:`~lightning_app_rlhf.plan.PlacementPlan` and :class:`~lightning_app_rlhf.placement.Placement`
-read it, and every wrapper class of :mod:`lightning_app_rlhf.wrappers` takes its traits from its row (see
-:attr:`~lightning_app_rlhf.wrappers.base.RoleWrapper.name`), so the plan, the planner and the wrappers agree.
+One table: :class:`~lightning_app_rlhf.parallel.plan.PlacementPlan` and :class:`~lightning_app_rlhf.parallel.placement.Placement`
+read it, and every wrapper class of :mod:`lightning_app_rlhf.parallel.wrappers` takes its traits from its row (see
+:attr:`~lightning_app_rlhf.parallel.wrappers.base.RoleWrapper.name`), so the plan, the planner and the wrappers agree.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def check_wrapper(name: str, role: str | None = None, available: Callable[[str],
         name: The wrapper's name.
         role: The role that asks for it, for the message.
         available: Tells whether a wrapper's package is installed (default :func:`is_available`; the registry's
-            :func:`~lightning_app_rlhf.wrappers.wrapper_class` passes the one it exports, which tests replace).
+            :func:`~lightning_app_rlhf.parallel.wrappers.wrapper_class` passes the one it exports, which tests replace).
     """
     if name not in WRAPPER_TRAITS:
         whose = f"Role {role!r} has wrapper {name!r}" if role else f"Unknown wrapper {name!r}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_app_rlhf.plan import PlacementPlan
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 
 
 def micro_batch_count(minibatch: int, ranks: int, micro_batch_size: int | None) -> int:

@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
-from lightning_app_rlhf.roles import (
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
+from lightning_app_rlhf.models.roles import (
     AdapterDisabledReference,
     ModelSpec,
     as_model_spec,

@@ -19,14 +19,14 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from lightning_app_rlhf.wrappers.base import (
+from lightning_app_rlhf.parallel.wrappers.base import (
     REALLOCATION_BUCKET_NUMEL,
     RoleWrapper,
     StepResult,
     optimizer_slots,
     parameter_buckets,
 )
-from lightning_app_rlhf.wrappers.sharded_io import DEEPSPEED_TAG, deepspeed_load, weights_only_deepspeed
+from lightning_app_rlhf.parallel.wrappers.sharded_io import DEEPSPEED_TAG, deepspeed_load, weights_only_deepspeed
 
 ALIGNMENT = 2
 """ZeRO-1/2 pad a role's flat parameter buffer to a multiple of ``ALIGNMENT x ranks`` elements (DeepSpeed's

@@ -3,7 +3,7 @@
 The role is cut with its family's Hugging Face ``tp_plan`` over each replica's ``t`` ranks (the tensor dimension),
 then sharded with FSDP2 over the ``n / t`` replicas (the data dimension): torchtitan's FSDP + TP layout. Each
 replica trains on its share of every minibatch, its ``t`` ranks on the same rows. The cut itself
-(:func:`cut_tensor_parallel`) also builds the tensor-parallel copies of :mod:`lightning_app_rlhf.tensor_parallel`.
+(:func:`cut_tensor_parallel`) also builds the tensor-parallel copies of :mod:`lightning_app_rlhf.parallel.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_app_rlhf.roles import AdapterDisabledReference, ValueModel, is_lora
-from lightning_app_rlhf.wrappers.fsdp2 import FSDP2Wrapper, shard_with_fsdp2
+from lightning_app_rlhf.models.roles import AdapterDisabledReference, ValueModel, is_lora
+from lightning_app_rlhf.parallel.wrappers.fsdp2 import FSDP2Wrapper, shard_with_fsdp2
 
 
 def hf_model(module: nn.Module, call: str) -> nn.Module:

@@ -6,7 +6,7 @@ own Hugging Face ``tp_plan`` (``transformers.distributed.tensor_parallel.apply_t
 same rows together. For generation and the scoring forwards the copy is a separate module: the role's own module
 keeps its training layout (DDP, FSDP2, a 2-D data x tensor mesh, a shadow), and after every update its trained
 weights are redistributed into the copy (ReaLHF's parameter reallocation), bit for bit. A train call with a degree
-cuts the role itself (:class:`~lightning_app_rlhf.wrappers.tensor_parallel.TensorParallelFSDP2Wrapper`). Plain
+cuts the role itself (:class:`~lightning_app_rlhf.parallel.wrappers.tensor_parallel.TensorParallelFSDP2Wrapper`). Plain
 PyTorch + transformers, no Lightning.
 """
 
@@ -22,9 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.role_table import TRAINABLE_ROLES, role_of
-from lightning_app_rlhf.wrappers.tensor_parallel import cut_tensor_parallel, family_tp_plan, hf_model
+from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.core.role_table import TRAINABLE_ROLES, role_of
+from lightning_app_rlhf.parallel.wrappers.tensor_parallel import cut_tensor_parallel, family_tp_plan, hf_model
 
 INFERENCE_CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward")
 """Generation and the scoring forwards: with a degree they run on a tensor-parallel copy of the role."""

@@ -1,4 +1,4 @@
-"""The model calls of one iteration, besides ``actor.generate`` (see ``generation.py``).
+"""The model calls of one iteration, besides ``actor.generate`` (see ``generation/``).
 
 ``reference.forward``, ``critic.forward`` and ``reward.forward`` score a rollout; the train calls are built from
 :func:`policy_logprobs` and :func:`critic_values` (the algorithm's losses on top). Each call takes only the
@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.generation import Rollout, position_ids_from_mask, row_chunks
-from lightning_app_rlhf.roles import RewardFunction
+from lightning_app_rlhf.models.roles import RewardFunction
 
 
 def response_logits(

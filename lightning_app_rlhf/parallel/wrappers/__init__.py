@@ -1,20 +1,20 @@
 """Parallel wrappers: how a role runs on its process group. One registry, read by the strategies, the memory summary,
 the planner's cost model and its search space; the plan validates against its names
-(:mod:`lightning_app_rlhf.wrapper_names`, whose rows give each class its traits). Plain PyTorch, no Lightning."""
+(:mod:`lightning_app_rlhf.core.wrapper_names`, whose rows give each class its traits). Plain PyTorch, no Lightning."""
 
 from __future__ import annotations
 
-from lightning_app_rlhf.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper, is_available
-from lightning_app_rlhf.wrappers.base import RoleWrapper, optimizer_slots
-from lightning_app_rlhf.wrappers.ddp import DDPWrapper
-from lightning_app_rlhf.wrappers.deepspeed_zero import Zero1Wrapper, Zero2Wrapper, Zero3Wrapper
-from lightning_app_rlhf.wrappers.fsdp2 import FSDP2Wrapper
+from lightning_app_rlhf.core.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper, is_available
+from lightning_app_rlhf.parallel.wrappers.base import RoleWrapper, optimizer_slots
+from lightning_app_rlhf.parallel.wrappers.ddp import DDPWrapper
+from lightning_app_rlhf.parallel.wrappers.deepspeed_zero import Zero1Wrapper, Zero2Wrapper, Zero3Wrapper
+from lightning_app_rlhf.parallel.wrappers.fsdp2 import FSDP2Wrapper
 
 WRAPPERS: dict[str, type[RoleWrapper]] = {
     cls.name: cls for cls in (DDPWrapper, FSDP2Wrapper, Zero1Wrapper, Zero2Wrapper, Zero3Wrapper)
 }
 """Name -> wrapper class, in the order the planner tries them (that of
-:data:`~lightning_app_rlhf.wrapper_names.WRAPPER_NAMES`)."""
+:data:`~lightning_app_rlhf.core.wrapper_names.WRAPPER_NAMES`)."""
 
 
 def wrapper_class(name: str, role: str | None = None) -> type[RoleWrapper]:

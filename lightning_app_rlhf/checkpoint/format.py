@@ -9,7 +9,7 @@ rank rebuilds its own state from the roles it holds, under any placement that ho
 A role whose wrapper shards it (FSDP2, ZeRO) is never gathered: each rank of its group writes its own shard. The
 checkpoint is then a directory (``step=2.ckpt/``) holding :data:`META_FILE`, the file above without the sharded
 roles' weights and optimizer state, and one subdirectory per sharded role, written by its wrapper
-(:meth:`~lightning_app_rlhf.wrappers.RoleWrapper.save_sharded`). The meta file lists every shard file with its
+(:meth:`~lightning_app_rlhf.parallel.wrappers.RoleWrapper.save_sharded`). The meta file lists every shard file with its
 CRC-32 (:data:`FILES_KEY`) and each role's wrapper and group size (:data:`LAYOUT_KEY`), from which a resumed run
 decides how each role loads under its own plan (:func:`restore_modes`).
 """
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.role_table import ROLES, TRAINABLE_ROLES, role_of
-from lightning_app_rlhf.wrappers import WRAPPERS
+from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.core.role_table import ROLES, TRAINABLE_ROLES, role_of
+from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 
 CHECKSUM_KEY = "rlhf_checksum"
 OPTIMIZERS_KEY = "rlhf_optimizers"

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_app_rlhf.wrapper_names import WRAPPER_TRAITS
-from lightning_app_rlhf.wrappers.sharded_io import load_dcp, save_dcp
+from lightning_app_rlhf.core.wrapper_names import WRAPPER_TRAITS
+from lightning_app_rlhf.parallel.wrappers.sharded_io import load_dcp, save_dcp
 
 Backward = Callable[[torch.Tensor], None]
 OptimizerStep = Callable[[torch.optim.Optimizer], None]
@@ -76,7 +76,7 @@ class RoleWrapper(ABC):
     name: ClassVar[str]
     """The plan's name for the wrapper (``PlacementPlan.wrappers`` values). A class that sets it takes
     :attr:`shards_params`, :attr:`wraps_frozen`, :attr:`package` and :attr:`extra` from that name's row of
-    :data:`~lightning_app_rlhf.wrapper_names.WRAPPER_TRAITS`."""
+    :data:`~lightning_app_rlhf.core.wrapper_names.WRAPPER_TRAITS`."""
     shards_params: ClassVar[bool] = False
     """No rank holds the full parameters: a forward gathers them, collectively over the group."""
     shards_grads: ClassVar[bool] = False

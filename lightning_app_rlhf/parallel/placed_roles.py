@@ -1,7 +1,7 @@
 """``PlacedRoles``: what a placement strategy hands the module, once. Plain PyTorch, no Lightning.
 
 Lightning's ``ModelParallelStrategy`` hands its module one device mesh; a placement strategy hands an
-:class:`~lightning_app_rlhf.RLHFModule` one :class:`PlacedRoles`: the :class:`~lightning_app_rlhf.placement.Placement`
+:class:`~lightning_app_rlhf.RLHFModule` one :class:`PlacedRoles`: the :class:`~lightning_app_rlhf.parallel.placement.Placement`
 (which ranks run each call, and the collectives between them) before any model is built, then, once this rank's
 models exist, its wrappers (:meth:`PlacedRoles.wrap`) and its tensor-parallel copies. The engine reads everything
 from it; nothing else writes to the module.
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_app_rlhf.placement import Placement
-from lightning_app_rlhf.role_table import ROLES
-from lightning_app_rlhf.roles import hold_in
-from lightning_app_rlhf.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy
-from lightning_app_rlhf.wrappers import DDPWrapper, RoleWrapper, wrapper_class
-from lightning_app_rlhf.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
+from lightning_app_rlhf.parallel.placement import Placement
+from lightning_app_rlhf.core.role_table import ROLES
+from lightning_app_rlhf.models.roles import hold_in
+from lightning_app_rlhf.parallel.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy
+from lightning_app_rlhf.parallel.wrappers import DDPWrapper, RoleWrapper, wrapper_class
+from lightning_app_rlhf.parallel.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
 
 Models = Callable[[str], nn.Module | None]
 """Role -> its module on this rank (None where this rank does not hold it)."""

@@ -1,11 +1,11 @@
 """``RLHFEngine``: one RLHF iteration on this rank. Plain PyTorch, no Lightning.
 
 :meth:`RLHFEngine.run_iteration` is the one place that runs an iteration: it takes, in order, the steps that
-:func:`~lightning_app_rlhf.iteration.iteration_steps` lists for the plan (the same steps the planner's cost model
+:func:`~lightning_app_rlhf.engine.iteration.iteration_steps` lists for the plan (the same steps the planner's cost model
 prices): generate, gather the rollout, the forward calls and their gathers, the advantages (the algorithm's), the
 train calls and their statistics, the reallocations, the learning rates. Each call runs on its group's ranks (the
-:class:`~lightning_app_rlhf.placement.Placement` decides which), through its role's
-:class:`~lightning_app_rlhf.wrappers.RoleWrapper` (backward, clipping, step, full parameters). The caller owns the
+:class:`~lightning_app_rlhf.parallel.placement.Placement` decides which), through its role's
+:class:`~lightning_app_rlhf.parallel.wrappers.RoleWrapper` (backward, clipping, step, full parameters). The caller owns the
 loop, the optimizers and the schedulers: :class:`~lightning_app_rlhf.RLHFModule` binds it to Lightning's Trainer and
 Fabric.
 """
@@ -26,8 +26,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import Algorithm, LossScale
-from lightning_app_rlhf.batch_split import check_batch_split, micro_batch_count
-from lightning_app_rlhf.calls import (
+from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
+from lightning_app_rlhf.models.calls import (
     Experience,
     critic_forward,
     critic_values,
@@ -37,18 +37,18 @@ from lightning_app_rlhf.calls import (
     reward_forward,
     split_minibatches,
 )
-from lightning_app_rlhf.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.experience import RewardShaping, make_experience
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
 from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
-from lightning_app_rlhf.iteration import FORWARD_ROLES, Step, iteration_steps
-from lightning_app_rlhf.memory import RoleMemory, role_memory
-from lightning_app_rlhf.placed_roles import Models, PlacedRoles
-from lightning_app_rlhf.placement import Placement, TensorSpec
-from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD
-from lightning_app_rlhf.roles import AdapterDisabledReference, RewardFunction, precision_context
-from lightning_app_rlhf.tensor_parallel import TensorParallelCopy, received_bytes
-from lightning_app_rlhf.wrappers import RoleWrapper
-from lightning_app_rlhf.wrappers.base import REALLOCATION_BUCKET_NUMEL, SkippedUpdates, parameter_buckets
+from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, Step, iteration_steps
+from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
+from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
+from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
+from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
+from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy, received_bytes
+from lightning_app_rlhf.parallel.wrappers import RoleWrapper
+from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL, SkippedUpdates, parameter_buckets
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""
@@ -83,7 +83,7 @@ class RLHFEngine:
         reward_fn: The reward function, when the reward is not a model.
         seed: Keys the sampling noise and the minibatch order.
         precisions: Role -> its precision (``32-true``, ``bf16-mixed``, ``bf16-true``); every call of the role runs
-            under its autocast (:func:`~lightning_app_rlhf.roles.precision_context`). A role not named keeps the
+            under its autocast (:func:`~lightning_app_rlhf.models.roles.precision_context`). A role not named keeps the
             caller's.
         shadow_precisions: Trained role -> ``bf16-true`` where its shadows are held in bfloat16: the weights are
             rounded to bfloat16 before they are sent to them.
@@ -124,7 +124,7 @@ class RLHFEngine:
         self, batch: dict[str, Any], iteration: int, schedulers: Iterable[Any] = ()
     ) -> IterationResult:
         """One iteration on the prompts of ``batch``: this rank takes the steps of
-        :func:`~lightning_app_rlhf.iteration.iteration_steps` whose ranks include it, in order. A collective on every
+        :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` whose ranks include it, in order. A collective on every
         rank of its step.
 
         Args:
@@ -163,7 +163,7 @@ class RLHFEngine:
 
     def check_batch(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration split over this plan's minibatches,
-        ranks and micro-batches (:func:`~lightning_app_rlhf.batch_split.check_batch_split`)."""
+        ranks and micro-batches (:func:`~lightning_app_rlhf.engine.batch_split.check_batch_split`)."""
         check_batch_split(prompts, self.generation.num_samples, self.config.num_minibatches,
                           self.config.micro_batch_size, self.placement.plan, self.algorithm.trainable_roles)
         self._checked_prompts = prompts
@@ -373,7 +373,7 @@ class RLHFEngine:
             yield
 
     def _precision(self, role: str) -> contextlib.AbstractContextManager[None]:
-        """``role``'s autocast (:func:`~lightning_app_rlhf.roles.precision_context`); the caller's when it has no
+        """``role``'s autocast (:func:`~lightning_app_rlhf.models.roles.precision_context`); the caller's when it has no
         precision here."""
         precision = self.precisions.get(role)
         return precision_context(precision, self.placement.device) if precision else contextlib.nullcontext()

@@ -1,10 +1,10 @@
 """The steps of one RLHF iteration under a placement plan, in each rank's program order. Plain Python.
 
-This is the engine's iteration (``RLHFModule.training_step`` over :class:`~lightning_app_rlhf.engine.RLHFEngine`)
+This is the engine's iteration (``RLHFModule.training_step`` over :class:`~lightning_app_rlhf.engine.engine.RLHFEngine`)
 written down once, as data: which call computes on which ranks, and which collectives join which ranks, in the
 order every rank meets them. The planner's cost model prices exactly these steps
 (:meth:`~lightning_app_rlhf.planner.cost_model.CostModel.tasks`), and ``tests/test_planner_iteration.py`` runs real
-iterations on gloo processes, records what the engine's calls and :class:`~lightning_app_rlhf.placement.Placement`
+iterations on gloo processes, records what the engine's calls and :class:`~lightning_app_rlhf.parallel.placement.Placement`
 collectives did on every rank, and checks it equals :func:`iteration_steps`.
 
 One iteration (on-policy):
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_app_rlhf.plan import PlacementPlan
-from lightning_app_rlhf.role_table import ACTOR, CRITIC, REFERENCE, REWARD, role_of
+from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD, role_of
 
 FORWARD_ROLES = (REFERENCE.name, REWARD.name, CRITIC.name)
 """Roles whose forward call scores the rollout, in the order the engine runs them (``engine.FORWARD_OUTPUTS``)."""

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_app_rlhf.wrappers.base import RoleWrapper
+from lightning_app_rlhf.parallel.wrappers.base import RoleWrapper
 
 
 class DDPWrapper(RoleWrapper):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from lightning_app_rlhf.role_table import (
+from lightning_app_rlhf.core.role_table import (
     ACTOR,
     CALLS,
     FROZEN_ROLES,
@@ -26,7 +26,7 @@ from lightning_app_rlhf.role_table import (
     calls_of,
     role_of,
 )
-from lightning_app_rlhf.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper
+from lightning_app_rlhf.core.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class PlacementPlan:
     calls: dict[str, tuple[int, ...]]
     """Call name -> the ranks that run it (sorted, no duplicates)."""
     wrappers: dict[str, str] = field(default_factory=dict)
-    """Role -> its wrapper (:data:`~lightning_app_rlhf.wrapper_names.WRAPPER_NAMES`). A trainable role: ``ddp``
+    """Role -> its wrapper (:data:`~lightning_app_rlhf.core.wrapper_names.WRAPPER_NAMES`). A trainable role: ``ddp``
     (default), ``fsdp2``, ``zero1``, ``zero2`` or ``zero3``, on its train group. Optionally a frozen role
     (``reference``, ``reward``) -> ``fsdp2`` or ``zero3``: sharded over its forward call's group, whose ranks run the
     forward in lockstep."""

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_app_rlhf.heartbeat import keep_store_up, stopped_ranks
-from lightning_app_rlhf.plan import CALLS, PlacementPlan, flattening_plan
-from lightning_app_rlhf.wrapper_names import SHARDED_WRAPPERS
+from lightning_app_rlhf.parallel.heartbeat import keep_store_up, stopped_ranks
+from lightning_app_rlhf.parallel.plan import CALLS, PlacementPlan, flattening_plan
+from lightning_app_rlhf.core.wrapper_names import SHARDED_WRAPPERS
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -71,7 +71,7 @@ class Placement:
         self.tp_groups = tp_groups or {}
         self.dp_groups = dp_groups or {}
         self.tp_copies: dict[str, Any] = {}
-        """Call name -> this rank's :class:`~lightning_app_rlhf.tensor_parallel.TensorParallelCopy` of its role, for
+        """Call name -> this rank's :class:`~lightning_app_rlhf.parallel.tensor_parallel.TensorParallelCopy` of its role, for
         the calls with a tensor-parallel degree above 1 that this rank runs (built by the strategy's set-up)."""
 
     @classmethod
@@ -221,8 +221,8 @@ class Placement:
         """Send ``role``'s trained weights from its train leader to every shadow copy; return bytes moved.
 
         ``buckets``: the trainable parameters, in ``parameters()`` order, cut by
-        :func:`~lightning_app_rlhf.wrappers.base.parameter_buckets` (one broadcast each). Train ranks pass their
-        wrapper's :meth:`~lightning_app_rlhf.wrappers.base.RoleWrapper.full_parameter_buckets` (a sharded group's
+        :func:`~lightning_app_rlhf.parallel.wrappers.base.parameter_buckets` (one broadcast each). Train ranks pass their
+        wrapper's :meth:`~lightning_app_rlhf.parallel.wrappers.base.RoleWrapper.full_parameter_buckets` (a sharded group's
         ranks all draw them: each bucket is a gather), shadow ranks their shadow's parameters in the same buckets.
         Frozen parameters never change and never move. Ranks outside both must not call this.
         """

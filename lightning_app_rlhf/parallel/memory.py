@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_app_rlhf.wrappers import RoleWrapper
+from lightning_app_rlhf.parallel.wrappers import RoleWrapper
 
 
 @dataclass

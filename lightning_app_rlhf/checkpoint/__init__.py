@@ -1,0 +1,1 @@
+"""The checkpoint format: files, checksums, per-role layout, shards."""

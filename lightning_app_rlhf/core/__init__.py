@@ -1,0 +1,1 @@
+"""Plain data shared by every layer: configs, the role table, file writes, wrapper names, upstream warnings."""

@@ -1,0 +1,1 @@
+"""One RLHF iteration: its steps, the engine that runs them, experience, batch checks, export."""
