@@ -1,12 +1,12 @@
 """lightning-app-rlhf: RLHF with PPO for PyTorch Lightning, with placement of the four roles."""
 
-from lightning_app_rlhf.models.calls import RewardFunctionError
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.engine.engine import DivergenceError
+from lightning_app_rlhf.models.calls import RewardFunctionError
+from lightning_app_rlhf.models.roles import ModelSpec, ValueModel
 from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.parallel.plan import PlacementPlan
-from lightning_app_rlhf.models.roles import ModelSpec, ValueModel
 from lightning_app_rlhf.strategies import (
     FlatteningStrategy,
     InterleavingStrategy,

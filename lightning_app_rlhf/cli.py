@@ -30,6 +30,7 @@ from lightning_app_rlhf.checkpoint.format import (
     is_sharded_checkpoint,
     load_checkpoint_file,
 )
+from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -43,7 +44,6 @@ from lightning_app_rlhf.planner.command import (
 )
 from lightning_app_rlhf.planner.workload import workload_from_data
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
-from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
 
 PLAN = "plan"
 """The subcommand that runs the planner instead of a Trainer method."""
@@ -157,17 +157,9 @@ class RLHFCLI(LightningCLI):
         prompt_note = (f"Prompt length {workload.prompt_length}: the mean longest tokenised prompt of a batch of "
                        f"data.batch_size {datamodule.batch_size} prompts, as PlacementTuner reads it.")
         strategy, strategy_plan = _strategy_plan(trainer.strategy)
-        return TrainingRun(
-            workload=workload,
-            cluster=cluster,
-            processes=processes,
-            strategy=strategy,
-            strategy_plan=strategy_plan,
-            generation_batch=module.generation.batch_size,
-            micro_batch=module.ppo.micro_batch_size,
-            tuner=any(isinstance(callback, PlacementTuner) for callback in trainer.callbacks or []),
-            notes=(cluster_note, prompt_note),
-        )
+        tuner = any(isinstance(callback, PlacementTuner) for callback in trainer.callbacks or [])
+        return TrainingRun(workload, cluster, processes, strategy, strategy_plan, module.generation.batch_size,
+                           module.ppo.micro_batch_size, tuner, notes=(cluster_note, prompt_note))
 
     @override
     def _parse_ckpt_path(self) -> None:

@@ -441,21 +441,12 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}.")
         if val_batch_size is not None and val_batch_size < 1:
             raise ValueError(f"data.val_batch_size must be >= 1 (or null for data.batch_size), got {val_batch_size}.")
-        self.prompts = prompts
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.prompt_key = prompt_key
-        self.max_prompt_length = max_prompt_length
-        self.shuffle = shuffle
-        self.num_workers = num_workers
-        self.seed = seed
-        self.chat_template = chat_template
-        self.split = split
-        self.val_prompts = val_prompts
-        self.val_split = val_split
+        self.prompts, self.prompt_key, self.split, self.chat_template = prompts, prompt_key, split, chat_template
+        self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
+        self.batch_size, self.shuffle, self.num_workers, self.seed = batch_size, shuffle, num_workers, seed
+        self.val_prompts, self.val_split = val_prompts, val_split
         self.val_batch_size = val_batch_size if val_batch_size is not None else batch_size
-        self.predict_prompts = predict_prompts
-        self.predict_split = predict_split
+        self.predict_prompts, self.predict_split = predict_prompts, predict_split
         self.dataset: PromptDataset | None = None
         """The training prompts, after ``setup("fit")``."""
         self.val_dataset: PromptDataset | None = None

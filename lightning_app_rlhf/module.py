@@ -28,21 +28,20 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_app_rlhf import module_checkpoint
-
-from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.callbacks import PlacementSummary, PreemptionCheckpoint, RLHFProgressBar
 from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.role_table import CRITIC, ROLES
+from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
+from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
+from lightning_app_rlhf.models.roles import RewardFunction, check_vocabularies, load_tokenizer, resolve_import
 from lightning_app_rlhf.parallel.memory import RoleMemory
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
-from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
-from lightning_app_rlhf.core.role_table import CRITIC, ROLES
-from lightning_app_rlhf.models.roles import RewardFunction, check_vocabularies, load_tokenizer, resolve_import
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 EPOCH_METRICS = ("reward/mean", "kl/mean", "response/length_mean")

@@ -15,9 +15,16 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_app_rlhf.models.calls import Experience
-from lightning_app_rlhf.checkpoint.format import LAYOUT_KEY, OPTIMIZERS_KEY, CheckpointError, rank_state, seal, verify
+from lightning_app_rlhf.checkpoint.format import (
+    LAYOUT_KEY,
+    OPTIMIZERS_KEY,
+    CheckpointError,
+    rank_state,
+    seal,
+    verify,
+)
 from lightning_app_rlhf.core.role_table import ROLES
+from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.models.roles import resolve_import, tokenizer_files
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from lightning_app_rlhf.algorithms import (
     register_policy_loss,
     register_value_loss,
 )
-from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import repeat_samples, sample_keys
+from lightning_app_rlhf.models.calls import Experience
 
 EPS = 1e-6  # GRPO's std epsilon
 

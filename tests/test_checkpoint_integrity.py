@@ -39,8 +39,8 @@ from lightning_app_rlhf.checkpoint.format import (
     seal,
     verify,
 )
-from lightning_app_rlhf.demo import prompts
 from lightning_app_rlhf.core.files import TEMPORARY_NAME, remove_stale_temporaries, write_atomically
+from lightning_app_rlhf.demo import prompts
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 WTE = "actor.transformer.wte.weight"

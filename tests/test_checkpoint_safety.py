@@ -10,8 +10,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from helpers import fit_demo, run_python, run_ranks
+from lightning.pytorch.callbacks import ModelCheckpoint
 from test_placements import COMPARED
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule
@@ -27,8 +27,8 @@ from lightning_app_rlhf.checkpoint.format import (
     send_state,
     verify,
 )
-from lightning_app_rlhf.demo import prompts, topic_reward
 from lightning_app_rlhf.core.files import write_atomically
+from lightning_app_rlhf.demo import prompts, topic_reward
 from lightning_app_rlhf.parallel.plan import flattening_plan, interleaving_plan, separation_plan
 
 

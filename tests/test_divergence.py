@@ -232,11 +232,11 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
     import torch.distributed as dist
 
     from lightning_app_rlhf.algorithms import build_algorithm
-    from lightning_app_rlhf.models.calls import Experience
     from lightning_app_rlhf.engine.engine import RLHFEngine
+    from lightning_app_rlhf.models.calls import Experience
+    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm
     from lightning_app_rlhf.parallel.placement import Placement
     from lightning_app_rlhf.parallel.plan import flattening_plan
-    from lightning_app_rlhf.models.roles import as_model_spec, build_causal_lm
 
     if "deepspeed" in __import__("sys").modules:  # imported by the parent for another device: its CPU one here
         from deepspeed.accelerator import set_accelerator

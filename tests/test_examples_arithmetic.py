@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_app_rlhf.models.calls import reward_forward
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.generation import Rollout, repeat_samples
+from lightning_app_rlhf.models.calls import reward_forward
 
 QUESTIONS_FILE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_arithmetic" / "questions.py"
 _spec = importlib.util.spec_from_file_location("smollm2_arithmetic_questions", QUESTIONS_FILE)

@@ -145,7 +145,12 @@ def test_fabric_save_under_separation_holds_every_role_and_resumes_exactly(tmp_p
     anything is loaded."""
     from test_checkpoint_safety import crafted_checkpoint, flip_tensor_bytes
 
-    from lightning_app_rlhf.checkpoint.format import OPTIMIZERS_KEY, SCHEDULERS_KEY, load_checkpoint_file, verify
+    from lightning_app_rlhf.checkpoint.format import (
+        OPTIMIZERS_KEY,
+        SCHEDULERS_KEY,
+        load_checkpoint_file,
+        verify,
+    )
 
     checkpoint_path = tmp_path / "iteration=2.ckpt"
     full = launch(tmp_path / "full", "--iterations", "3", "--save", str(checkpoint_path), "--save-at", "2")

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
 from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, separation_plan
 
+
 def _digest(tensors) -> str:
     sha = hashlib.sha256()
     for t in tensors:

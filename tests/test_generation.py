@@ -14,7 +14,6 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_app_rlhf.algorithms import build_algorithm, functional
-from lightning_app_rlhf.models.calls import critic_forward, reference_forward, response_logits, reward_forward
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import collate_left_padded
 from lightning_app_rlhf.engine.engine import RLHFEngine
@@ -32,6 +31,7 @@ from lightning_app_rlhf.generation import (
     sample_keys,
 )
 from lightning_app_rlhf.generation.hf_cache import CACHE_ARGUMENT
+from lightning_app_rlhf.models.calls import critic_forward, reference_forward, response_logits, reward_forward
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
 PAD, EOS = 0, 2

@@ -15,12 +15,17 @@ from helpers import ROOT, fit_demo, make_module
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.callbacks import ExportActor
-from lightning_app_rlhf.models.calls import response_logits
 from lightning_app_rlhf.generation import generate, sample_keys
+from lightning_app_rlhf.models.calls import response_logits
+from lightning_app_rlhf.models.roles import AdapterDisabledReference, ModelSpec, build_causal_lm, build_critic
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import Placement
-from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
-from lightning_app_rlhf.models.roles import AdapterDisabledReference, ModelSpec, build_causal_lm, build_critic
+from lightning_app_rlhf.parallel.plan import (
+    PlacementPlan,
+    flattening_plan,
+    interleaving_plan,
+    separation_plan,
+)
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"]}
 DEMO_CONFIG = ROOT / "examples/configs/demo_lora_cpu.yaml"

@@ -8,7 +8,13 @@ import sys
 import pytest
 from helpers import ROOT, make_module, run_cli
 
-from lightning_app_rlhf.parallel.plan import CALLS, PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import (
+    CALLS,
+    PlacementPlan,
+    flattening_plan,
+    interleaving_plan,
+    separation_plan,
+)
 
 
 def _calls(**overrides):

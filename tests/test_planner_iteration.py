@@ -17,7 +17,12 @@ from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RL
 from lightning_app_rlhf.engine.engine import FORWARD_OUTPUTS, RLHFEngine
 from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, iteration_steps
 from lightning_app_rlhf.parallel.placement import Placement
-from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import (
+    PlacementPlan,
+    flattening_plan,
+    interleaving_plan,
+    separation_plan,
+)
 from lightning_app_rlhf.planner import CostModel, PlanChoice, parse_cluster, workload_from_module
 
 ITERATIONS = 3

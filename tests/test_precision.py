@@ -12,8 +12,8 @@ from helpers import fit_demo, run_ranks
 from torch import nn
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.models.calls import critic_values, policy_logprobs, reference_forward
 from lightning_app_rlhf.generation import generate, sample_keys
+from lightning_app_rlhf.models.calls import critic_values, policy_logprobs, reference_forward
 from lightning_app_rlhf.models.roles import (
     ModelSpec,
     build_causal_lm,

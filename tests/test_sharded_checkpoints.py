@@ -33,9 +33,13 @@ from lightning_app_rlhf.checkpoint.format import (
 )
 from lightning_app_rlhf.core.files import replace_atomically, write_atomically
 from lightning_app_rlhf.parallel.plan import flattening_plan, separation_plan
+from lightning_app_rlhf.parallel.wrappers.sharded_io import (
+    WeightsOnlyUnpicklingError,
+    dcp_reader,
+    deepspeed_load,
+)
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 from lightning_app_rlhf.strategies.sharded_checkpoint import publish
-from lightning_app_rlhf.parallel.wrappers.sharded_io import WeightsOnlyUnpicklingError, dcp_reader, deepspeed_load
 
 FSDP2 = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "fsdp2")
 ZERO3 = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "zero3")

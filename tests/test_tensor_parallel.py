@@ -80,11 +80,10 @@ def test_families_without_a_tp_plan_and_uneven_heads_are_refused(tiny_gpt2_confi
 
 
 def _four_ranks(rank: int, port: int, out: str) -> None:
-    from lightning_app_rlhf.models.calls import critic_forward, reference_forward, reward_forward
     from lightning_app_rlhf.core.config import GenerationConfig
     from lightning_app_rlhf.engine.engine import RLHFEngine
     from lightning_app_rlhf.generation import generate, sample_keys
-    from lightning_app_rlhf.parallel.placement import TensorSpec, create_placement
+    from lightning_app_rlhf.models.calls import critic_forward, reference_forward, reward_forward
     from lightning_app_rlhf.models.roles import (
         as_model_spec,
         build_causal_lm,
@@ -92,6 +91,7 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
         build_reference,
         build_reward_model,
     )
+    from lightning_app_rlhf.parallel.placement import TensorSpec, create_placement
     from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy
 
     torch.set_num_threads(1)

@@ -186,9 +186,8 @@ def test_tuner_applies_the_planners_generation_batch_and_micro_batch(tokenizer, 
     import dataclasses
 
     from lightning_app_rlhf import planner
-
-    from lightning_app_rlhf.models import calls
     from lightning_app_rlhf.callbacks import PlacementTuner
+    from lightning_app_rlhf.models import calls
 
     real = planner.plan_placement
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
 import torch
 
 from lightning_app_rlhf.algorithms import functional

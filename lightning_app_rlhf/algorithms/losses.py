@@ -13,13 +13,13 @@ Every loss is one data-parallel shard's share of its minibatch: it divides by th
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.algorithms.functional import LossScale
 from lightning_app_rlhf.algorithms.registry import Registry
 from lightning_app_rlhf.core.config import PPOConfig
-
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(logprobs, old_logprobs, advantages, response_mask, scale, config, loss_agg_mode, ref_logprobs=None,

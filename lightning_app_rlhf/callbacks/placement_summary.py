@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 from typing_extensions import override
 
+from lightning_app_rlhf.core.role_table import CALLS, role_of
 from lightning_app_rlhf.parallel.memory import RoleMemory
 from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
-from lightning_app_rlhf.core.role_table import CALLS, role_of
 
 
 class PlacementSummary(Callback):

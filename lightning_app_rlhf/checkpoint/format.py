@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.core.role_table import ROLES, TRAINABLE_ROLES, role_of
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 
 CHECKSUM_KEY = "rlhf_checksum"

@@ -17,7 +17,7 @@ import itertools
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,12 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import Algorithm, LossScale
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
+from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
+from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, Step, iteration_steps
+from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
 from lightning_app_rlhf.models.calls import (
     Experience,
     critic_forward,
@@ -37,18 +42,17 @@ from lightning_app_rlhf.models.calls import (
     reward_forward,
     split_minibatches,
 )
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
-from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
-from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, Step, iteration_steps
+from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
 from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
-from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
-from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
 from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy, received_bytes
 from lightning_app_rlhf.parallel.wrappers import RoleWrapper
-from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL, SkippedUpdates, parameter_buckets
+from lightning_app_rlhf.parallel.wrappers.base import (
+    REALLOCATION_BUCKET_NUMEL,
+    SkippedUpdates,
+    parameter_buckets,
+)
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""

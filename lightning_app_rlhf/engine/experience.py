@@ -15,9 +15,9 @@ import torch
 from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
 from lightning_app_rlhf.algorithms.functional import kl_penalty
 from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
-from lightning_app_rlhf.models.calls import Experience, describe_nonfinite
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import Rollout
+from lightning_app_rlhf.models.calls import Experience, describe_nonfinite
 
 
 class RewardShaping:

@@ -15,9 +15,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.checkpoint.format import recv_state, send_state
-from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.core.role_table import ACTOR
 from lightning_app_rlhf.models.roles import ModelSpec, is_lora
+from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 
 
 def export_actor(

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD, role_of
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 
 FORWARD_ROLES = (REFERENCE.name, REWARD.name, CRITIC.name)
 """Roles whose forward call scores the rollout, in the order the engine runs them (``engine.FORWARD_OUTPUTS``)."""

@@ -28,7 +28,13 @@ from lightning_app_rlhf.generation.backend import (
     register_backend,
 )
 from lightning_app_rlhf.generation.eager import EagerBackend
-from lightning_app_rlhf.generation.rollout import Rollout, concat_rollouts, repeat_samples, row_chunks, sample_keys
+from lightning_app_rlhf.generation.rollout import (
+    Rollout,
+    concat_rollouts,
+    repeat_samples,
+    row_chunks,
+    sample_keys,
+)
 from lightning_app_rlhf.generation.sampling import (
     filter_probs,
     inverse_cdf_sample,

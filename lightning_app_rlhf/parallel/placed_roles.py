@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.core.role_table import ROLES
 from lightning_app_rlhf.models.roles import hold_in
+from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.parallel.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy
 from lightning_app_rlhf.parallel.wrappers import DDPWrapper, RoleWrapper, wrapper_class
 from lightning_app_rlhf.parallel.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_app_rlhf.core.wrapper_names import SHARDED_WRAPPERS
 from lightning_app_rlhf.parallel.heartbeat import keep_store_up, stopped_ranks
 from lightning_app_rlhf.parallel.plan import CALLS, PlacementPlan, flattening_plan
-from lightning_app_rlhf.core.wrapper_names import SHARDED_WRAPPERS
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 

@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.core.role_table import TRAINABLE_ROLES, role_of
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.wrappers.tensor_parallel import cut_tensor_parallel, family_tp_plan, hf_model
 
 INFERENCE_CALLS = ("actor.generate", "reference.forward", "reward.forward", "critic.forward")

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from lightning_app_rlhf.algorithms import ALGORITHMS
+from lightning_app_rlhf.core.role_table import CRITIC
 from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.parallel.wrappers import wrapper_class
 from lightning_app_rlhf.planner.cluster import Cluster, parse_cluster
 from lightning_app_rlhf.planner.cost_model import (
     CostModel,
@@ -33,8 +35,6 @@ from lightning_app_rlhf.planner.cost_model import (
 )
 from lightning_app_rlhf.planner.search import Candidate, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
-from lightning_app_rlhf.core.role_table import CRITIC
-from lightning_app_rlhf.parallel.wrappers import wrapper_class
 
 SWEEP_MODELS = ("llama-7b", "llama-13b", "llama-33b", "llama-65b")
 SWEEP_CLUSTERS = ("1x8xA100-80GB", "2x8xA100-80GB", "4x8xA100-80GB", "8x8xA100-80GB")

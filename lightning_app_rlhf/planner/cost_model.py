@@ -19,14 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, relayout_calls
 from lightning_app_rlhf.parallel.plan import PlacementPlan
-from lightning_app_rlhf.planner.cluster import Cluster
-from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
-from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL
+from lightning_app_rlhf.planner.cluster import Cluster
+from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
 if TYPE_CHECKING:
     from lightning_app_rlhf.planner.profiler import Profile

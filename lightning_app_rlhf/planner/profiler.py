@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.core.files import write_atomically
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
-from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
 
 if TYPE_CHECKING:
     import torch
@@ -534,9 +534,15 @@ def measure_shape(
     import torch
 
     from lightning_app_rlhf.algorithms import LossScale, build_algorithm
-    from lightning_app_rlhf.models.calls import Experience, critic_forward, critic_values, policy_logprobs, reference_forward
     from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
     from lightning_app_rlhf.generation import Rollout, generate, position_ids_from_mask
+    from lightning_app_rlhf.models.calls import (
+        Experience,
+        critic_forward,
+        critic_values,
+        policy_logprobs,
+        reference_forward,
+    )
     from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
     if shape.config is None:
@@ -712,8 +718,8 @@ def measure_reward_fn(
     """Seconds per sample of decoding and scoring with a Python reward function."""
     import torch
 
-    from lightning_app_rlhf.models.calls import reward_forward
     from lightning_app_rlhf.generation import Rollout
+    from lightning_app_rlhf.models.calls import reward_forward
 
     b, p, g = 32, workload.prompt_length, workload.generation_length
     sequences = torch.randint(3, len(tokenizer), (b, p + g))

@@ -20,12 +20,21 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from lightning_app_rlhf.core.role_table import (
+    ACTOR,
+    FROZEN_ROLES,
+    REFERENCE,
+    TRAINABLE_ROLES,
+    calls_of,
+    role_of,
+)
 from lightning_app_rlhf.parallel.plan import (
     PlacementPlan,
     flattening_plan,
     interleaving_plan,
     separation_plan,
 )
+from lightning_app_rlhf.parallel.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, available_wrappers
 from lightning_app_rlhf.planner.cluster import Cluster
 from lightning_app_rlhf.planner.cost_model import (
     CostModel,
@@ -35,8 +44,6 @@ from lightning_app_rlhf.planner.cost_model import (
 )
 from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
-from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, TRAINABLE_ROLES, calls_of, role_of
-from lightning_app_rlhf.parallel.wrappers import FROZEN_WRAPPERS, SHARDED_WRAPPERS, available_wrappers
 
 SEARCHES = ("app", "mcmc", "both", "presets")
 PRESETS = ("flattening", "interleaving", "separation")

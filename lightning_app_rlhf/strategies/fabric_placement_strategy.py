@@ -13,18 +13,15 @@ Registered in Fabric's registry as ``rlhf_flattening``, ``rlhf_interleaving`` an
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -38,13 +35,10 @@ from lightning_app_rlhf.checkpoint.format import (
     sharded_roles,
     verify,
 )
-from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, Placement
-from lightning_app_rlhf.parallel.plan import PlacementPlan
-from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
+from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.strategies.placement_setup import (
     PlacementProcesses,
     place,
-    start_distributed,
     wrap_roles,
 )
 from lightning_app_rlhf.strategies.placement_strategy import (
@@ -99,30 +93,12 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         checkpoint_io: Writes and reads checkpoint files. Default: :class:`AtomicCheckpointIO`.
     """
 
-    def __init__(
-        self,
-        plan: PlacementPlan | Callable[[int], PlacementPlan],
-        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: str | None = None,
-        threads_per_process: int | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision: Any = None,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision=precision,
-        )
-        self._set_placement_settings(plan, timeout, start_method, process_group_backend, threads_per_process)
-        self.placement: Placement | None = None
-        self._module: RLHFModule | None = None
-        self._optimizers: list[torch.optim.Optimizer] = []
+    multiprocessing_launcher = _MultiProcessingLauncher
+    subprocess_launcher = _SubprocessScriptLauncher
+    placement: Placement | None = None
+    """This rank's placement, once :meth:`setup_rlhf` built it."""
+    _module: RLHFModule | None = None
+    _optimizers: tuple[torch.optim.Optimizer, ...] = ()
 
     @property
     @override
@@ -131,23 +107,10 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        start_distributed(self.cluster_environment, self.root_device, self.num_processes,
-                          self._process_group_backend, self._threads_per_process, self._timeout)
+        self.set_world_ranks()
+        self._start_distributed()
 
     def setup_rlhf(self, fabric: Fabric, module: nn.Module) -> nn.Module:
         """Build the roles this rank holds, wrap each trainable role on its train group, and set up its optimizers
@@ -164,7 +127,7 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         fabric_module, *fabric_optimizers = fabric.setup(module, *optimizers) if optimizers else (fabric.setup(module),)
         module.fabric_schedulers = schedulers
         module.attach_optimizers(fabric_optimizers)
-        self._module, self._optimizers = module, [optimizer.optimizer for optimizer in fabric_optimizers]
+        self._module, self._optimizers = module, tuple(optimizer.optimizer for optimizer in fabric_optimizers)
         return fabric_module.module if hasattr(fabric_module, "module") else fabric_module
 
     @override
@@ -312,15 +275,3 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
     def all_reduce(self, tensor: torch.Tensor, group: Any | None = None, reduce_op: Any = "mean") -> torch.Tensor:
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]

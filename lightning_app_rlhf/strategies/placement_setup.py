@@ -6,13 +6,15 @@ import datetime
 import inspect
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lightning_app_rlhf.parallel.heartbeat import start_heartbeat
@@ -20,6 +22,7 @@ from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
+from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 
 def start_distributed(
@@ -41,33 +44,80 @@ def start_distributed(
 
 class PlacementProcesses:
     """What the Trainer's and Fabric's placement strategies share (two class trees, as in Lightning itself): their
-    settings, one process per device, and the placement they hand the module.
+    settings, one process per device, their world ranks and launcher, and the placement they hand the module.
 
     Args:
         plan: A plan, or a function from the world size (and the algorithm's ``roles``) to a plan.
         timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
-        start_method: ``popen`` re-runs the script per process; ``fork``/``spawn`` otherwise.
+        start_method: ``popen`` re-runs the script per process (the default, as DDP); ``fork``/``spawn`` for
+            notebooks and tests.
         process_group_backend: ``gloo``/``nccl``; default by device.
         threads_per_process: CPU threads per process (default: cores / local processes).
+        checkpoint_io: Writes and reads checkpoint files. Default: :class:`AtomicCheckpointIO` (local files written in
+            place, atomically, without a copy of the whole file in memory).
+        **strategy_arguments: The Trainer's or Fabric's ``ParallelStrategy`` arguments (``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``precision_plugin`` or ``precision``).
     """
 
     parallel_devices: list[torch.device] | None
     local_rank: int
+    node_rank: int
+    global_rank: int
+    cluster_environment: Any
+    multiprocessing_launcher: Any
+    """The launcher of ``start_method`` ``fork``/``spawn``/``forkserver`` (the Trainer's or Fabric's)."""
+    subprocess_launcher: Any
+    """The launcher of ``start_method="popen"`` (the Trainer's or Fabric's)."""
 
-    def _set_placement_settings(
+    def __init__(
         self,
-        plan: PlacementPlan | Callable[..., PlacementPlan] | None,
+        plan: PlacementPlan | Callable[..., PlacementPlan] | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
-        start_method: str = "popen",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         threads_per_process: int | None = None,
+        checkpoint_io: Any = None,
+        **strategy_arguments: Any,
     ) -> None:
+        super().__init__(checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+                         **strategy_arguments)
         self._plan = plan
         self._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._threads_per_process = threads_per_process
         self._num_nodes = 1
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = self.subprocess_launcher(self.cluster_environment, self.num_processes,
+                                                          self.num_nodes)
+        else:
+            self._launcher = self.multiprocessing_launcher(self, start_method=self._start_method)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    def _start_distributed(self) -> None:
+        """Initialise torch.distributed and this rank's heartbeat (:func:`start_distributed`)."""
+        start_distributed(self.cluster_environment, self.root_device, self.num_processes, self._process_group_backend,
+                          self._threads_per_process, self._timeout)
 
     @property
     def root_device(self) -> torch.device:

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_app_rlhf.checkpoint.format import (
@@ -37,16 +33,15 @@ from lightning_app_rlhf.checkpoint.format import (
     sharded_roles,
     verify,
 )
-from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
-from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
-from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
-from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
+from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
+from lightning_app_rlhf.parallel.placement import create_placement
+from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.strategies.placement_launcher import PlacementMultiProcessingLauncher
 from lightning_app_rlhf.strategies.placement_setup import (
     PlacementProcesses,
     place,
-    start_distributed,
     wrap_roles,
 )
 from lightning_app_rlhf.strategies.sharded_checkpoint import (
@@ -61,7 +56,6 @@ from lightning_app_rlhf.strategies.sharded_checkpoint import (
     staging_directory,
 )
 from lightning_app_rlhf.strategies.signal_connector import use_placement_signal_connector
-from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 
 
 class PlacementStrategy(PlacementProcesses, ParallelStrategy):
@@ -87,29 +81,11 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
 
     strategy_name = "rlhf_placement"
 
-    def __init__(
-        self,
-        plan: PlacementPlan | Callable[[int], PlacementPlan] | None = None,
-        timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: str | None = None,
-        threads_per_process: int | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
-            precision_plugin=precision_plugin,
-        )
-        self._set_placement_settings(plan, timeout, start_method, process_group_backend, threads_per_process)
-        self.placement_plan: PlacementPlan | None = None
-        self._pending_restore: PendingRestore | None = None
+    multiprocessing_launcher = PlacementMultiProcessingLauncher
+    subprocess_launcher = _SubprocessScriptLauncher
+    placement_plan: PlacementPlan | None = None
+    """The plan in force (set in ``setup_environment``, or by :meth:`apply_plan`)."""
+    _pending_restore: PendingRestore | None = None
 
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
         """The plan for this world size and the algorithm's ``roles``. Presets override this."""
@@ -123,23 +99,13 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
     # are identical on every rank, so `self.log(sync_dist=True)` is never needed.
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = PlacementMultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
         module = self.lightning_module
         if not hasattr(module, "placed_roles"):
             raise TypeError(f"{type(self).__name__} runs an RLHFModule; got {type(module).__name__}.")
-        start_distributed(self.cluster_environment, self.root_device, self.num_processes,
-                          self._process_group_backend, self._threads_per_process, self._timeout)
+        self._start_distributed()
         module.placed_roles = place(self.build_plan, module, self.world_size, self.global_rank, self.root_device,
                                     self._timeout)
         self.placement_plan = module.placed_roles.placement.plan
@@ -159,13 +125,6 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
         check_tensor_parallel(plan)
         module.placed_roles = PlacedRoles(create_placement(plan, self.global_rank, self.root_device, self._timeout))
         self.placement_plan = plan
-
-    @override
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -238,19 +197,6 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

@@ -6,8 +6,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_app_rlhf.parallel.plan import PlacementPlan, separation_plan
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
+from lightning_app_rlhf.parallel.plan import PlacementPlan, separation_plan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 

@@ -4,7 +4,12 @@ the planner's cost model and its search space; the plan validates against its na
 
 from __future__ import annotations
 
-from lightning_app_rlhf.core.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper, is_available
+from lightning_app_rlhf.core.wrapper_names import (
+    FROZEN_WRAPPERS,
+    SHARDED_WRAPPERS,
+    check_wrapper,
+    is_available,
+)
 from lightning_app_rlhf.parallel.wrappers.base import RoleWrapper, optimizer_slots
 from lightning_app_rlhf.parallel.wrappers.ddp import DDPWrapper
 from lightning_app_rlhf.parallel.wrappers.deepspeed_zero import Zero1Wrapper, Zero2Wrapper, Zero3Wrapper

@@ -26,7 +26,11 @@ from lightning_app_rlhf.parallel.wrappers.base import (
     optimizer_slots,
     parameter_buckets,
 )
-from lightning_app_rlhf.parallel.wrappers.sharded_io import DEEPSPEED_TAG, deepspeed_load, weights_only_deepspeed
+from lightning_app_rlhf.parallel.wrappers.sharded_io import (
+    DEEPSPEED_TAG,
+    deepspeed_load,
+    weights_only_deepspeed,
+)
 
 ALIGNMENT = 2
 """ZeRO-1/2 pad a role's flat parameter buffer to a multiple of ``ALIGNMENT x ranks`` elements (DeepSpeed's

@@ -12,7 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from typing_extensions import override
 
-from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL, RoleWrapper, parameter_buckets
+from lightning_app_rlhf.parallel.wrappers.base import (
+    REALLOCATION_BUCKET_NUMEL,
+    RoleWrapper,
+    parameter_buckets,
+)
 
 
 class FSDP2Wrapper(RoleWrapper):
