@@ -2,7 +2,7 @@
 
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
-from lightning_app_rlhf.engine.engine import DivergenceError
+from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.models.calls import RewardFunctionError
 from lightning_app_rlhf.models.roles import ModelSpec, ValueModel
 from lightning_app_rlhf.module import RLHFModule

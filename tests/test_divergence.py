@@ -19,9 +19,9 @@ from helpers import run_ranks
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.engine.engine import (
+from lightning_app_rlhf.engine.engine import SKIPPED_UPDATES
+from lightning_app_rlhf.engine.update_guard import (
     GRAD_NORM,
-    SKIPPED_UPDATES,
     DivergenceError,
     divergence_message,
     first_nonfinite,

@@ -634,7 +634,8 @@ def test_engine_generate_stops_at_generation_config_ids(tokenizer):
     from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 
     generation = GenerationConfig(max_new_tokens=5, top_k=1, stop_token_ids=[7])
-    engine = RLHFEngine(placed=PlacedRoles.single_process(torch.device("cpu"), ("actor",)), algorithm=None,
+    engine = RLHFEngine(placed=PlacedRoles.single_process(torch.device("cpu"), ("actor", "reference", "reward")),
+                        algorithm=None,
                         generation=generation, config=None, tokenizer=tokenizer, shaping=None,
                         modules=lambda role: model, reward_fn=None, seed=0)
     batch = {"input_ids": torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]]),

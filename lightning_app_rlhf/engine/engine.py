@@ -31,6 +31,15 @@ from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
 from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
 from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, Step, iteration_steps
+from lightning_app_rlhf.engine.update_guard import (
+    GRAD_NORM,
+    LOSS_TERMS,
+    DivergenceError,
+    divergence_message,
+    first_nonfinite,
+    record_update,
+    skip_message,
+)
 from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
 from lightning_app_rlhf.models.calls import (
     Experience,
@@ -46,13 +55,9 @@ from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunc
 from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
+from lightning_app_rlhf.parallel.reallocation import shadow_buckets, trained_buckets
 from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy, received_bytes
 from lightning_app_rlhf.parallel.wrappers import RoleWrapper
-from lightning_app_rlhf.parallel.wrappers.base import (
-    REALLOCATION_BUCKET_NUMEL,
-    SkippedUpdates,
-    parameter_buckets,
-)
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""
@@ -60,16 +65,6 @@ SKIPPED_UPDATES = "train/skipped_updates"
 """A train call's statistic: its optimizer updates skipped in the iteration (a non-finite loss or gradient norm)."""
 _DIVERGED = "train/diverged"
 """Sent with a train call's statistics, so that every rank raises the :class:`DivergenceError`, not only its group."""
-LOSS_TERMS = {"policy/loss": "policy loss", "policy/kl_loss": "kl loss", "value/loss": "value loss",
-              "loss": "total loss"}
-"""Loss statistics the guard checks, in this order, and their names in messages (``loss``: what backward ran on)."""
-GRAD_NORM = "gradient norm"
-"""The gradient norm's name among the guard's values and in its messages."""
-
-
-class DivergenceError(RuntimeError):
-    """A role's updates were skipped ``ppo.max_consecutive_skipped_updates`` times in a row because its loss or
-    gradient norm was NaN or infinite, or a wrapper applied such an update that it could not skip."""
 
 
 @dataclass
@@ -591,21 +586,6 @@ class RLHFEngine:
         return everyone
 
 
-def trained_buckets(wrapper: RoleWrapper, shadow_precision: str | None) -> Iterator[list[torch.Tensor]]:
-    """A trained role's weights, whole, a bucket at a time from its wrapper (a gather per bucket when sharded), in
-    its shadows' precision: what :meth:`Placement.reallocate_weights` sends to them."""
-    for bucket in wrapper.full_parameter_buckets():
-        if shadow_precision == "bf16-true":  # bf16 shadows: round here, send half the bytes
-            bucket = [p.detach().to(torch.bfloat16) for p in bucket]
-        yield bucket
-
-
-def shadow_buckets(shadow: nn.Module) -> list[list[torch.Tensor]]:
-    """A shadow's trainable parameters in the buckets its train leader sends (:func:`trained_buckets`)."""
-    params = [p for p in shadow.parameters() if p.requires_grad]
-    return [params[bucket] for bucket in parameter_buckets(params, REALLOCATION_BUCKET_NUMEL)]
-
-
 @dataclass
 class IterationResult:
     """What one iteration hands back to its caller, the same on every rank."""
@@ -693,64 +673,3 @@ class KeptValues:
     """This rank's rows of the rollout (its ``critic.forward`` shard)."""
     values: torch.Tensor
     """[rows, T] unmasked values, with gradients."""
-
-
-# ---- the guard against non-finite updates ----
-
-
-def first_nonfinite(values: Mapping[str, float]) -> str | None:
-    """The name of the first of ``values`` that is NaN or infinite, in order; None when all are finite (the update
-    may step)."""
-    return next((name for name, value in values.items() if not math.isfinite(value)), None)
-
-
-def record_update(
-    record: SkippedUpdates, values: Mapping[str, float], where: str, reason: str | None, stepped: bool, limit: int
-) -> bool:
-    """Count one update of a role in ``record``; True when the role must stop.
-
-    Args:
-        record: The role's skipped updates in a row and last finite values, updated in place.
-        values: The update's loss terms and gradient norm, by name.
-        where: Where the update was (iteration, epoch, minibatch).
-        reason: The name of the value that was not finite; None for a clean update.
-        stepped: Whether the optimizer stepped.
-        limit: ``ppo.max_consecutive_skipped_updates``.
-
-    Returns:
-        True after ``limit`` skips in a row, or when a non-finite update was applied (it could not be skipped).
-    """
-    record.last_finite.update({name: value for name, value in values.items() if math.isfinite(value)})
-    if reason is None:
-        record.in_a_row, record.last_step = 0, where
-        return False
-    if stepped:
-        return True
-    record.in_a_row += 1
-    return record.in_a_row >= limit
-
-
-def skip_message(role: str, reason: str, value: float, where: str, in_a_row: int, limit: int) -> str:
-    """The warning of one skipped update."""
-    return (f"Skipped the {role}'s update at {where}: its {reason} is {value:g}. Its gradients were zeroed; its "
-            f"weights and optimizer state are unchanged. Skip {in_a_row} in a row of "
-            f"ppo.max_consecutive_skipped_updates={limit}, after which the run stops.")
-
-
-def divergence_message(
-    role: str, reason: str, value: float, where: str, record: SkippedUpdates, limit: int, applied_by: str | None
-) -> str:
-    """The :class:`DivergenceError`'s message: what diverged, where, the last finite values and the fixes."""
-    if applied_by is None:
-        what = (f"The {role} diverged: {record.in_a_row} updates in a row were skipped "
-                f"(ppo.max_consecutive_skipped_updates={limit}), the last at {where}, where its {reason} was "
-                f"{value:g}.")
-    else:
-        what = (f"The {role} diverged: its {reason} was {value:g} at {where}, and its wrapper {applied_by!r} applied "
-                "that update (DeepSpeed decides inside its step), so its weights may hold NaN: resume from the last "
-                "checkpoint.")
-    finite = ", ".join(f"{name} {v:.6g}" for name, v in record.last_finite.items()) or "none"
-    last = f"the last update that stepped was at {record.last_step}" if record.last_step else "no update stepped yet"
-    return (f"{what} Last finite values: {finite}; {last}. Lower the {role}'s learning rate ({role}_optimizer), "
-            f"clip harder (a smaller ppo.max_grad_norm), or check the rewards for huge or non-finite scores "
-            f"(ppo.reward_clip, ppo.reward_norm).")

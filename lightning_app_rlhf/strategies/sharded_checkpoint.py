@@ -36,7 +36,7 @@ from lightning_app_rlhf.checkpoint.format import (
 )
 from lightning_app_rlhf.core.files import remove_path, replace_atomically
 from lightning_app_rlhf.core.role_table import ROLES, TRAINABLE_ROLES
-from lightning_app_rlhf.engine.engine import shadow_buckets, trained_buckets
+from lightning_app_rlhf.parallel.reallocation import shadow_buckets, trained_buckets
 from lightning_app_rlhf.parallel.wrappers.sharded_io import load_dcp, load_full
 
 
