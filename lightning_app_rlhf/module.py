@@ -165,6 +165,8 @@ class RLHFModule(pl.LightningModule):
             self._engine = RLHFEngine(placed, self.algorithm, self.generation, self.ppo, self.tokenizer, self.shaping,
                                       self.role_module, self.reward_fn, self.seed, self.role_precisions(),
                                       self.specs.shadow_precisions())
+        # What a resume (the checkpoint's seed) or another Trainer (its precision) may have changed since.
+        self._engine.seed, self._engine.precisions = self.seed, self.role_precisions()
         return self._engine
 
     def _placed(self) -> PlacedRoles:
@@ -189,9 +191,6 @@ class RLHFModule(pl.LightningModule):
         run = self.trainer.precision if self._trainer is not None else "32-true"
         run = self._fabric.strategy.precision.precision if self._fabric is not None else run
         return self.specs.precisions(self.algorithm.trainable_roles, run)
-
-    def shadow_precisions(self) -> dict[str, str]:
-        return self.specs.shadow_precisions()
 
     # ---- set-up: validation once, models, optimizers, callbacks ----
 

@@ -168,4 +168,4 @@ def place(
 def wrap_roles(module: nn.Module, device: torch.device) -> None:
     """Wrap the roles of ``module`` that this rank holds, by its plan (:meth:`PlacedRoles.wrap`): after its models
     are built, before its optimizers (FSDP2 replaces parameters)."""
-    module.placed_roles.wrap(module.role_module, module.trained_roles(), module.shadow_precisions(), device)
+    module.placed_roles.wrap(module.role_module, module.trained_roles(), module.specs.shadow_precisions(), device)

@@ -164,7 +164,7 @@ def restore_special_roles(module: Any, restore: PendingRestore, checkpoint: dict
             continue
         if placement.runs(f"{role}.train"):
             placement.reallocate_weights(role, trained_buckets(module.placed_roles.wrappers[role],
-                                                                module.shadow_precisions().get(role)))
+                                                                module.specs.shadow_precisions().get(role)))
         elif placement.rank in placement.plan.shadow_ranks(role):
             placement.reallocate_weights(role, shadow_buckets(module.role_module(role)))
     restore.done = True
