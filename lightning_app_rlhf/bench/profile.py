@@ -14,14 +14,27 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_app_rlhf.bench.presets import RunSettings
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.role_table import ACTOR
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import build_tokenizer, prompts
-from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.engine.engine import IterationState, RLHFEngine
+from lightning_app_rlhf.engine.iteration import Step
 from lightning_app_rlhf.module import RLHFModule
 
-ENGINE_PHASES = {"generate": "generate_shard", "score": "score_rollout"}
-"""Phase -> the RLHFEngine method that runs it; the train phase is RLHFModule._train (every train call)."""
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+
+
+def step_phase(step: Step) -> str | None:
+    """The phase a step of the iteration belongs to: ``generate`` (the actor's call), ``score`` (the forward calls
+    and their gathers, which end in the advantages), ``train`` (the train calls and their statistics); None for the
+    rest (the rollout's gather, reallocations, learning rates)."""
+    if step.name == ACTOR.call("generate"):
+        return "generate" if step.kind == "call" else None
+    if step.name.endswith(".forward"):
+        return "score"
+    if step.name.endswith(".train") and (step.kind == "call" or step.what == "stats"):
+        return "train"
+    return None
 
 
 def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
@@ -35,55 +48,46 @@ def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
         generation=GenerationConfig(max_new_tokens=settings.new_tokens),
         ppo=PPOConfig(ppo_epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches),
     )
-    recorder = _PhaseProfiler(at_iteration=settings.warmup)
-    module._train = recorder.wrap("train", module._train)
-    originals = {method: getattr(RLHFEngine, method) for method in ENGINE_PHASES.values()}
-    for phase, method in ENGINE_PHASES.items():
-        setattr(RLHFEngine, method, recorder.wrap(phase, originals[method]))
+    phases: dict[str, tuple[dict[str, list[float]], float]] = {}
+    run_step = RLHFEngine._run_step
+
+    def profiled(engine: RLHFEngine, step: Step, state: IterationState, *args: Any) -> None:
+        phase = step_phase(step)
+        if phase is None or state.iteration != settings.warmup:
+            return run_step(engine, step, state, *args)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            run_step(engine, step, state, *args)
+            wall = time.perf_counter() - start
+        ops, total = phases.get(phase, ({}, 0.0))
+        for event in prof.key_averages():
+            op = ops.setdefault(event.key, [0.0, 0])
+            op[0] += event.self_cpu_time_total
+            op[1] += event.count
+        phases[phase] = (ops, total + wall)
+        return None
+
+    RLHFEngine._run_step = profiled
     try:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=settings.warmup + 1,
                              precision=settings.precision, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=settings.batch_size))
     finally:
-        for method, original in originals.items():
-            setattr(RLHFEngine, method, original)
-    return {phase: _summarize(events, wall, top) for phase, (events, wall) in recorder.phases.items()}
+        RLHFEngine._run_step = run_step
+    return {phase: _summarize(ops, wall, top) for phase, (ops, wall) in phases.items()}
 
 
-class _PhaseProfiler:
-    def __init__(self, at_iteration: int) -> None:
-        self.at_iteration = at_iteration
-        self.iteration = 0
-        self.phases: dict[str, tuple[Any, float]] = {}
-
-    def wrap(self, phase: str, method: Any) -> Any:
-        def profiled(*args: Any, **kwargs: Any) -> Any:
-            if self.iteration != self.at_iteration:
-                if phase == "train":
-                    self.iteration += 1
-                return method(*args, **kwargs)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                start = time.perf_counter()
-                out = method(*args, **kwargs)
-                wall = time.perf_counter() - start
-            self.phases[phase] = (prof.key_averages(), wall)
-            if phase == "train":
-                self.iteration += 1
-            return out
-
-        return profiled
-
-
-def _summarize(events: Any, wall: float, top: int) -> dict[str, Any]:
-    rows = sorted(events, key=lambda e: -e.self_cpu_time_total)
-    total_us = sum(e.self_cpu_time_total for e in rows)
-    matmul_us = sum(e.self_cpu_time_total for e in rows if e.key in MATMUL_OPS)
+def _summarize(ops: dict[str, list[float]], wall: float, top: int) -> dict[str, Any]:
+    """A phase's wall time, its matmul share of op time and its heaviest ops, from ``op -> [self us, calls]``."""
+    rows = sorted(ops.items(), key=lambda item: -item[1][0])
+    total_us = sum(us for us, _ in ops.values())
+    matmul_us = sum(us for op, (us, _) in rows if op in MATMUL_OPS)
     return {
         "wall_s": wall,
         "profiled_cpu_s": total_us / 1e6,
         "matmul_share": matmul_us / total_us if total_us else 0.0,
-        "top_ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in rows[:top]],
+        "top_ops": [{"op": op, "self_s": us / 1e6, "calls": int(calls)} for op, (us, calls) in rows[:top]],
     }
 
 

@@ -122,9 +122,9 @@ class RLHFEngine:
     def run_iteration(
         self, batch: dict[str, Any], iteration: int, schedulers: Iterable[Any] = ()
     ) -> IterationResult:
-        """One iteration on the prompts of ``batch``: this rank takes the steps of
-        :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` whose ranks include it, in order. A collective on every
-        rank of its step.
+        """One iteration on the prompts of ``batch``: this rank takes, in order, the steps of
+        :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` whose ranks include it. Each step is a
+        collective on its ranks.
 
         Args:
             batch: The global batch of prompts (every rank has all of it); each is sampled ``generation.num_samples``
@@ -183,8 +183,8 @@ class RLHFEngine:
             state.forwards[role] = self.forward_shard(role, state.rollout, state.batch.get("fields"), state.iteration)
         elif step.kind == "gather":
             name, ndim = FORWARD_OUTPUTS[role]
-            out = self.placement.gather_to_world(step.name, state.forwards.get(role), {name: TensorSpec(torch.float32,
-                                                                                                        ndim)})
+            spec = {name: TensorSpec(torch.float32, ndim)}
+            out = self.placement.gather_to_world(step.name, state.forwards.get(role), spec)
             state.gathered[role] = out[name][:, : state.rollout.response_mask.shape[1]] if ndim == 2 else out[name]
             if len(state.gathered) == sum(r in self.placement.plan.roles for r in FORWARD_ROLES):
                 self._make_experience(state)
