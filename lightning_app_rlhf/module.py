@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_app_rlhf import module_checkpoint
 from lightning_app_rlhf.algorithms import build_algorithm
+from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.callbacks import PlacementSummary, PreemptionCheckpoint, RLHFProgressBar
 from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
@@ -154,6 +155,16 @@ class RLHFModule(pl.LightningModule):
     @property
     def has_critic(self) -> bool:
         return CRITIC.name in self.algorithm.roles
+
+    @property
+    def kl_controller(self) -> AdaptiveKLController | FixedKLController:
+        """The KL coefficient in the reward (``kl_controller.value``), fixed or adaptive."""
+        return self.shaping.kl_controller
+
+    @property
+    def reward_moments(self) -> RunningMoments:
+        """The running reward statistics of ``ppo.reward_norm`` (``mean``, ``std``, ``count``)."""
+        return self.shaping.reward_moments
 
     @property
     def engine(self) -> RLHFEngine:
