@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import fit_demo, run_ranks
 from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 from torch.testing import assert_close
@@ -213,7 +212,7 @@ def test_decode_harness_times_every_decoder_on_full_length_rows():
 # ---- a lockstep group (sharded model): ranks with different row counts stay paired ----
 
 
-def _lockstep_ranks(rank: int, world: int, port: int, out: str) -> None:
+def _lockstep_ranks(rank: int, port: int, world: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     model = build("gpt2", bias=2.0)
@@ -235,22 +234,7 @@ def _lockstep_ranks(rank: int, world: int, port: int, out: str) -> None:
 def test_static_in_a_lockstep_group_matches_eager(tmp_path):
     """2 gloo processes sharing a lockstep group (as FSDP2 ranks do), 5 and 2 rows in chunks of 2: rank 1 takes part
     in the third chunk with a stand-in row. Both backends stay paired and give the same rollouts."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.start_processes(_lockstep_ranks, args=(2, port, str(tmp_path)), nprocs=2, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + 120
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("The lockstep generation did not finish in 120 s (ranks out of step?).")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_lockstep_ranks, 2, 2, str(tmp_path), timeout=120)
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["static"]["sequences"] == result["eager"]["sequences"]
@@ -266,9 +250,7 @@ def test_static_in_a_lockstep_group_matches_eager(tmp_path):
 @pytest.fixture(scope="module")
 def eager_one_process(tmp_path_factory):
     """The PPO demo on one process with ``eager``: the trajectory every placement logs."""
-    from test_placements import run_demo
-
-    return run_demo(tmp_path_factory.mktemp("eager"), "eager", steps=2)
+    return fit_demo(tmp_path_factory.mktemp("eager"), "eager", steps=2)
 
 
 FSDP2_FLATTENING = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.wrapper", "fsdp2")
@@ -282,9 +264,9 @@ FSDP2_FLATTENING = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--train
 ])
 def test_static_backend_keeps_every_placements_trajectory(tmp_path, eager_one_process, strategy):
     """``generation.backend: static`` on 2 processes logs, step by step, the values eager logs on one process."""
-    from test_placements import COMPARED, run_demo
+    from test_placements import COMPARED
 
-    rows = run_demo(tmp_path, "static", "--trainer.devices", "2", "--trainer.strategy", *strategy,
+    rows = fit_demo(tmp_path, "static", "--trainer.devices", "2", "--trainer.strategy", *strategy,
                     "--model.generation.backend", "static", steps=2)
     got = [r for r in rows if "reward/mean" in r]
     want = [r for r in eager_one_process if "reward/mean" in r]
