@@ -123,17 +123,10 @@ class RLHFModule(pl.LightningModule):
                                                    num_samples=1, **({} if eval_generation else {"do_sample": False}))
         self.ppo = _as_config(PPOConfig, ppo)
         self.algorithm = build_algorithm(algorithm, self.ppo, self.generation)
-        if self.ppo.scale_rewards != "group" and self.algorithm.name != "grpo":
-            raise ValueError(f"ppo.scale_rewards={self.ppo.scale_rewards!r} applies to algorithm 'grpo' only, not "
-                             f"{self.algorithm.name!r}: remove it, or use --model.algorithm grpo.")
         self.specs = RoleSpecs.from_arguments(actor, critic, reference, reward_model, reward_fn, self.algorithm.name,
                                               self.has_critic, critic_optimizer, critic_scheduler)
         self.reward_fn: RewardFunction | None = resolve_import(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
-        if reward_model is not None and self.tokenizer.pad_token_id == self.tokenizer.eos_token_id:
-            warnings.warn("The tokenizer's pad token is its EOS token: Hugging Face sequence classifiers skip trailing "
-                          "pad ids, so the reward model scores the token before EOS. Add a distinct pad token if "
-                          "the reward model was trained to read EOS.")
         # Named `{role}_optimizer` / `{role}_scheduler`, as the arguments: configure_optimizers finds them by role.
         self.actor_optimizer = actor_optimizer or _default_optimizer
         self.critic_optimizer = (critic_optimizer or _default_optimizer) if self.has_critic else None
@@ -409,16 +402,9 @@ class RLHFModule(pl.LightningModule):
         module_checkpoint.load_rlhf_state(self, checkpoint, self.trainer.ckpt_path if self._trainer else None)
 
     def export_actor(self, directory: str | os.PathLike[str], merge: bool = True) -> Path | None:
-        """Save the trained actor and the tokenizer in Hugging Face format: call it on every rank; the lowest rank of
-        ``actor.train`` writes and returns the directory, the others return None (a sharded actor is gathered over
-        its train group first).
-
-        Args:
-            directory: Where to write; created if missing.
-            merge: ``True``: full weights with any LoRA adapter merged in, for
-                ``AutoModelForCausalLM.from_pretrained(directory)``. ``False``: the LoRA adapter alone, for
-                ``PeftModel.from_pretrained(base_model, directory)``; needs a LoRA actor.
-        """
+        """Save the trained actor and the tokenizer in Hugging Face format (:func:`~lightning_app_rlhf.engine.export.
+        export_actor`): call it on every rank; the lowest rank of ``actor.train`` writes and returns ``directory``.
+        ``merge=False`` saves a LoRA actor's adapter alone."""
         return export.export_actor(self.role_module, self.specs.actor, self._placed(), self.tokenizer, directory,
                                    merge)
 

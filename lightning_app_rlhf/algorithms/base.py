@@ -172,4 +172,8 @@ def build_algorithm(name: str, config: PPOConfig, generation: GenerationConfig) 
         config: Hyper-parameters of the update.
         generation: Sampling settings.
     """
-    return ALGORITHMS.lookup(name)(config, generation)
+    algorithm = ALGORITHMS.lookup(name)(config, generation)
+    if config.scale_rewards != "group" and algorithm.name != "grpo":
+        raise ValueError(f"ppo.scale_rewards={config.scale_rewards!r} applies to algorithm 'grpo' only, not "
+                         f"{algorithm.name!r}: remove it, or use --model.algorithm grpo.")
+    return algorithm

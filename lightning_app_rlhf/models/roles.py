@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -478,10 +479,15 @@ def check_vocabularies(
     critic: nn.Module | None,
     reward_model: nn.Module | None,
 ) -> None:
-    """Every role reads the actor's tokens: the reference must share its vocabulary, the rest must cover it.
+    """Every role reads the actor's tokens: the reference must share its vocabulary, the rest must cover it; a reward
+    model must find each sequence's end.
 
     Roles this rank does not hold are None and skipped.
     """
+    if reward_model is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        warnings.warn("The tokenizer's pad token is its EOS token: Hugging Face sequence classifiers skip trailing "
+                      "pad ids, so the reward model scores the token before EOS. Add a distinct pad token if "
+                      "the reward model was trained to read EOS.")
     policy = actor if actor is not None else reference
     if policy is None:
         return
