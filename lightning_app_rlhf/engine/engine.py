@@ -17,7 +17,7 @@ import itertools
 import math
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,7 +146,7 @@ class RLHFEngine:
         for step in iteration_steps(plan, first=plan.overlap and previous is None):
             if self.placement.rank in step.ranks:
                 self._run_step(step, state, previous, schedulers)
-            state.mark(step, self._now())
+            state.mark(step, self._now)
         assert state.rollout is not None and state.experience is not None
         if plan.overlap:
             self.pending_experience = state.experience
@@ -634,17 +634,18 @@ class IterationState:
         self.stats.update(stats)
         self.trained_on = experience
 
-    def mark(self, step: Step, now: float) -> None:
-        """The time after ``step`` (taken or not by this rank): the end of its phase so far."""
+    def mark(self, step: Step, clock: Callable[[], float]) -> None:
+        """The time after ``step`` (taken or not by this rank) where it ends a phase so far; the clock (a device
+        sync on CUDA) is read only then."""
         if step.kind == "call" and step.name == ACTOR.call("generate"):
-            self.marks["generated"] = now
+            self.marks["generated"] = clock()
         elif step.kind == "gather" and step.name != ACTOR.call("generate"):
-            self.marks["scored"] = now
+            self.marks["scored"] = clock()
         elif step.kind == "broadcast" and step.what == "stats":
-            self.marks["trained"] = now
+            self.marks["trained"] = clock()
         elif step.kind == "reallocate":
-            self.marks["reallocated"] = now
-        elif step.kind == "broadcast" and step.what == "lr":
+            self.marks["reallocated"] = clock()
+        elif step.kind == "broadcast" and step.what == "lr":  # no reallocation this iteration: it took no time
             self.marks.setdefault("reallocated", max(self.marks.get("trained", 0.0), self.marks["scored"]))
 
     def timings(self, overlap: bool, samples: int, tokens: float) -> dict[str, float]:

@@ -11,7 +11,6 @@ import contextlib
 import datetime
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,9 +69,6 @@ class Placement:
         self.reallocation_groups = reallocation_groups or {}
         self.tp_groups = tp_groups or {}
         self.dp_groups = dp_groups or {}
-        self.tp_copies: dict[str, Any] = {}
-        """Call name -> this rank's :class:`~lightning_app_rlhf.parallel.tensor_parallel.TensorParallelCopy` of its role, for
-        the calls with a tensor-parallel degree above 1 that this rank runs (built by the strategy's set-up)."""
 
     @classmethod
     def single_process(cls, device: torch.device | None = None, roles: tuple[str, ...] | None = None) -> Placement:
