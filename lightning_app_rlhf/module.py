@@ -1,39 +1,28 @@
-"""``RLHFModule``: an RLHF algorithm over its roles as a LightningModule, the Lightning glue around the engine.
-
-One ``training_step`` is one iteration, run by :meth:`~lightning_app_rlhf.engine.engine.RLHFEngine.run_iteration`; this
-class binds it to the Trainer and Fabric: hooks, optimizers and schedulers, logging, checkpoint hooks. The models
-come from :class:`~lightning_app_rlhf.models.role_specs.RoleSpecs`, their placement from a strategy
-(:class:`~lightning_app_rlhf.parallel.placed_roles.PlacedRoles`), the checkpoint state from
-:mod:`~lightning_app_rlhf.module_checkpoint`, the export from :mod:`~lightning_app_rlhf.engine.export`.
-"""
+"""``RLHFModule``: the Lightning glue around the engine. One ``training_step`` is one iteration, run by
+:meth:`~lightning_app_rlhf.engine.engine.RLHFEngine.run_iteration` over the roles a strategy placed
+(:class:`~lightning_app_rlhf.parallel.placed_roles.PlacedRoles`); models come from
+:class:`~lightning_app_rlhf.models.role_specs.RoleSpecs`, checkpoint state from
+:mod:`~lightning_app_rlhf.module_checkpoint`, the Trainer's checks, callbacks and logging from
+:mod:`~lightning_app_rlhf.module_trainer`."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor, RichProgressBar
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_app_rlhf import module_checkpoint
+from lightning_app_rlhf import module_checkpoint, module_trainer
 from lightning_app_rlhf.algorithms import build_algorithm
-from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
-from lightning_app_rlhf.callbacks import PlacementSummary, PreemptionCheckpoint, RLHFProgressBar
-from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig, as_config
 from lightning_app_rlhf.core.role_table import CRITIC, ROLES
 from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.engine.engine import RLHFEngine
@@ -43,20 +32,6 @@ from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
 from lightning_app_rlhf.models.roles import RewardFunction, check_vocabularies, load_tokenizer, resolve_import
 from lightning_app_rlhf.parallel.memory import RoleMemory
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
-from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
-
-EPOCH_METRICS = ("reward/mean", "kl/mean", "response/length_mean")
-"""Also logged as ``{name}_epoch``: the mean over the epoch's iterations, for ``ModelCheckpoint`` and
-``EarlyStopping`` to judge the epoch rather than its last batch."""
-EPOCH_SYNC_ADVICE = (r"It is recommended to use `self\.log\('((val|test)/(reward/mean|response/length_mean)|"
-                     r"(reward/mean|kl/mean|response/length_mean)_epoch)', \.\.\., sync_dist=True\)`")
-"""Lightning's warning about our epoch metrics, which are equal on every rank (silenced in :meth:`RLHFModule.setup`)."""
-LR_FINDER_REFUSAL = (
-    "lr_find / LearningRateFinder does not apply to RLHF: its sweep reads the lr off a loss curve, and an RLHF loss is "
-    "measured on rollouts the policy itself keeps changing, so its minimum says nothing about the lr. Set the lr in "
-    "the optimizers (model.actor_optimizer, model.critic_optimizer) and watch reward/mean and kl/mean. For batch "
-    "sizes, Tuner.scale_batch_size scales data.batch_size, and the PlacementTuner callback picks the generation and "
-    "micro-batch sizes per placement.")
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -118,10 +93,9 @@ class RLHFModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters(module_checkpoint.plain_hyperparameters(locals()))
         self.automatic_optimization = False
-        self.generation = _as_config(GenerationConfig, generation)
-        self.eval_generation = dataclasses.replace(_as_config(GenerationConfig, eval_generation or generation),
-                                                   num_samples=1, **({} if eval_generation else {"do_sample": False}))
-        self.ppo = _as_config(PPOConfig, ppo)
+        self.generation = as_config(GenerationConfig, generation)
+        self.eval_generation = self.generation.for_evaluation(eval_generation)
+        self.ppo = as_config(PPOConfig, ppo)
         self.algorithm = build_algorithm(algorithm, self.ppo, self.generation)
         self.specs = RoleSpecs.from_arguments(actor, critic, reference, reward_model, reward_fn, self.algorithm.name,
                                               self.has_critic, critic_optimizer, critic_scheduler)
@@ -137,8 +111,6 @@ class RLHFModule(pl.LightningModule):
         self.actor = self.critic = self.reference = self.reward_model = None
         self.placed_roles: PlacedRoles | None = None
         """Handed over by a placement strategy before ``configure_model``; else one process holds every role."""
-        self.fabric_schedulers: list[Any] = []
-        """LR schedulers under Fabric (the Trainer keeps its own)."""
         self.learning_rates: dict[str, float] = {}
         """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role, on every rank."""
         self._fabric_iteration = 0
@@ -148,16 +120,6 @@ class RLHFModule(pl.LightningModule):
     @property
     def has_critic(self) -> bool:
         return CRITIC.name in self.algorithm.roles
-
-    @property
-    def kl_controller(self) -> AdaptiveKLController | FixedKLController:
-        """The KL coefficient in the reward (``kl_controller.value``), fixed or adaptive."""
-        return self.shaping.kl_controller
-
-    @property
-    def reward_moments(self) -> RunningMoments:
-        """The running reward statistics of ``ppo.reward_norm`` (``mean``, ``std``, ``count``)."""
-        return self.shaping.reward_moments
 
     @property
     def engine(self) -> RLHFEngine:
@@ -174,6 +136,10 @@ class RLHFModule(pl.LightningModule):
         return self._engine
 
     def _placed(self) -> PlacedRoles:
+        if self.placed_roles is None and self._fabric is not None:
+            raise RuntimeError("Under Fabric, set the module up with fabric.strategy.setup_rlhf(fabric, module), "
+                               "with a placement strategy (Fabric(strategy='rlhf_flattening'), or another rlhf_ "
+                               "preset).")
         if self.placed_roles is None:
             self.placed_roles = PlacedRoles.single_process(self.device, self.algorithm.roles)
         return self.placed_roles
@@ -202,33 +168,14 @@ class RLHFModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is None:
             return
-        if any(isinstance(callback, LearningRateFinder) for callback in self.trainer.callbacks):
-            raise ValueError(LR_FINDER_REFUSAL)
-        # Our epoch-level metrics are already global and equal on every rank (gathered, then logged everywhere), so
-        # Lightning's advice to sync them does not apply (placement strategies leave `is_distributed` unset).
-        warnings.filterwarnings("ignore", message=EPOCH_SYNC_ADVICE, category=PossibleUserWarning)
-        if type(self.trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # atomic writes, checked reads
-            self.trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        if str(self.trainer.precision).startswith("16"):
-            raise ValueError(f"precision={self.trainer.precision!r} needs a gradient scaler, which the update does not "
-                             "use. Use precision='bf16-mixed' (or 'bf16-true', '32-true').")
-        datamodule = self.trainer.datamodule
-        batch_size = getattr(datamodule, "batch_size", None)
-        engine = self.engine  # resolves the role precisions: a contradiction fails here, before any model is built
-        if stage == "fit" and batch_size is not None:
-            engine.check_batch(batch_size)
-        if stage == "fit" and getattr(datamodule, "has_val_prompts", True) is False:
-            self.trainer.limit_val_batches = 0  # no held-out prompts: no validation, and no warning about it
-        path = self.trainer.ckpt_path
-        if stage == "fit" and path is not None and "://" not in str(path):
-            check_checkpoint_file(path)  # before any model is built; a bare EOFError would name no file
+        # The role precisions resolve in `engine`: a contradiction fails here, before any model is built.
+        module_trainer.check_trainer(self.trainer, stage, self.engine)
 
     @override
     def configure_model(self) -> None:
         if any(self.role_module(r) is not None for r in self.algorithm.roles):
             return
-        placement = self._placed().placement
-        placement.plan.check_roles(self.algorithm.roles, self.algorithm.name)
+        placement = self._placed().placement  # a strategy checked its plan against the algorithm's roles
         if self.specs.reference_shares_actor:
             placement.plan.validate_shared_reference()
         built = self.specs.build(placement.holds, lambda role: placement.runs(f"{role}.train"),
@@ -252,11 +199,8 @@ class RLHFModule(pl.LightningModule):
         """Give each trained role's wrapper its optimizer (in :meth:`trained_roles` order), with this module's
         backward and optimizer step (Lightning's precision plugin and hooks) and the configured clipping. The
         strategy calls it once the wrappers and the optimizers exist."""
-        for role, optimizer in zip(self.trained_roles(), optimizers, strict=True):
-            self._placed().wrappers[role].attach_optimizer(
-                getattr(optimizer, "optimizer", optimizer),  # a Fabric or Lightning optimizer wraps the torch one
-                self.ppo.max_grad_norm, self.manual_backward, self._optimizer_step,
-            )
+        self._placed().attach_optimizers(self.trained_roles(), optimizers, self.ppo.max_grad_norm,
+                                         self.manual_backward, self._optimizer_step)
 
     def _wrap_whole_roles(self) -> None:
         """Under a Trainer without a placement strategy (one process): plain wrappers, with Lightning's optimizers."""
@@ -268,17 +212,7 @@ class RLHFModule(pl.LightningModule):
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
-        have = self.trainer.callbacks
-        # Once per trainer: validate and predict after fit would otherwise replace it, with a note saying so.
-        callbacks: list[pl.Callback] = [] if any(isinstance(c, PlacementSummary) for c in have) else [PlacementSummary()]
-        # Lightning replaces a callback with a subclass of it returned here: a user's LearningRateMonitor sees only
-        # this rank's optimizers, named by class; Lightning's RichProgressBar reads "Epoch 0/-2" under max_steps.
-        for theirs, ours in ((LearningRateMonitor, RoleLearningRateMonitor), (RichProgressBar, RLHFProgressBar)):
-            callbacks += [ours.like(c) for c in have if type(c) is theirs][:1]
-        # A clean stop on SIGTERM by default; a user's own (e.g. with a dirpath) is kept.
-        if self.preemption_checkpoint and not any(isinstance(c, PreemptionCheckpoint) for c in have):
-            callbacks.append(PreemptionCheckpoint())
-        return callbacks
+        return module_trainer.added_callbacks(self.trainer.callbacks, self.preemption_checkpoint)
 
     def gather_memory(self) -> list[list[RoleMemory]]:
         """Every rank's :class:`RoleMemory` rows, on every rank (a collective: call it on every rank)."""
@@ -296,33 +230,28 @@ class RLHFModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         if self._fabric is not None and not self.learning_rates:
             self.learning_rates = self.engine.learning_rates()  # Fabric calls no on_train_start
-        schedulers = self.fabric_schedulers if self._fabric is not None else self.lr_schedulers()
-        schedulers = schedulers if isinstance(schedulers, list) else [s for s in [schedulers] if s is not None]
+        schedulers = self._fabric.strategy.lr_schedulers if self._fabric is not None else self.lr_schedulers()
+        schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [s for s in [schedulers] if s]
         result = self.engine.run_iteration(batch, self.iteration, schedulers)
         self._latest = (result.rollout, result.scores)
-        self._count_one_optimizer_step()
+        if self._fabric is not None:
+            self._fabric_iteration += 1
+        else:
+            module_trainer.count_one_global_step(self.trainer)
         values = {k: float(v.item() if torch.is_tensor(v) else v) for k, v in result.stats.items()}
-        samples = len(result.scores)
         if self._fabric is not None:  # the lr of this iteration (no LearningRateMonitor under Fabric)
             self._fabric.log_dict({**values, **self.learning_rates}, step=self._fabric_iteration - 1)
         else:
-            progress_bar = {"reward/mean", "kl/mean"}
-            self.log_dict({k: v for k, v in values.items() if k in progress_bar}, prog_bar=True, batch_size=samples)
-            self.log_dict({k: v for k, v in values.items() if k not in progress_bar}, batch_size=samples)
-            epoch = {f"{k}_epoch": values[k] for k in EPOCH_METRICS if k in values and not math.isnan(values[k])}
-            self.log_dict(epoch, on_step=False, on_epoch=True, batch_size=samples)
+            module_trainer.log_iteration(self, values, len(result.scores))
         self.learning_rates = result.learning_rates
 
     def latest_completions(self, max_rows: int | None = None) -> list[dict[str, Any]]:
-        """Prompt, completion and raw reward of the last training iteration's rollout (every rank has it), at most
-        ``max_rows`` rows; empty before the first iteration."""
+        """Prompt, completion and raw reward (:meth:`Rollout.completion_rows`) of the last training iteration's rollout
+        (every rank has it), at most ``max_rows`` rows; empty before the first iteration."""
         if self._latest is None:
             return []
         rollout, scores = self._latest
-        rows = slice(0, max_rows)
-        return [{"prompt": prompt, "completion": completion, "reward": float(score)}
-                for prompt, completion, score in zip(*rollout.select(rows).texts(self.tokenizer),
-                                                     scores[rows].tolist())]
+        return rollout.select(slice(0, max_rows)).completion_rows(self.tokenizer, scores[:max_rows])
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -337,10 +266,8 @@ class RLHFModule(pl.LightningModule):
         """Completions of a batch of prompts with ``eval_generation``: per prompt, its text, the completion's text
         and token ids (up to and including the stop token), and the reward's score."""
         rollout, scores = self.engine.sample_and_score(batch, self.iteration, self.eval_generation)
-        prompts, completions = rollout.texts(self.tokenizer)
-        ids = [response[mask.bool()].tolist() for response, mask in zip(rollout.responses, rollout.response_mask)]
-        return [{"prompt": p, "completion": c, "completion_ids": i, "reward": float(r), "index": int(index)}
-                for p, c, i, r, index in zip(prompts, completions, ids, scores.tolist(), batch["index"].tolist())]
+        return [{**row, "index": int(index)}
+                for row, index in zip(rollout.completion_rows(self.tokenizer, scores), batch["index"].tolist())]
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         rollout, scores = self.engine.sample_and_score(batch, self.iteration, self.eval_generation)
@@ -358,23 +285,10 @@ class RLHFModule(pl.LightningModule):
         return self._fabric_iteration if self._fabric is not None else self.global_step
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # Through the strategy (precision plugin, hooks) but not the LightningOptimizer, which would add one to
-        # global_step for every minibatch: see _count_one_optimizer_step.
         if self._fabric is not None:
             self._fabric.strategy.optimizer_step(optimizer)
         else:
-            self.trainer.strategy.optimizer_step(optimizer, closure=_no_closure, model=self)
-
-    def _count_one_optimizer_step(self) -> None:
-        """Advance ``global_step`` by exactly one per iteration, however many optimizer steps it took: Lightning
-        counts every ``LightningOptimizer.step`` as a global step, so ``max_steps`` and checkpoint names would drift
-        from the iteration count with two optimizers and many minibatches."""
-        if self._fabric is not None:
-            self._fabric_iteration += 1
-            return
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        progress.increment_ready()
-        progress.increment_completed()
+            module_trainer.optimizer_step(self, optimizer)
 
     # ---- checkpoints and export ----
 
@@ -400,6 +314,7 @@ class RLHFModule(pl.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         module_checkpoint.load_rlhf_state(self, checkpoint, self.trainer.ckpt_path if self._trainer else None)
+        self._fabric_iteration = int(checkpoint.get("global_step", 0))  # the iteration under Fabric
 
     def export_actor(self, directory: str | os.PathLike[str], merge: bool = True) -> Path | None:
         """Save the trained actor and the tokenizer in Hugging Face format (:func:`~lightning_app_rlhf.engine.export.
@@ -408,12 +323,3 @@ class RLHFModule(pl.LightningModule):
         return export.export_actor(self.role_module, self.specs.actor, self._placed(), self.tokenizer, directory,
                                    merge)
 
-
-def _as_config(cls: type[Any], value: Any) -> Any:
-    """A copy of a config dataclass (a default instance is shared), or one built from its fields as a dict (how
-    hyperparameters are saved)."""
-    return cls(**value) if isinstance(value, dict) else dataclasses.replace(value)
-
-
-def _no_closure() -> None:
-    return None

@@ -103,7 +103,7 @@ def run(argv: list[str]) -> None:
                 live = {
                     "optimizers": {role: module.placed_roles.wrappers[role].optimizer.state_dict()
                                    for role in module.trained_roles()},
-                    "schedulers": [scheduler.state_dict() for scheduler in module.fabric_schedulers],
+                    "schedulers": [scheduler.state_dict() for scheduler in fabric.strategy.lr_schedulers],
                     "weights": {role: module.role_module(role).state_dict() for role in module.trained_roles()},
                 }
                 torch.save(live, args.out / f"live_rank{fabric.global_rank}.pt")

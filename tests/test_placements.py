@@ -130,6 +130,38 @@ def test_plan_presets_assign_the_documented_ranks():
     assert sep.shadow_ranks("actor") == (0, 1, 2) and not sep.holds("reference", 3)
 
 
+def test_a_registered_preset_is_a_strategy_name_for_the_trainer_and_fabric():
+    """``register_preset`` makes a plan builder a strategy name under both: each builds the builder's plan for the
+    world size and the algorithm's roles (no critic calls for GRPO); the built-in names keep their typed classes."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_app_rlhf.core.role_table import ROLE_NAMES
+    from lightning_app_rlhf.strategies import FabricPlacementStrategy, InterleavingStrategy, PlacementStrategy
+    from lightning_app_rlhf.strategies import register_preset
+
+    def reference_apart(world_size: int, roles: tuple[str, ...] = ROLE_NAMES):
+        return interleaving_plan(world_size, reference_ratio=0.25, reward_ratio=0.75, roles=roles)
+
+    register_preset("rlhf_reference_apart", reference_apart, "reference on the first quarter of the ranks")
+    try:
+        trainer_side = StrategyRegistry.get("rlhf_reference_apart")
+        fabric_side = FABRIC_STRATEGY_REGISTRY.get("rlhf_reference_apart")
+        assert type(trainer_side) is PlacementStrategy and type(fabric_side) is FabricPlacementStrategy
+        critic_free = ("actor", "reference", "reward")
+        for plan in (trainer_side.build_plan(4), trainer_side.build_plan(4, roles=critic_free)):
+            assert plan.ranks("reference.forward") == (0,) and plan.ranks("reward.forward") == (1, 2, 3)
+        assert "critic.train" in trainer_side.build_plan(4).calls
+        assert not any(call.startswith("critic") for call in trainer_side.build_plan(4, roles=critic_free).calls)
+        assert fabric_side._plan(4, roles=critic_free) == reference_apart(4, roles=critic_free)
+    finally:
+        StrategyRegistry.remove("rlhf_reference_apart")
+        FABRIC_STRATEGY_REGISTRY.remove("rlhf_reference_apart")
+    assert type(StrategyRegistry.get("rlhf_interleaving")) is InterleavingStrategy
+    with pytest.raises(ValueError, match="Name it 'rlhf_mine'"):
+        register_preset("mine", reference_apart, "")
+
+
 @pytest.mark.slow  # tests/test_faults.py kills a rank in every phase under every placement (2 cells by default)
 def test_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     """Killing rank 2 of 4 ends every other rank with an error naming the failed call and its role, not a hang.

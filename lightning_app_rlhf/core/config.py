@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 """How per-token losses become one number (veRL's names): the mean over all tokens of the minibatch; the mean over
@@ -128,6 +129,12 @@ class GenerationConfig:
                     f"{list(self.stop_strings)!r}. Remove it, or give the text that should end a response."
                 )
 
+    def for_evaluation(self, settings: GenerationConfig | dict[str, Any] | None) -> GenerationConfig:
+        """The sampling settings of validate, test and predict: ``settings``, else these, greedy
+        (``do_sample=False``); one response per prompt either way."""
+        greedy = {} if settings is not None else {"do_sample": False}
+        return dataclasses.replace(as_config(GenerationConfig, settings or self), num_samples=1, **greedy)
+
 
 @dataclass
 class PPOConfig:
@@ -249,3 +256,12 @@ class PPOConfig:
                              f"before the run stops), got {limit!r}.")
         if self.nonfinite_rewards not in ("raise", "skip"):
             raise ValueError(f"ppo.nonfinite_rewards must be 'raise' or 'skip', got {self.nonfinite_rewards!r}.")
+
+
+Config = TypeVar("Config", GenerationConfig, PPOConfig)
+
+
+def as_config(cls: type[Config], value: Config | dict[str, Any]) -> Config:
+    """A copy of a config dataclass (a default argument's instance is shared), or one built from its fields as a dict
+    (how a checkpoint's hyperparameters hold it)."""
+    return cls(**value) if isinstance(value, dict) else dataclasses.replace(value)

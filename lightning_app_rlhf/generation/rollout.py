@@ -76,6 +76,13 @@ class Rollout:
         completions = [tokenizer.decode(ids[mask]) for ids, mask in zip(self.responses, self.response_mask.bool())]
         return prompts, completions
 
+    def completion_rows(self, tokenizer: Any, scores: torch.Tensor) -> list[dict[str, Any]]:
+        """Per row: the prompt's text, the completion's text and token ids (up to and including the stop token), and
+        the reward's raw score."""
+        ids = [response[mask.bool()].tolist() for response, mask in zip(self.responses, self.response_mask)]
+        return [{"prompt": prompt, "completion": completion, "completion_ids": row_ids, "reward": float(score)}
+                for prompt, completion, row_ids, score in zip(*self.texts(tokenizer), ids, scores.tolist())]
+
     def select(self, rows: slice) -> Rollout:
         """The rollout of a subset of rows."""
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],

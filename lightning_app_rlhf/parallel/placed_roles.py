@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from lightning_app_rlhf.models.roles import hold_in
 from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.parallel.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy
 from lightning_app_rlhf.parallel.wrappers import DDPWrapper, RoleWrapper, wrapper_class
+from lightning_app_rlhf.parallel.wrappers.base import Backward, OptimizerStep
 from lightning_app_rlhf.parallel.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
 
 Models = Callable[[str], nn.Module | None]
@@ -77,6 +79,16 @@ class PlacedRoles:
         for role in trained_roles:
             self.wrappers[role] = DDPWrapper(models(role), None, 1, 0, device)
             self.wrappers[role].wrap()
+
+    def attach_optimizers(
+        self, trained_roles: Sequence[str], optimizers: Sequence[Any], max_grad_norm: float | None,
+        backward: Backward, optimizer_step: OptimizerStep,
+    ) -> None:
+        """Give each trained role's wrapper its optimizer (:meth:`RoleWrapper.attach_optimizer`), in
+        ``trained_roles`` order; a Fabric or Lightning optimizer is unwrapped to the torch one it holds."""
+        for role, optimizer in zip(trained_roles, optimizers, strict=True):
+            self.wrappers[role].attach_optimizer(getattr(optimizer, "optimizer", optimizer), max_grad_norm, backward,
+                                                 optimizer_step)
 
     def _build_tp_copies(self, models: Models, shadow_precisions: Mapping[str, str], device: torch.device) -> None:
         """This rank's :class:`TensorParallelCopy` of the role of every generate / forward call with ``tp > 1`` that it

@@ -97,6 +97,9 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
     subprocess_launcher = _SubprocessScriptLauncher
     placement: Placement | None = None
     """This rank's placement, once :meth:`setup_rlhf` built it."""
+    lr_schedulers: tuple[Any, ...] = ()
+    """The LR schedulers of the roles this rank trains, once :meth:`setup_rlhf` built them (the module steps them
+    once per iteration; Fabric has no scheduler of its own)."""
     _module: RLHFModule | None = None
     _optimizers: tuple[torch.optim.Optimizer, ...] = ()
 
@@ -125,9 +128,9 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         optimizers, schedulers = module.configure_optimizers()
         # Fabric returns the module alone when a rank trains nothing (Separation's generation ranks).
         fabric_module, *fabric_optimizers = fabric.setup(module, *optimizers) if optimizers else (fabric.setup(module),)
-        module.fabric_schedulers = schedulers
         module.attach_optimizers(fabric_optimizers)
         self._module, self._optimizers = module, tuple(optimizer.optimizer for optimizer in fabric_optimizers)
+        self.lr_schedulers = tuple(schedulers)
         return fabric_module.module if hasattr(fabric_module, "module") else fabric_module
 
     @override
@@ -207,7 +210,7 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
             raise ValueError(f"fabric.{action} under {type(self).__name__} takes the module that setup_rlhf returned, "
                              f"once, in its state: fabric.{action}(path, {{'model': module}}). Got the entries "
                              f"{sorted(state)}.")
-        own = {id(obj) for obj in (*self._optimizers, *self._module.fabric_schedulers)}
+        own = {id(obj) for obj in (*self._optimizers, *self.lr_schedulers)}
         extras = {}
         for key, value in state.items():
             # A list of optimizers is empty on a rank that trains nothing (Separation's generation ranks).
@@ -231,7 +234,7 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
             "state_dict": module.state_dict(),
             "optimizer_states": [{} if role in sharded else self.get_optimizer_state(optimizer)
                                  for role, optimizer in zip(module.trained_roles(), self._optimizers, strict=True)],
-            "lr_schedulers": [scheduler.state_dict() for scheduler in module.fabric_schedulers],
+            "lr_schedulers": [scheduler.state_dict() for scheduler in self.lr_schedulers],
             "global_step": module.iteration,
         }
         if module.hparams:
@@ -255,13 +258,12 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         load_whole_optimizers(module, restore, self._optimizers, checkpoint.get("optimizer_states") or [],
                               self.root_device)
         schedulers = checkpoint.get("lr_schedulers") or []
-        if len(schedulers) != len(module.fabric_schedulers):
+        if len(schedulers) != len(self.lr_schedulers):
             raise CheckpointError(f"Checkpoint {path} has {len(schedulers)} LR scheduler states for this rank's roles "
-                                  f"{module.trained_roles()}, which run {len(module.fabric_schedulers)}. Resume with "
+                                  f"{module.trained_roles()}, which run {len(self.lr_schedulers)}. Resume with "
                                   "the schedulers it was saved with.")
-        for scheduler, saved in zip(module.fabric_schedulers, schedulers, strict=True):
+        for scheduler, saved in zip(self.lr_schedulers, schedulers, strict=True):
             scheduler.load_state_dict(saved)
-        module._fabric_iteration = int(checkpoint.get("global_step", 0))  # module.iteration under Fabric
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 from pathlib import Path
@@ -92,7 +93,10 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
         if self._plan is None:
             raise ValueError("PlacementStrategy needs a `plan` (a PlacementPlan, or a function of the world size). "
                              "Or use a preset: strategy='rlhf_flattening', 'rlhf_interleaving' or 'rlhf_separation'.")
-        return self._plan(world_size) if callable(self._plan) else self._plan
+        if not callable(self._plan):
+            return self._plan
+        takes_roles = "roles" in inspect.signature(self._plan).parameters
+        return self._plan(world_size, roles=roles) if takes_roles else self._plan(world_size)
 
     # `is_distributed` stays unset (False) on purpose: every rank must read the same global batch, which each
     # call's group then shards (Placement.shard), so Lightning must not inject a DistributedSampler. Metrics
