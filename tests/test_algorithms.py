@@ -335,7 +335,8 @@ def test_veRL_spellings_of_the_aggregation_are_accepted():
 
 
 def test_registry_has_every_algorithm_and_only_ppo_has_a_critic():
-    assert sorted(ALGORITHMS) == ["dr_grpo", "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert sorted(ALGORITHMS) == ["cispo", "dapo", "dr_grpo", "grpo", "gspo", "gspo_token", "ppo", "reinforce_pp",
+                                  "reinforce_pp_baseline", "rloo"]
     with_critic = [name for name, cls in ALGORITHMS.items() if "critic" in cls.roles]
     assert with_critic == ["ppo"]
 
@@ -374,10 +375,11 @@ def test_a_new_algorithm_is_an_estimator_and_a_registered_class():
 
 def test_the_registries_hold_the_shipped_estimators_and_losses():
     assert sorted(ADVANTAGE_ESTIMATORS) == ["dr_grpo", "gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
-    assert sorted(POLICY_LOSSES) == ["ppo_clip"] and sorted(VALUE_LOSSES) == ["clipped_mse"]
+    assert sorted(POLICY_LOSSES) == ["cispo", "gspo", "gspo_token", "ppo_clip"]
+    assert sorted(VALUE_LOSSES) == ["clipped_mse"]
     for cls in ALGORITHMS.values():
         assert get_advantage_estimator(cls.advantage_estimator) is not None
-        assert get_policy_loss(cls.policy_loss_mode) is POLICY_LOSSES["ppo_clip"]
+        assert get_policy_loss(cls.policy_loss_mode) is POLICY_LOSSES[cls.policy_loss_mode]
     assert get_value_loss(ALGORITHMS["ppo"].value_loss_mode) is VALUE_LOSSES["clipped_mse"]
 
 
@@ -489,3 +491,109 @@ def _experience(advantages: torch.Tensor, mask: torch.Tensor, ref_logprobs: torc
         response_mask=mask, logprobs=torch.full((batch, length), -1.0), values=None, advantages=advantages,
         returns=None, prompt_length=1, iteration=0, ref_logprobs=ref_logprobs,
     )
+
+
+# ------------------------------------------------------------------------------------ DAPO, GSPO, CISPO
+
+
+def _policy_loss(name: str, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, **config):
+    """``name``'s actor loss and statistics on a batch whose behaviour log-probabilities are 0 (so each token's
+    ratio is ``exp(logprobs)``), scaled by the batch itself."""
+    built = algorithm(name, num_samples=2, **config)
+    batch = _experience(advantages, mask)
+    batch.logprobs = torch.zeros(mask.shape)
+    scale = functional.LossScale(mask.sum().float(), mask.shape[0], mask.shape[1])
+    return built.policy_loss(logprobs, None, batch, scale)
+
+
+def test_the_new_algorithms_take_their_papers_defaults_and_keep_what_the_user_set():
+    dapo = build_algorithm("dapo", PPOConfig(), GenerationConfig(num_samples=4, max_new_tokens=24))
+    assert dapo.config.clip_epsilons() == (0.2, 0.28) and dapo.config.overlong_buffer == 4  # a fifth of 24
+    assert dapo.loss_agg_mode == "token_mean" and dapo.advantage_estimator == "grpo"
+    assert algorithm("gspo", num_samples=2).config.clip_epsilons() == (3e-4, 4e-4)
+    assert algorithm("gspo", num_samples=2).loss_agg_mode == "seq_mean_token_mean"
+    assert algorithm("cispo", num_samples=2).config.clip_epsilons() == (1.0, 0.28)
+    assert algorithm("grpo", num_samples=2, clip_range=0.1).config.clip_epsilons() == (0.1, 0.1)
+    assert algorithm("grpo", num_samples=2).config.overlong_buffer == 0
+    mine = build_algorithm("dapo", PPOConfig(clip_ratio_high=0.3, overlong_buffer=0), GenerationConfig(num_samples=2))
+    assert mine.config.clip_epsilons() == (0.2, 0.3) and mine.config.overlong_buffer == 0
+    assert algorithm("dapo", num_samples=2, scale_rewards="batch").config.scale_rewards == "batch"
+    with pytest.raises(ValueError, match="overlong_buffer .24. must be below generation.max_new_tokens .24."):
+        build_algorithm("dapo", PPOConfig(overlong_buffer=24), GenerationConfig(num_samples=2, max_new_tokens=24))
+    with pytest.raises(ValueError, match="clip_ratio_low must be at most 1"):
+        PPOConfig(clip_ratio_low=1.5)
+    with pytest.raises(ValueError, match="scale_rewards='batch' applies to GRPO's group advantages"):
+        algorithm("rloo", num_samples=2, scale_rewards="batch")
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo", "gspo_token", "cispo"])
+def test_the_new_algorithms_need_groups_and_learn_nothing_from_equal_rewards(name):
+    with pytest.raises(ValueError, match="needs at least 2 per prompt"):
+        algorithm(name, num_samples=1)
+    advantages, returns = algorithm(name, num_samples=3).advantages(scored([0.7] * 6, MASK_6, 3))
+    assert returns is None and torch.equal(advantages, torch.zeros(6, 3))
+    loss, stats = _policy_loss(name, torch.randn(6, 3), advantages, torch.tensor(MASK_6))
+    assert loss.item() == 0.0
+
+
+def test_dapo_clips_the_ratio_to_its_decoupled_range():
+    """Per token (A = +1 / -1, ratio r): the clipped term ``-A * clip(r, 0.8, 1.28)`` wins above 1.28 for A > 0
+    and below 0.8 for A < 0; inside, the plain ``-A * r``. PPO's symmetric 0.2 clips r = 1.25 already."""
+    ratios = torch.tensor([[1.25, 1.4, 0.7, 0.9]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.long)
+    loss, stats = _policy_loss("dapo", ratios.log(), advantages, mask)
+    assert loss.item() == pytest.approx((-1.25 - 1.28 + 0.8 + 0.9) / 4)
+    assert stats["policy/clipfrac"].item() == pytest.approx(2 / 4)
+    symmetric, _ = _policy_loss("grpo", ratios.log(), advantages, mask, loss_agg_mode="token_mean")
+    assert symmetric.item() == pytest.approx((-1.2 - 1.2 + 0.8 + 0.9) / 4)
+
+
+def test_gspo_takes_one_clipped_ratio_per_response_over_its_own_tokens():
+    """Response 0 has 2 valid tokens with log-ratios 0.1 and 0.3 (the third is padding, log-ratio 5): s = e^0.2,
+    clipped to 1.0004 for A = +1. Response 1: log-ratios 1e-4, -1e-4, 0, so s = 1, inside the range. The loss is
+    the mean over the responses; the clip fraction counts response 0's two tokens of the five."""
+    logprobs = torch.tensor([[0.1, 0.3, 5.0], [1e-4, -1e-4, 0.0]], requires_grad=True)
+    advantages = torch.tensor([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, stats = _policy_loss("gspo", logprobs, advantages, mask)
+    assert loss.item() == pytest.approx((-(1 + 4e-4) + 2.0 * 1.0) / 2, abs=1e-6)
+    assert stats["policy/clipfrac"].item() == pytest.approx(2 / 5)
+    loss.backward()
+    # Response 0 is clipped: no gradient. Response 1: d/d logp_t of -A * s / 2 responses = 2 * s / 3 tokens / 2.
+    assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, 0.0], [1 / 3, 1 / 3, 1 / 3]]), atol=1e-6, rtol=1e-5)
+
+
+def test_gspo_token_equals_gspo_in_value_and_gradient_with_one_advantage_per_response():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    advantages = per_token([0.5, -1.5, 1.0], mask.tolist())
+    base = 2e-4 * torch.randn(3, 4, generator=gen)  # inside and outside GSPO's tiny range
+    results = []
+    for name in ("gspo", "gspo_token"):
+        logprobs = base.clone().requires_grad_(True)
+        loss, stats = _policy_loss(name, logprobs, advantages, mask)
+        loss.backward()
+        results.append((loss.detach(), stats["policy/clipfrac"], logprobs.grad))
+    for sequence, token in zip(*results):
+        assert_close(token, sequence, atol=1e-7, rtol=1e-6)
+
+
+def test_cispo_weights_every_tokens_gradient_by_its_clipped_detached_ratio():
+    """Ratios 1.5 (A = +1) and 0.1 (A = -1), token mean: the loss is ``-sg(w) * A * log p`` with w = 1.28 (above
+    1 + 0.28) and 0.1 (no lower bound), so the gradients are -1.28 / 2 and +0.1 / 2; PPO's clip would give both 0."""
+    logprobs = torch.tensor([[1.5, 0.1]]).log().requires_grad_(True)
+    advantages = torch.tensor([[1.0, -1.0]])
+    mask = torch.ones(1, 2, dtype=torch.long)
+    loss, stats = _policy_loss("cispo", logprobs, advantages, mask)
+    assert loss.item() == pytest.approx((-1.28 * math.log(1.5) + 0.1 * math.log(0.1)) / 2)
+    assert stats["policy/clipfrac"].item() == pytest.approx(1 / 2)  # only 1.5 left the range
+    loss.backward()
+    assert_close(logprobs.grad, torch.tensor([[-1.28 / 2, 0.1 / 2]]))
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer():
+    """max_new_tokens 24, buffer 4, factor 0.5: 0 up to 20 tokens, then -0.5 x (length - 20) / 4."""
+    lengths = torch.tensor([10, 20, 21, 23, 24])
+    penalty = functional.overlong_penalty(lengths, max_new_tokens=24, buffer=4, factor=0.5)
+    assert_close(penalty, torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))

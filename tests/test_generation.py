@@ -799,6 +799,26 @@ def test_make_experience_penalises_only_cut_responses():
     assert_close(experience.advantages, expected)
 
 
+
+def test_dapo_overlong_shaping_and_filtering_through_make_experience():
+    """DAPO, max_new_tokens 4, overlong_buffer 2: lengths 2, 4, 4, 3 lose 0, 1, 1, 0.5 of their scores [1, 1, 0.5,
+    0.25], so the groups see [1, 0] and [-0.5, -0.25] (advantages -+1/sqrt(2) and +-1/sqrt(2)). With the filter,
+    the one response cut without a stop (row 1) keeps its group statistics but leaves the loss."""
+    generation = GenerationConfig(max_new_tokens=4, num_samples=2, stop_token_ids=[7])
+    config = PPOConfig(kl_coef=0.0, overlong_buffer=2, overlong_filter=True)
+    algorithm = build_algorithm("dapo", config, generation)
+    rollout = _rollout([[5, 6, PAD, PAD], [5, 3, 3, 3], [4, 4, 4, 7], [4, 4, EOS, PAD]],
+                       [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    experience, stats = make_experience(rollout, torch.zeros(4, 4), torch.tensor([1.0, 1.0, 0.5, 0.25]), None,
+                                        algorithm, RewardShaping(config, EOS), iteration=0)
+    half = 2 ** -0.5
+    expected = torch.tensor([half, -half, -half, half]).unsqueeze(1) * rollout.response_mask
+    assert_close(experience.advantages, expected, atol=1e-5, rtol=1e-5)
+    assert experience.response_mask.sum(1).tolist() == [2, 0, 4, 3]
+    assert stats["reward/overlong_penalty_mean"].item() == pytest.approx(-2.5 / 4)
+    assert stats["response/overlong_filtered"].item() == 1.0
+    assert stats["reward/mean"].item() == pytest.approx(2.75 / 4)  # the raw scores, before any shaping
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"stop_strings": ["ok", ""]}, r"generation\.stop_strings must hold non-empty strings, got ''"),
     ({"stop_strings": [3]}, r"generation\.stop_strings must hold non-empty strings, got 3"),

@@ -137,8 +137,12 @@ def test_a_registered_preset_is_a_strategy_name_for_the_trainer_and_fabric():
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_app_rlhf.core.role_table import ROLE_NAMES
-    from lightning_app_rlhf.strategies import FabricPlacementStrategy, InterleavingStrategy, PlacementStrategy
-    from lightning_app_rlhf.strategies import register_preset
+    from lightning_app_rlhf.strategies import (
+        FabricPlacementStrategy,
+        InterleavingStrategy,
+        PlacementStrategy,
+        register_preset,
+    )
 
     def reference_apart(world_size: int, roles: tuple[str, ...] = ROLE_NAMES):
         return interleaving_plan(world_size, reference_ratio=0.25, reward_ratio=0.75, roles=roles)

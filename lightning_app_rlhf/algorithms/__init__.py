@@ -10,15 +10,20 @@ from lightning_app_rlhf.algorithms.advantages import (
     register_advantage_estimator,
 )
 from lightning_app_rlhf.algorithms.base import ALGORITHMS, Algorithm, build_algorithm, register_algorithm
+from lightning_app_rlhf.algorithms.cispo import CISPO
+from lightning_app_rlhf.algorithms.dapo import DAPO
 from lightning_app_rlhf.algorithms.dr_grpo import DrGRPO
 from lightning_app_rlhf.algorithms.functional import LossScale
 from lightning_app_rlhf.algorithms.grpo import GRPO
+from lightning_app_rlhf.algorithms.gspo import GSPO
+from lightning_app_rlhf.algorithms.gspo_token import GSPOToken
 from lightning_app_rlhf.algorithms.losses import (
     POLICY_LOSSES,
     VALUE_LOSSES,
     get_policy_loss,
     get_value_loss,
     register_policy_loss,
+    register_surrogate,
     register_value_loss,
 )
 from lightning_app_rlhf.algorithms.ppo import PPO
@@ -29,13 +34,17 @@ from lightning_app_rlhf.algorithms.rloo import RLOO
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ALGORITHMS",
+    "CISPO",
+    "DAPO",
     "GRPO",
+    "GSPO",
     "POLICY_LOSSES",
     "PPO",
     "RLOO",
     "VALUE_LOSSES",
     "Algorithm",
     "DrGRPO",
+    "GSPOToken",
     "LossScale",
     "ReinforcePlusPlus",
     "ReinforcePlusPlusBaseline",
@@ -47,5 +56,6 @@ __all__ = [
     "register_advantage_estimator",
     "register_algorithm",
     "register_policy_loss",
+    "register_surrogate",
     "register_value_loss",
 ]

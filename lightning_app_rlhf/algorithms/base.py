@@ -48,6 +48,11 @@ class Algorithm:
     """Fewest samples per prompt its estimator works with."""
     default_loss_agg_mode: ClassVar[str] = "token_mean"
     """Its paper's loss aggregation, used when ``ppo.loss_agg_mode`` is None."""
+    default_clip_ratio: ClassVar[tuple[float, float] | None] = None
+    """Its paper's ``(clip_ratio_low, clip_ratio_high)``, used where ``ppo`` leaves them None; None: ``clip_range``
+    on both sides."""
+    default_overlong_buffer_fraction: ClassVar[float] = 0.0
+    """Its paper's ``ppo.overlong_buffer`` as a fraction of ``generation.max_new_tokens``, used when it is None."""
     policy_stats: ClassVar[tuple[str, ...]] = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
     """The statistics its policy loss reports, besides ``policy/kl_loss`` (with a KL loss term), in a fixed order."""
     value_stats: ClassVar[tuple[str, ...]] = ("value/loss", "value/clipfrac")
@@ -57,6 +62,7 @@ class Algorithm:
         self.config = config
         self.generation = generation
         self.loss_agg_mode = config.loss_agg_mode or self.default_loss_agg_mode
+        self._resolve_defaults(config, generation)
         if generation.num_samples < self.min_group_size:
             raise ValueError(
                 f"Algorithm {self.name!r} compares the responses of one prompt with each other and needs at least "
@@ -68,6 +74,19 @@ class Algorithm:
         self._estimator = get_advantage_estimator(self.advantage_estimator)
         self._policy_loss = get_policy_loss(self.policy_loss_mode)
         self._value_loss = get_value_loss(self.value_loss_mode) if self.value_loss_mode is not None else None
+
+    def _resolve_defaults(self, config: PPOConfig, generation: GenerationConfig) -> None:
+        """Write this algorithm's defaults into the settings ``config`` leaves None (the clip range, the overlong
+        buffer), so that the losses and the reward shaping read one config."""
+        low, high = self.default_clip_ratio or (config.clip_range, config.clip_range)
+        config.clip_ratio_low = low if config.clip_ratio_low is None else config.clip_ratio_low
+        config.clip_ratio_high = high if config.clip_ratio_high is None else config.clip_ratio_high
+        if config.overlong_buffer is None:
+            config.overlong_buffer = int(generation.max_new_tokens * self.default_overlong_buffer_fraction)
+        if config.overlong_buffer >= generation.max_new_tokens:
+            raise ValueError(f"ppo.overlong_buffer ({config.overlong_buffer}) must be below generation.max_new_tokens "
+                             f"({generation.max_new_tokens}): the penalty starts that many tokens before the limit. "
+                             f"Lower it, e.g. to {generation.max_new_tokens // 5}.")
 
     @property
     def trainable_roles(self) -> tuple[str, ...]:
@@ -173,7 +192,8 @@ def build_algorithm(name: str, config: PPOConfig, generation: GenerationConfig) 
         generation: Sampling settings.
     """
     algorithm = ALGORITHMS.lookup(name)(config, generation)
-    if config.scale_rewards != "group" and algorithm.name != "grpo":
-        raise ValueError(f"ppo.scale_rewards={config.scale_rewards!r} applies to algorithm 'grpo' only, not "
-                         f"{algorithm.name!r}: remove it, or use --model.algorithm grpo.")
+    if config.scale_rewards != "group" and algorithm.advantage_estimator != "grpo":
+        users = sorted(n for n, cls in ALGORITHMS.items() if cls.advantage_estimator == "grpo")
+        raise ValueError(f"ppo.scale_rewards={config.scale_rewards!r} applies to GRPO's group advantages ({users}), "
+                         f"not to {algorithm.name!r}: remove it, or use --model.algorithm grpo.")
     return algorithm

@@ -172,15 +172,57 @@ def group_mean_std(
 
 
 def clipped_surrogate(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_range: float
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``, whether the clipped term won, and
-    the per-token k3 estimate of KL(old || new). The token-mean of these is :func:`policy_loss`."""
+    """Per-token PPO-clip loss ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` (``clip_high`` None: the
+    same as ``clip_low``), whether the clipped term won, and the per-token k3 estimate of KL(old || new). The token-mean
+    of these is :func:`policy_loss`."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
+    high = clip_low if clip_high is None else clip_high
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ((ratio - 1.0) - log_ratio).detach()
+
+
+def sequence_clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_low: float, clip_high: float, token_level: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO's surrogate: each response's ratio ``s = exp(mean over its valid tokens of (log p - log p_old))``,
+    ``max(-A * s, -A * clip(s, 1 - clip_low, 1 + clip_high))`` on each of its tokens, and which tokens were clipped;
+    with ``token_level`` (GSPO-token) each token's ratio is ``sg(s) * p_t / sg(p_t)``: the same value, the token's
+    own gradient. The third output is the per-token k3 estimate of KL(old || new), as :func:`clipped_surrogate`'s."""
+    weights = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    sequence = (log_ratio * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp(min=1.0)
+    log_s = sequence.detach() + logprobs - logprobs.detach() if token_level else sequence.expand_as(logprobs)
+    ratio = torch.exp(log_s)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    approx_kl = (torch.exp(log_ratio) - 1.0 - log_ratio).detach()
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), approx_kl
+
+
+def clipped_weight_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO's surrogate: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log p`` per token (its gradient is the
+    REINFORCE gradient weighted by the clipped ratio, for every token), whether the weight was clipped, and the
+    per-token k3 estimate of KL(old || new)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+    clipped = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).float()
+    return -weight * advantages * logprobs, clipped, ((ratio - 1.0) - log_ratio).detach()
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response: 0 up to ``max_new_tokens - buffer`` tokens, then falling
+    linearly to ``-factor`` at ``max_new_tokens``."""
+    over = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0.0)
+    return -factor * over / buffer
 
 
 @dataclass

@@ -156,7 +156,24 @@ class PPOConfig:
     training forward: run it once, with gradients, and train on it (one critic forward fewer per iteration; the same
     update within float tolerance). False: always run both."""
     clip_range: float = 0.2
-    """Policy ratio clipping epsilon."""
+    """Policy ratio clipping epsilon (both sides, unless ``clip_ratio_low`` / ``clip_ratio_high`` say otherwise)."""
+    clip_ratio_low: float | None = None
+    """The ratio's lower clip is ``1 - clip_ratio_low`` (DAPO's decoupled clip; for GSPO the sequence ratio's, for
+    CISPO the importance weight's). None: the algorithm's default: ``clip_range``; ``dapo`` 0.2; ``gspo`` 3e-4;
+    ``cispo`` 1.0 (no lower bound, as the paper)."""
+    clip_ratio_high: float | None = None
+    """The ratio's upper clip is ``1 + clip_ratio_high``. None: the algorithm's default: ``clip_range``; ``dapo``
+    0.28 ("clip-higher"); ``gspo`` 4e-4; ``cispo`` 0.28."""
+    overlong_buffer: int | None = None
+    """DAPO's soft overlong punishment: a response longer than ``generation.max_new_tokens - overlong_buffer`` tokens
+    loses ``overlong_penalty_factor`` times the fraction of the buffer it used from its score, reaching the whole
+    factor at ``max_new_tokens``. 0: off. None: the algorithm's default (``dapo``: a fifth of ``max_new_tokens``, the
+    paper's 4096 of 20480; the others: 0)."""
+    overlong_penalty_factor: float = 1.0
+    """The largest overlong penalty, taken at ``max_new_tokens`` (``overlong_buffer``)."""
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: responses cut at ``max_new_tokens`` without a stop are left out of the loss (they
+    still count in their group's reward statistics)."""
     clip_range_value: float = 0.2
     """Value clipping epsilon, around the values seen at rollout time."""
     value_loss_coef: float = 0.5
@@ -214,6 +231,12 @@ class PPOConfig:
     minibatches and iterations, reset by an update that steps) the run stops with a ``DivergenceError``. The count
     restarts at 0 when a run resumes from a checkpoint."""
 
+    def clip_epsilons(self) -> tuple[float, float]:
+        """``(low, high)``: the ratio is clipped to ``[1 - low, 1 + high]`` (``clip_ratio_low`` / ``clip_ratio_high``,
+        else ``clip_range``)."""
+        low = self.clip_range if self.clip_ratio_low is None else self.clip_ratio_low
+        return low, self.clip_range if self.clip_ratio_high is None else self.clip_ratio_high
+
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "num_minibatches", "kl_horizon"):
             if getattr(self, name) < 1:
@@ -237,6 +260,18 @@ class PPOConfig:
             warnings.warn("ppo.kl_estimator='k3' puts the k3 estimate in the reward, where its policy gradient is not "
                           "the gradient of KL(policy || reference). Use kl_estimator='k1' in the reward, or move the "
                           "penalty into the loss: kl_coef=0, kl_loss_coef>0, kl_loss_estimator='k3'.", stacklevel=3)
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ppo.{name} must be > 0 (or None for the algorithm's default), got {value}.")
+        if self.clip_ratio_low is not None and self.clip_ratio_low > 1:
+            raise ValueError(f"ppo.clip_ratio_low must be at most 1 (a lower clip of 1 - clip_ratio_low >= 0), got "
+                             f"{self.clip_ratio_low}.")
+        if self.overlong_buffer is not None and self.overlong_buffer < 0:
+            raise ValueError(f"ppo.overlong_buffer must be >= 0 tokens (0: no overlong penalty), got "
+                             f"{self.overlong_buffer}.")
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"ppo.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}.")
         if self.kl_loss_coef < 0:
             raise ValueError(f"ppo.kl_loss_coef must be >= 0, got {self.kl_loss_coef}.")
         if self.scale_rewards not in ("group", "batch", "none"):

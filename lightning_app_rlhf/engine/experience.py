@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
-from lightning_app_rlhf.algorithms.functional import kl_penalty
+from lightning_app_rlhf.algorithms.functional import kl_penalty, overlong_penalty
 from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.generation import Rollout
@@ -60,6 +60,13 @@ class RewardShaping:
             ended = ended | (lengths < generation.max_new_tokens)
         return ~ended
 
+    def overlong_penalty(self, rollout: Rollout, generation: GenerationConfig | None) -> torch.Tensor:
+        """[B] DAPO's soft overlong penalty of each response (``ppo.overlong_buffer``), 0 or below."""
+        if generation is None:
+            raise ValueError("ppo.overlong_buffer needs the generation settings (their max_new_tokens): pass them.")
+        return overlong_penalty(rollout.response_mask.sum(1), generation.max_new_tokens, self.config.overlong_buffer,
+                                self.config.overlong_penalty_factor)
+
     def finite(self, scores: torch.Tensor) -> torch.Tensor:
         """[B] which scores are finite; non-finite ones raise, or warn and are skipped (``nonfinite_rewards``)."""
         finite = torch.isfinite(scores)
@@ -79,6 +86,8 @@ class RewardShaping:
         scores = torch.where(finite, scores, torch.zeros_like(scores))
         if self.config.missing_eos_penalty is not None:
             scores = scores - self.config.missing_eos_penalty * self.missing_eos(rollout, generation)
+        if self.config.overlong_buffer:
+            scores = scores + self.overlong_penalty(rollout, generation)
         if self.config.reward_norm:
             self.reward_moments.update(scores[finite])
             scores = (scores - self.reward_moments.mean) / (self.reward_moments.std + 1e-8)
@@ -115,17 +124,21 @@ def make_experience(
         group_size=algorithm.generation.num_samples, values=values * mask if values is not None else None,
     )
     advantages, returns = algorithm.advantages(scored)
+    config = shaping.config
+    # DAPO's overlong filtering: a truncated response still counts in its group's statistics, not in the loss.
+    truncated = shaping.missing_eos(rollout, algorithm.generation) & finite if config.overlong_filter else None
+    loss_mask = mask * (~truncated).unsqueeze(1).to(mask.dtype) if truncated is not None else mask
     experience = Experience(
         sequences=rollout.sequences,
         attention_mask=rollout.attention_mask,
-        response_mask=mask,
+        response_mask=loss_mask,
         logprobs=rollout.logprobs,
         values=scored.values,
         advantages=advantages,
         returns=returns,
         prompt_length=rollout.prompt_length,
         iteration=iteration,
-        ref_logprobs=ref_logprobs * mask if algorithm.keeps_ref_logprobs else None,
+        ref_logprobs=ref_logprobs * loss_mask if algorithm.keeps_ref_logprobs else None,
     )
     kept = finite.float().sum().clamp(min=1.0)
     stats = {
@@ -135,4 +148,8 @@ def make_experience(
         "kl/coef": torch.tensor(shaping.kl_controller.value),
         "response/length_mean": rollout.response_mask.sum(1).float().mean(),
     }
+    if config.overlong_buffer:
+        stats["reward/overlong_penalty_mean"] = shaping.overlong_penalty(rollout, algorithm.generation)[finite].mean()
+    if truncated is not None:
+        stats["response/overlong_filtered"] = truncated.float().sum()
     return experience, stats
