@@ -597,3 +597,72 @@ def test_overlong_penalty_falls_linearly_over_the_buffer():
     lengths = torch.tensor([10, 20, 21, 23, 24])
     penalty = functional.overlong_penalty(lengths, max_new_tokens=24, buffer=4, factor=0.5)
     assert_close(penalty, torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))
+
+
+# ------------------------------------------------------------------------------------ rollout-trainer mismatch
+
+
+# Row 0: token ratios (trainer / behaviour) 1, 3, 0.5; row 1: 1.5, then padding (its log-ratio of 9 is ignored).
+TRAINER = torch.tensor([[0.0, math.log(3.0), math.log(0.5)], [math.log(1.5), 9.0, 9.0]])
+BEHAVIOUR = torch.zeros(2, 3)
+MISMATCH_MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+def test_rollout_correction_statistics_by_hand():
+    _, _, stats = functional.rollout_correction(TRAINER, BEHAVIOUR, MISMATCH_MASK, "none", "token", 2.0)
+    diffs = [0.0, math.log(3.0), math.log(2.0), math.log(1.5)]
+    k3 = [r - 1 - math.log(r) for r in (1.0, 3.0, 0.5, 1.5)]
+    assert stats["rollout/logprob_abs_diff_mean"].item() == pytest.approx(sum(diffs) / 4)
+    assert stats["rollout/logprob_abs_diff_max"].item() == pytest.approx(math.log(3.0))
+    assert stats["rollout/kl_behaviour_trainer"].item() == pytest.approx(sum(k3) / 4)
+    assert stats["rollout/is_weight_mean"].item() == 1.0 and stats["rollout/is_masked_frac"].item() == 0.0
+    assert tuple(stats) == functional.MISMATCH_STATS
+
+
+@pytest.mark.parametrize(("mode", "level", "weights", "kept"), [
+    ("tis", "token", [[1.0, 2.0, 0.5], [1.5, 0.0, 0.0]], MISMATCH_MASK.tolist()),        # 3 capped at 2
+    ("mis", "token", None, [[1, 0, 1], [1, 0, 0]]),                                       # 3 > 2 masked
+    ("tis", "sequence", [[1.5, 1.5, 1.5], [1.5, 0.0, 0.0]], MISMATCH_MASK.tolist()),     # 1 x 3 x 0.5 = 1.5
+    ("mis", "sequence", None, MISMATCH_MASK.tolist()),                                    # both 1.5 <= 2
+])
+def test_tis_and_mis_by_hand(mode, level, weights, kept):
+    got_weights, got_kept, stats = functional.rollout_correction(TRAINER, BEHAVIOUR, MISMATCH_MASK, mode, level, 2.0)
+    assert got_kept.tolist() == kept
+    if weights is None:
+        assert got_weights is None and stats["rollout/is_weight_mean"].item() == 1.0
+    else:
+        assert_close(got_weights, torch.tensor(weights))
+        assert stats["rollout/is_weight_mean"].item() == pytest.approx(sum(map(sum, weights)) / 4)
+    assert stats["rollout/is_masked_frac"].item() == pytest.approx(1 - sum(map(sum, kept)) / 4)
+
+
+def test_sequence_level_mis_leaves_out_a_whole_sequence_whose_ratio_passes_the_threshold():
+    trainer = TRAINER.clone()
+    trainer[0] *= 2  # row 0's ratio: (1 x 3 x 0.5)^2 = 2.25 > 2; row 1's stays 1.5
+    _, kept, stats = functional.rollout_correction(trainer, BEHAVIOUR, MISMATCH_MASK, "mis", "sequence", 2.0)
+    assert kept.tolist() == [[0, 0, 0], [1, 0, 0]]
+    assert stats["rollout/is_masked_frac"].item() == pytest.approx(3 / 4)
+
+
+def test_tis_weights_multiply_each_tokens_surrogate():
+    """The same minibatch with is_weights [[2, 0.5]] gives a PPO loss whose tokens count 2x and 0.5x."""
+    mask = torch.ones(1, 2, dtype=torch.long)
+    advantages = torch.tensor([[1.0, -1.0]])
+    logprobs = torch.tensor([[0.1, -0.05]])
+    plain, _ = _policy_loss("grpo", logprobs, advantages, mask, loss_agg_mode="token_mean")
+    per_token, _, _ = functional.clipped_surrogate(logprobs, torch.zeros(1, 2), advantages, 0.2)
+    built = algorithm("grpo", num_samples=2, loss_agg_mode="token_mean")
+    batch = _experience(advantages, mask)
+    batch.logprobs, batch.is_weights = torch.zeros(1, 2), torch.tensor([[2.0, 0.5]])
+    weighted, _ = built.policy_loss(logprobs, None, batch, functional.LossScale(torch.tensor(2.0), 1, 2))
+    assert plain.item() == pytest.approx(per_token.mean().item())
+    assert weighted.item() == pytest.approx((2.0 * per_token[0, 0] + 0.5 * per_token[0, 1]).item() / 2)
+
+
+def test_rollout_is_needs_the_trainers_logprobs_and_a_threshold_above_one():
+    with pytest.raises(ValueError, match="set ppo.recompute_old_logprobs: true"):
+        PPOConfig(rollout_is="tis")
+    with pytest.raises(ValueError, match="rollout_is_threshold must be > 1"):
+        PPOConfig(recompute_old_logprobs=True, rollout_is="mis", rollout_is_threshold=1.0)
+    assert algorithm("grpo", num_samples=2, recompute_old_logprobs=True).stat_names("actor")[-5:] == \
+        functional.MISMATCH_STATS

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 import torch
 
 from lightning_app_rlhf.algorithms.advantages import ScoredRollout, get_advantage_estimator
-from lightning_app_rlhf.algorithms.functional import LossScale
+from lightning_app_rlhf.algorithms.functional import MISMATCH_STATS, LossScale
 from lightning_app_rlhf.algorithms.losses import get_policy_loss, get_value_loss
 from lightning_app_rlhf.algorithms.registry import Registry
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
@@ -105,7 +105,8 @@ class Algorithm:
         """
         if role == CRITIC.name:
             return self.value_stats
-        return self.policy_stats + ("policy/kl_loss",) if self.keeps_ref_logprobs else self.policy_stats
+        stats = self.policy_stats + ("policy/kl_loss",) if self.keeps_ref_logprobs else self.policy_stats
+        return stats + MISMATCH_STATS if self.config.recompute_old_logprobs else stats
 
     def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token advantages [B, T] and, with a critic, the critic's returns [B, T] (else None), from the
@@ -129,7 +130,8 @@ class Algorithm:
             scale: The whole minibatch's sizes.
         """
         return self._policy_loss(logprobs, batch.logprobs, batch.advantages, batch.response_mask, scale, self.config,
-                                 self.loss_agg_mode, ref_logprobs=batch.ref_logprobs, entropy=entropy)
+                                 self.loss_agg_mode, ref_logprobs=batch.ref_logprobs, entropy=entropy,
+                                 is_weights=batch.is_weights)
 
     def value_loss(
         self, values: torch.Tensor, batch: Experience, scale: LossScale

@@ -218,6 +218,55 @@ def clipped_weight_surrogate(
     return -weight * advantages * logprobs, clipped, ((ratio - 1.0) - log_ratio).detach()
 
 
+MISMATCH_STATS = ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/kl_behaviour_trainer",
+                  "rollout/is_weight_mean", "rollout/is_masked_frac")
+"""The rollout-trainer mismatch statistics of :func:`rollout_correction`, in order."""
+
+
+def rollout_correction(
+    trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, mode: str, level: str,
+    threshold: float,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """Correct for the rollout engine's log-probabilities differing from the trainer's (another numeric path: bf16
+    shadows, the static decoder, a tensor-parallel copy): the importance weight ``w = p_trainer / p_behaviour`` per
+    token, or per sequence (``level="sequence"``: the product over its valid tokens), and by ``mode``:
+
+    - ``tis`` (truncated importance sampling): the loss of each token is multiplied by ``min(w, threshold)``;
+    - ``mis`` (masked importance sampling): tokens (or whole sequences) with ``w > threshold`` leave the loss;
+    - ``none``: nothing changes; the statistics are still measured.
+
+    Args:
+        trainer_logprobs: [B, T] the trainer's log-probabilities of the sampled tokens, before the update.
+        behaviour_logprobs: [B, T] the log-probabilities the rollout engine sampled them with.
+        mask: [B, T] 1 on the valid response tokens.
+        mode: ``none``, ``tis`` or ``mis``.
+        level: ``token`` or ``sequence``.
+        threshold: The cap (``tis``) or the rejection bound (``mis``) of the weight.
+
+    Returns:
+        ``(weights, mask, stats)``: the per-token loss weights for ``tis`` (else None), the loss mask after ``mis``,
+        and the :data:`MISMATCH_STATS` over the valid tokens: the mean and largest ``|log p_trainer - log
+        p_behaviour|``, the k3 estimate of KL(behaviour || trainer), the mean weight the loss uses (1 without
+        ``tis``) and the share of valid tokens ``mis`` masked.
+    """
+    valid = mask.to(trainer_logprobs.dtype)
+    tokens = valid.sum().clamp(min=1.0)
+    token_log_w = (trainer_logprobs - behaviour_logprobs) * valid
+    log_w = token_log_w.sum(1, keepdim=True).expand_as(token_log_w) * valid if level == "sequence" else token_log_w
+    weight = torch.exp(log_w)
+    weights = torch.clamp(weight, max=threshold) * valid if mode == "tis" else None
+    kept = valid * (weight <= threshold) if mode == "mis" else valid
+    diff = token_log_w.abs()
+    stats = {
+        "rollout/logprob_abs_diff_mean": diff.sum() / tokens,
+        "rollout/logprob_abs_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
+        "rollout/kl_behaviour_trainer": ((torch.exp(token_log_w) - 1.0 - token_log_w) * valid).sum() / tokens,
+        "rollout/is_weight_mean": (weights.sum() / tokens) if weights is not None else valid.new_ones(()),
+        "rollout/is_masked_frac": (valid - kept).sum() / tokens,
+    }
+    return weights, kept.to(mask.dtype), stats
+
+
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:
     """DAPO's soft overlong punishment per response: 0 up to ``max_new_tokens - buffer`` tokens, then falling
     linearly to ``-factor`` at ``max_new_tokens``."""

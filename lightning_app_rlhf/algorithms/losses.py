@@ -30,7 +30,7 @@ token, whether each token was clipped, and the k3 estimate of KL(old || new) per
 :class:`SurrogatePolicyLoss`)."""
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(logprobs, old_logprobs, advantages, response_mask, scale, config, loss_agg_mode, ref_logprobs=None,
-entropy=None) -> (loss, stats)``: the actor's loss on one minibatch shard (see :class:`SurrogatePolicyLoss` for each
+entropy=None, is_weights=None) -> (loss, stats)``: the actor's loss on one minibatch shard (see :class:`SurrogatePolicyLoss` for each
 argument)."""
 ValueLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossScale, PPOConfig],
                      tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -82,6 +82,7 @@ class SurrogatePolicyLoss:
         loss_agg_mode: str,
         ref_logprobs: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss on one minibatch shard, and its statistics.
 
@@ -97,9 +98,11 @@ class SurrogatePolicyLoss:
             ref_logprobs: [B, T] the reference's log-probabilities, when the loss has a KL term
                 (``config.kl_loss_coef > 0``), else None.
             entropy: [B, T] the actor's entropies (with gradients when ``config.entropy_coef != 0``), or None.
+            is_weights: [B, T] weights of each token's surrogate (``ppo.rollout_is: tis``), or None.
         """
         mask, mode = response_mask, loss_agg_mode
         per_token, clipped, approx_kl = self.surrogate(logprobs, old_logprobs, advantages, mask, config)
+        per_token = per_token * is_weights if is_weights is not None else per_token
         loss = functional.aggregate_loss(per_token, mask, mode, scale)
         total = loss
         stats = {

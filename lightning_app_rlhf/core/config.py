@@ -209,6 +209,21 @@ class PPOConfig:
     (the paper); ``batch``, the std of every valid reward of the rollout batch (one scale for all groups, as "Tricks or
     Traps" / Lite PPO recommend: a group whose responses differ by a tiny penalty is not blown up to unit advantages);
     ``none``, nothing (Dr. GRPO's advantage)."""
+    recompute_old_logprobs: bool = False
+    """The actor's train ranks recompute the rollout's log-probabilities with the trainer's own forward before the
+    update (one more actor forward per iteration, no gradients) and use them as the old log-probabilities of the
+    ratio; the behaviour log-probabilities from generation then serve only the mismatch statistics
+    (``rollout/logprob_abs_diff_mean`` and ``_max``, ``rollout/kl_behaviour_trainer``) and ``rollout_is``. False: the
+    behaviour log-probabilities are the old ones."""
+    rollout_is: Literal["none", "tis", "mis"] = "none"
+    """Correct the loss for the rollout engine's log-probabilities differing from the trainer's (needs
+    ``recompute_old_logprobs``): ``tis`` multiplies each token's loss by ``min(p_trainer / p_behaviour,
+    rollout_is_threshold)``; ``mis`` leaves out the tokens (or sequences) whose ratio is above it; ``none`` only
+    measures (docs/algorithms.md, "Rollout-trainer mismatch")."""
+    rollout_is_level: Literal["token", "sequence"] = "token"
+    """The ratio of ``rollout_is`` per token, or per sequence (the product over its tokens)."""
+    rollout_is_threshold: float = 2.0
+    """The cap (``tis``) or rejection bound (``mis``) of the ratio; 2 is the value of the TIS write-up."""
     kl_target: float | None = None
     """Adaptive KL controller target (sum over the response, in nats). None keeps kl_coef fixed."""
     kl_horizon: int = 10000
@@ -270,6 +285,15 @@ class PPOConfig:
         if self.overlong_buffer is not None and self.overlong_buffer < 0:
             raise ValueError(f"ppo.overlong_buffer must be >= 0 tokens (0: no overlong penalty), got "
                              f"{self.overlong_buffer}.")
+        if self.rollout_is not in ("none", "tis", "mis") or self.rollout_is_level not in ("token", "sequence"):
+            raise ValueError(f"ppo.rollout_is must be 'none', 'tis' or 'mis' and ppo.rollout_is_level 'token' or "
+                             f"'sequence'; got {self.rollout_is!r} and {self.rollout_is_level!r}.")
+        if self.rollout_is != "none" and not self.recompute_old_logprobs:
+            raise ValueError(f"ppo.rollout_is={self.rollout_is!r} weighs each token by the trainer's over the rollout "
+                             "engine's probability, so it needs the trainer's: set ppo.recompute_old_logprobs: true.")
+        if not self.rollout_is_threshold > 1:
+            raise ValueError(f"ppo.rollout_is_threshold must be > 1 (a ratio of 1 means no mismatch), got "
+                             f"{self.rollout_is_threshold}.")
         if self.overlong_penalty_factor < 0:
             raise ValueError(f"ppo.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}.")
         if self.kl_loss_coef < 0:

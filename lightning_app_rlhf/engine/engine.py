@@ -13,6 +13,7 @@ Fabric.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -26,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import Algorithm, LossScale
+from lightning_app_rlhf.algorithms.functional import rollout_correction
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
@@ -449,6 +451,9 @@ class RLHFEngine:
         The statistics average the minibatches that stepped (NaN when every one was skipped)."""
         call = role + ".train"
         names = self.algorithm.stat_names(role)
+        mismatch: dict[str, torch.Tensor] = {}
+        if role == ACTOR.name and self.config.recompute_old_logprobs:
+            experience, mismatch = self._recompute_old_logprobs(experience, wrapper)
         totals = torch.zeros(len(names), device=experience.advantages.device)
         steps = skipped = 0
         wrapper.skipped.diverged = None  # a divergence that the caller caught does not stop a later fit at once
@@ -470,7 +475,32 @@ class RLHFEngine:
             self._kept_values = None  # not kept past its train call, used or not
         means = totals / steps if steps else totals.fill_(math.nan if skipped else 0.0)
         flags = torch.tensor([float(skipped), float(wrapper.skipped.diverged is not None)], device=totals.device)
-        return {**dict(zip(names, means)), SKIPPED_UPDATES: flags[0], _DIVERGED: flags[1]}
+        return {**dict(zip(names, means)), **mismatch, SKIPPED_UPDATES: flags[0], _DIVERGED: flags[1]}
+
+    def _recompute_old_logprobs(
+        self, experience: Experience, wrapper: RoleWrapper
+    ) -> tuple[Experience, dict[str, torch.Tensor]]:
+        """``ppo.recompute_old_logprobs``: the trainer's log-probabilities of the whole rollout before this update,
+        each replica of the train group computing its share (in micro-batches, as the loss's forward) and the group
+        summing them; then :func:`~lightning_app_rlhf.algorithms.functional.rollout_correction`. Returns the
+        experience the actor learns from (the trainer's old log-probabilities, ``rollout_is``'s weights or mask)
+        and the mismatch statistics. The shared experience is left as it is: the critic trains on it too."""
+        call = ACTOR.call("train")
+        rows = torch.arange(len(experience.sequences), device=experience.advantages.device)
+        ranks = self.placement.replicas(call)
+        share = rows.tensor_split(ranks)[self.placement.replica(call)]
+        trainer = torch.zeros_like(experience.logprobs, dtype=torch.float32)
+        with torch.no_grad(), self._precision(ACTOR.name):
+            for part in share.tensor_split(micro_batch_count(len(rows), ranks, self.config.micro_batch_size)):
+                logprobs, _ = policy_logprobs(wrapper.train_module, experience.minibatch(part),
+                                              self.generation.temperature, entropy_grad=False)
+                trainer[part] = logprobs.float()
+        trainer = self.placement.all_reduce_sum(call, trainer) * experience.response_mask
+        config = self.config
+        weights, mask, stats = rollout_correction(trainer, experience.logprobs, experience.response_mask,
+                                                  config.rollout_is, config.rollout_is_level,
+                                                  config.rollout_is_threshold)
+        return dataclasses.replace(experience, logprobs=trainer, response_mask=mask, is_weights=weights), stats
 
     def _minibatches(self, experience: Experience) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(epoch, minibatch number, sample indices)`` of every minibatch of every epoch, in training order."""

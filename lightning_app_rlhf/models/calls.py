@@ -281,6 +281,9 @@ class Experience:
     """The iteration whose rollout this is; keys the minibatch order of every update on it."""
     ref_logprobs: torch.Tensor | None = None
     """Reference log-probabilities, kept when the actor's loss has a KL term (``ppo.kl_loss_coef > 0``)."""
+    is_weights: torch.Tensor | None = None
+    """Per-token loss weights of ``ppo.rollout_is: tis`` (the truncated trainer-over-behaviour ratio); None
+    otherwise."""
 
     def minibatch(self, indices: torch.Tensor) -> Experience:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
