@@ -130,6 +130,20 @@ def test_plan_presets_assign_the_documented_ranks():
     assert sep.shadow_ranks("actor") == (0, 1, 2) and not sep.holds("reference", 3)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_trainers_recomputed_logprobs_match_the_rollouts_in_fp32(tmp_path, devices):
+    """ppo.recompute_old_logprobs with rollout_is tis: on one process, and on two under Flattening (each rank
+    recomputes half the rollout, the group sums them), the trainer's log-probabilities equal the behaviour ones to
+    float32 rounding (a row put back in the wrong place would differ by whole nats), so TIS weighs every token 1."""
+    rows = fit_demo(tmp_path, "recompute", "--trainer.devices", str(devices), "--trainer.strategy",
+                    "rlhf_flattening" if devices > 1 else "auto", "--model.ppo.recompute_old_logprobs", "true",
+                    "--model.ppo.rollout_is", "tis")
+    logged = [r for r in rows if "rollout/logprob_abs_diff_max" in r]
+    assert len(logged) == 3
+    for row in logged:
+        assert row["rollout/logprob_abs_diff_max"] < 1e-5 and row["rollout/logprob_abs_diff_mean"] < 1e-6, row
+        assert row["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and row["rollout/is_masked_frac"] == 0
+
 def test_a_registered_preset_is_a_strategy_name_for_the_trainer_and_fabric():
     """``register_preset`` makes a plan builder a strategy name under both: each builds the builder's plan for the
     world size and the algorithm's roles (no critic calls for GRPO); the built-in names keep their typed classes."""

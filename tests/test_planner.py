@@ -260,6 +260,23 @@ def test_separation_overlaps_reference_and_train_calls_by_group():
     assert ref[0] == rew[0] and ref[1] > ref[0]
 
 
+@pytest.mark.parametrize("plan", [flattening_plan(8), flattening_plan(8, wrapper="fsdp2")], ids=["ddp", "fsdp2"])
+def test_recomputing_old_logprobs_prices_one_more_forward_of_the_rollout_share(plan):
+    """ppo.recompute_old_logprobs adds to actor.train the forward of its rank's share of the rollout (in the train
+    call's micro-batches) and the all-reduce of the log-probabilities; no other call changes."""
+    cluster, workload = parse_cluster("1x8xA100-80GB"), llama_workload("llama-7b")
+    choice = PlanChoice(plan)
+    plain, recomputing = CostModel(cluster, workload), CostModel(cluster, replace(workload, recompute_old_logprobs=True))
+    compute, comm = plain.call_time(choice, "actor.train")
+    more_compute, more_comm = recomputing.call_time(choice, "actor.train")
+    share = workload.samples // 8
+    micro = plain._micro(choice, share // workload.num_minibatches)
+    forward = sum(plain.op_time(workload.actor, "forward", min(micro, share - i), workload.sequence_length)
+                  for i in range(0, share, micro))
+    assert more_compute == pytest.approx(compute + forward)
+    assert more_comm > comm
+    assert recomputing.call_time(choice, "critic.train") == plain.call_time(choice, "critic.train")
+
 def test_search_is_deterministic_and_beats_or_matches_presets():
     cluster, workload = parse_cluster("2x8xA100-80GB"), llama_workload("llama-7b")
     first = plan_placement(cluster, workload, seed=3, time_budget_s=60, mcmc_steps=300)

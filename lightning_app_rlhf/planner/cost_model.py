@@ -574,7 +574,15 @@ class CostModel:
             measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" and t == 1 else None
             comm = measured if measured is not None else self.all_reduce_s(dp_ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
-        return steps * compute, steps * (comm + tp_comm) + stats
+        compute, comm = steps * compute, steps * (comm + tp_comm) + stats
+        if call == ACTOR.call("train") and w.recompute_old_logprobs:  # before the update: the trainer's log-probs
+            share = ceil_div(w.samples, n)
+            compute += sum(self.op_time(shape, "forward", min(b, share - i), w.sequence_length) / t
+                           for i in range(0, share, b))
+            if wrapper.shards_params:
+                comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t)
+            comm += self.all_reduce_s(ranks, 4 * w.samples * w.generation_length)
+        return compute, comm
 
     def _measured_ddp_step(self, shape: RoleShape, group: int) -> float | None:
         """Seconds DDP adds to one optimizer step on ``group`` ranks, where the profile measured it

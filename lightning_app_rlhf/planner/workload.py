@@ -374,6 +374,9 @@ class Workload:
     """Optimizer state tensors per trainable element (AdamW: 2, SGD with momentum: 1): the wrappers' ``slots``.
     DDP and FSDP2 keep them in the parameter's dtype; DeepSpeed's ZeRO keeps them in fp32 next to an fp32 master
     copy (:meth:`~lightning_app_rlhf.parallel.wrappers.RoleWrapper.predicted_bytes`)."""
+    recompute_old_logprobs: bool = False
+    """``ppo.recompute_old_logprobs``: the actor's train call first runs one forward (no gradients) over its share of
+    the whole rollout, and sums the log-probabilities over its group."""
     gradient_checkpointing: bool = False
     """Train calls keep only each layer's input and recompute the rest in backward (one more forward)."""
     flash_attention: bool = False
@@ -560,6 +563,7 @@ def workload_from_module(
         generation_length=module.generation.max_new_tokens,
         ppo_epochs=module.ppo.ppo_epochs,
         num_minibatches=module.ppo.num_minibatches,
+        recompute_old_logprobs=module.ppo.recompute_old_logprobs,
         num_samples=module.generation.num_samples,
         algorithm=module.algorithm.name,
         optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
