@@ -39,15 +39,15 @@ def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 class RLHFModule(pl.LightningModule):
-    """RLHF of a causal LM: PPO with a critic, or a critic-free algorithm (GRPO, Dr. GRPO, RLOO, REINFORCE++),
+    """RLHF of a causal LM: PPO with a critic, or a critic-free algorithm (GRPO and its family, RLOO, REINFORCE++),
     with a frozen reference and a reward model or function.
 
     Args:
         actor: The policy: a :class:`ModelSpec`, its fields as a dict, or a local model directory.
         tokenizer: The actor's tokenizer, a local directory, or ``"package.module:function"`` building one.
-        algorithm: ``ppo``, ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp`` or ``reinforce_pp_baseline`` (or
-            any name registered with :func:`~lightning_app_rlhf.algorithms.register_algorithm`). Only ``ppo``
-            has a critic.
+        algorithm: ``ppo``, ``grpo``, ``dr_grpo``, ``dapo``, ``gspo``, ``gspo_token``, ``cispo``, ``rloo``,
+            ``reinforce_pp``, ``reinforce_pp_baseline``, or a name registered with
+            :func:`~lightning_app_rlhf.algorithms.register_algorithm` (docs/algorithms.md). Only ``ppo`` has a critic.
         critic: The value model's backbone (``ppo`` only). Defaults to the actor's spec (a fresh copy, with a value
             head, and the actor's LoRA settings if it has any).
         reference: The frozen reference policy. Defaults to an exact copy of the initial actor; for a LoRA actor,
