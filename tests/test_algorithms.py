@@ -47,6 +47,8 @@ def scored(scores, mask, group_size, valid=None, kl=None, kl_coef=0.0, values=No
 
 
 def algorithm(name: str, num_samples: int = 3, **config) -> Algorithm:
+    """``name`` with ``config``; no KL loss term unless asked (the tests of a loss check its surrogate)."""
+    config = {"kl_loss_coef": 0.0, **config}
     return build_algorithm(name, PPOConfig(**config), GenerationConfig(num_samples=num_samples, max_new_tokens=3))
 
 
@@ -452,7 +454,7 @@ def test_ppo_value_loss_is_the_clipped_value_loss_times_its_coefficient_bit_for_
 
 def test_k3_in_the_reward_warns_and_names_the_loss_term():
     with pytest.warns(UserWarning, match="kl_loss_coef"):
-        PPOConfig(kl_estimator="k3")
+        algorithm("ppo", num_samples=1, kl_estimator="k3")  # ppo's default KL is in the reward
 
 
 # ------------------------------------------------------------------------------------- samples and temperature
@@ -504,6 +506,18 @@ def _policy_loss(name: str, logprobs: torch.Tensor, advantages: torch.Tensor, ma
     batch.logprobs = torch.zeros(mask.shape)
     scale = functional.LossScale(mask.sum().float(), mask.shape[0], mask.shape[1])
     return built.policy_loss(logprobs, None, batch, scale)
+
+
+@pytest.mark.parametrize(("name", "kl"), [("ppo", (0.05, 0.0)), ("rloo", (0.05, 0.0)), ("grpo", (0.0, 0.04)),
+                                          ("gspo", (0.0, 0.04)), ("cispo", (0.0, 0.04)), ("dapo", (0.0, 0.0))])
+def test_each_algorithm_has_its_kl_default_and_keeps_the_users(name, kl):
+    """GRPO's KL is the paper's: k3 in the loss (beta 0.04), none in the reward; DAPO has none; PPO keeps 0.05 in
+    the reward. A coefficient the user sets is kept."""
+    built = build_algorithm(name, PPOConfig(), GenerationConfig(num_samples=2))
+    assert (built.config.kl_coef, built.config.kl_loss_coef) == kl
+    assert built.keeps_ref_logprobs == (kl[1] > 0)
+    mine = build_algorithm(name, PPOConfig(kl_coef=0.01, kl_loss_coef=0.0), GenerationConfig(num_samples=2))
+    assert (mine.config.kl_coef, mine.config.kl_loss_coef) == (0.01, 0.0)
 
 
 def test_the_new_algorithms_take_their_papers_defaults_and_keep_what_the_user_set():

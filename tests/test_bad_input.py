@@ -107,8 +107,10 @@ def test_scale_rewards_outside_its_values():
 
 
 def test_scale_rewards_on_an_algorithm_other_than_grpo():
-    """Dr. GRPO never scales, RLOO and the others have no group std: a scale_rewards there would do nothing."""
-    with pytest.raises(ValueError, match=r"applies to algorithm 'grpo' only, not 'rloo': remove it, or use "):
+    """Dr. GRPO never scales, RLOO and the others have no group std: a scale_rewards there would do nothing (it
+    applies to the algorithms with GRPO's advantages: grpo, dapo, gspo, gspo_token, cispo)."""
+    with pytest.raises(ValueError, match=r"applies to GRPO's group advantages \(\['cispo', 'dapo', 'grpo', 'gspo', "
+                                         r"'gspo_token'\]\), not to 'rloo': remove it, or use "):
         make_module(reward_fn=lambda p, r: [0.0] * len(r), algorithm="rloo",
                     generation=GenerationConfig(num_samples=2), ppo=PPOConfig(scale_rewards="batch"))
 

@@ -687,7 +687,7 @@ def test_stop_strings_match_within_the_response_only(tokenizer, fruit_ids):
     assert rollout.responses.tolist() == [fruit_ids[3:], [5, 5, 5, fruit_ids[3]]]
     assert rollout.response_mask.tolist() == [[1, 1, 1, 1]] * 2
     assert rollout.stopped.tolist() == [True, False]  # 'fruit' at the 4th token; 'me f' would need the prompt
-    shaping = RewardShaping(PPOConfig(missing_eos_penalty=1.0), EOS)
+    shaping = RewardShaping(PPOConfig(missing_eos_penalty=1.0, kl_coef=0.0), EOS)
     assert shaping.shape(torch.zeros(2), torch.ones(2, dtype=torch.bool), rollout, config).tolist() == [0.0, -1.0]
 
 
@@ -770,14 +770,14 @@ def test_missing_eos_penalty_any_stop_hand_computed():
         [[5, 6, PAD, PAD], [5, 3, 3, 3], [4, 4, 4, 7], [4, 4, 4, EOS], [5, 6, 3, 3]],
         [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]],
     )
-    shaping = RewardShaping(PPOConfig(missing_eos_penalty=2.0), EOS)
+    shaping = RewardShaping(PPOConfig(missing_eos_penalty=2.0, kl_coef=0.0), EOS)
     generation = GenerationConfig(max_new_tokens=4, stop_token_ids=[7])
     scores, finite = torch.tensor([1.0, 1.0, 0.5, 0.25, 0.0]), torch.ones(5, dtype=torch.bool)
     assert shaping.shape(scores, finite, rollout, generation).tolist() == [1.0, -1.0, 0.5, 0.25, -2.0]
     # Without the generation settings only the last token counts (EOS alone, as before stop ids existed).
     assert shaping.shape(scores, finite, rollout).tolist() == [-1.0, -1.0, -1.5, 0.25, -2.0]
     # Several EOS ids given to RewardShaping count too.
-    several = RewardShaping(PPOConfig(missing_eos_penalty=2.0), [EOS, 7])
+    several = RewardShaping(PPOConfig(missing_eos_penalty=2.0, kl_coef=0.0), [EOS, 7])
     assert several.shape(scores, finite, rollout).tolist() == [-1.0, -1.0, 0.5, 0.25, -2.0]
     # rollout.stopped from generate() is exact: row 4 ended at a stop string completed by its last token.
     stopped = _rollout(rollout.responses.tolist(), rollout.response_mask.tolist(), [True, False, True, True, True])

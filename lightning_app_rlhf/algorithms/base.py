@@ -9,6 +9,7 @@ loss, a function decorated with ``register_advantage_estimator`` / ``register_po
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
@@ -51,6 +52,8 @@ class Algorithm:
     default_clip_ratio: ClassVar[tuple[float, float] | None] = None
     """Its paper's ``(clip_ratio_low, clip_ratio_high)``, used where ``ppo`` leaves them None; None: ``clip_range``
     on both sides."""
+    default_kl: ClassVar[tuple[float, float]] = (0.05, 0.0)
+    """Its ``(kl_coef, kl_loss_coef)``, used where ``ppo`` leaves them None: the KL in the reward and in the loss."""
     default_overlong_buffer_fraction: ClassVar[float] = 0.0
     """Its paper's ``ppo.overlong_buffer`` as a fraction of ``generation.max_new_tokens``, used when it is None."""
     policy_stats: ClassVar[tuple[str, ...]] = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
@@ -76,8 +79,15 @@ class Algorithm:
         self._value_loss = get_value_loss(self.value_loss_mode) if self.value_loss_mode is not None else None
 
     def _resolve_defaults(self, config: PPOConfig, generation: GenerationConfig) -> None:
-        """Write this algorithm's defaults into the settings ``config`` leaves None (the clip range, the overlong
-        buffer), so that the losses and the reward shaping read one config."""
+        """Write this algorithm's defaults into the settings ``config`` leaves None (the KL coefficients, the clip
+        range, the overlong buffer), so that the losses and the reward shaping read one config."""
+        kl_coef, kl_loss_coef = self.default_kl
+        config.kl_coef = kl_coef if config.kl_coef is None else config.kl_coef
+        config.kl_loss_coef = kl_loss_coef if config.kl_loss_coef is None else config.kl_loss_coef
+        if config.kl_estimator == "k3" and config.kl_coef > 0:
+            warnings.warn("ppo.kl_estimator='k3' puts the k3 estimate in the reward, where its policy gradient is not "
+                          "the gradient of KL(policy || reference). Use kl_estimator='k1' in the reward, or move the "
+                          "penalty into the loss: kl_coef=0, kl_loss_coef>0, kl_loss_estimator='k3'.", stacklevel=4)
         low, high = self.default_clip_ratio or (config.clip_range, config.clip_range)
         config.clip_ratio_low = low if config.clip_ratio_low is None else config.clip_ratio_low
         config.clip_ratio_high = high if config.clip_ratio_high is None else config.clip_ratio_high

@@ -17,5 +17,6 @@ class CISPO(Algorithm):
     advantage_estimator = "grpo"
     policy_loss_mode = "cispo"
     min_group_size = 2
+    default_kl = (0.0, 0.04)
     default_loss_agg_mode = "token_mean"
     default_clip_ratio = (1.0, 0.28)

@@ -17,5 +17,6 @@ class GSPO(Algorithm):
     advantage_estimator = "grpo"
     policy_loss_mode = "gspo"
     min_group_size = 2
+    default_kl = (0.0, 0.04)
     default_loss_agg_mode = "seq_mean_token_mean"
     default_clip_ratio = (3e-4, 4e-4)

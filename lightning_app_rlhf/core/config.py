@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -187,16 +186,19 @@ class PPOConfig:
     whiten_advantages: bool = True
     """``ppo``: normalise advantages over the valid response tokens of the rollout batch (REINFORCE++ always
     does; the group algorithms never do)."""
-    kl_coef: float = 0.05
+    kl_coef: float | None = None
     """Initial (or fixed) coefficient of the KL penalty in the reward: per token for ``ppo`` and REINFORCE++, summed
-    over the response into the sequence reward for GRPO, Dr. GRPO and RLOO. 0 turns it off."""
+    over the response into the sequence reward for the group algorithms. 0 turns it off. None: the algorithm's
+    default: 0.05, except 0 for ``grpo``, ``gspo``, ``gspo_token`` and ``cispo`` (their KL is in the loss) and
+    ``dapo`` (no KL)."""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """KL estimator in the reward, with d = log p - log p_ref: k1 = d, k3 = exp(-d) + d - 1. Use k1
     here: a detached k3 reward pushed through the policy gradient does not follow the gradient of KL(p || p_ref);
     k3 belongs in the loss (``kl_loss_coef``)."""
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float | None = None
     """Coefficient of a KL(policy || reference) term in the actor's loss, differentiated (GRPO's beta). 0 turns it
-    off."""
+    off. None: the algorithm's default: 0, except 0.04 (GRPO's paper) for ``grpo``, ``gspo``, ``gspo_token`` and
+    ``cispo``."""
     kl_loss_estimator: Literal["k1", "k3"] = "k3"
     """Estimator of the KL loss term; k3 is GRPO's low-variance estimator."""
     loss_agg_mode: str | None = None
@@ -266,15 +268,13 @@ class PPOConfig:
                 raise ValueError(f"ppo.{name} must be > 0, got {getattr(self, name)}.")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             raise ValueError(f"ppo.gamma and ppo.lam must be in [0, 1], got {self.gamma} and {self.lam}.")
-        if self.kl_coef < 0:
-            raise ValueError(f"ppo.kl_coef must be >= 0, got {self.kl_coef}.")
+        for name in ("kl_coef", "kl_loss_coef"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"ppo.{name} must be >= 0 (or None for the algorithm's default), got "
+                                 f"{getattr(self, name)}.")
         for name in ("kl_estimator", "kl_loss_estimator"):
             if getattr(self, name) not in ("k1", "k3"):
                 raise ValueError(f"ppo.{name} must be 'k1' or 'k3', got {getattr(self, name)!r}.")
-        if self.kl_estimator == "k3" and self.kl_coef > 0:
-            warnings.warn("ppo.kl_estimator='k3' puts the k3 estimate in the reward, where its policy gradient is not "
-                          "the gradient of KL(policy || reference). Use kl_estimator='k1' in the reward, or move the "
-                          "penalty into the loss: kl_coef=0, kl_loss_coef>0, kl_loss_estimator='k3'.", stacklevel=3)
         for name in ("clip_ratio_low", "clip_ratio_high"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -296,8 +296,6 @@ class PPOConfig:
                              f"{self.rollout_is_threshold}.")
         if self.overlong_penalty_factor < 0:
             raise ValueError(f"ppo.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}.")
-        if self.kl_loss_coef < 0:
-            raise ValueError(f"ppo.kl_loss_coef must be >= 0, got {self.kl_loss_coef}.")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"ppo.scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
         if self.loss_agg_mode is not None:

@@ -31,6 +31,9 @@ class RewardShaping:
     """
 
     def __init__(self, config: PPOConfig, eos_token_id: int | Sequence[int]) -> None:
+        if config.kl_coef is None:
+            raise ValueError("ppo.kl_coef is None, the algorithm's default: build the algorithm first "
+                             "(build_algorithm(name, config, generation) writes its defaults into config).")
         self.config = config
         self.eos_token_ids = list(eos_token_id) if isinstance(eos_token_id, Sequence) else [eos_token_id]
         self.kl_controller = (
