@@ -516,6 +516,7 @@ def test_each_algorithm_has_its_kl_default_and_keeps_the_users(name, kl):
     built = build_algorithm(name, PPOConfig(), GenerationConfig(num_samples=2))
     assert (built.config.kl_coef, built.config.kl_loss_coef) == kl
     assert built.keeps_ref_logprobs == (kl[1] > 0)
+    assert ("reference" in built.roles) == (kl != (0.0, 0.0)) and "reference" in type(built).roles
     mine = build_algorithm(name, PPOConfig(kl_coef=0.01, kl_loss_coef=0.0), GenerationConfig(num_samples=2))
     assert (mine.config.kl_coef, mine.config.kl_loss_coef) == (0.01, 0.0)
 

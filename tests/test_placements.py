@@ -144,7 +144,19 @@ def test_the_trainers_recomputed_logprobs_match_the_rollouts_in_fp32(tmp_path, d
         assert row["rollout/logprob_abs_diff_max"] < 1e-5 and row["rollout/logprob_abs_diff_mean"] < 1e-6, row
         assert row["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and row["rollout/is_masked_frac"] == 0
 
-def test_a_registered_preset_is_a_strategy_name_for_the_trainer_and_fabric():
+def test_without_kl_no_reference_is_built_placed_or_run(tmp_path):
+    """DAPO with both KL coefficients 0 on two processes under Interleaving: the plan has no reference call (the
+    reward takes the first block of ranks), and the model summary, the placement summary and the memory rows that
+    rank 0 prints name no reference: no rank builds or holds one. No kl/mean is logged (there is no KL to measure)."""
+    rows = fit_demo(tmp_path, "noref", "--trainer.devices", "2", "--trainer.strategy", "rlhf_interleaving",
+                    "--model.algorithm", "dapo", "--model.ppo.kl_loss_coef", "0",
+                    config=ROOT / "examples/configs/demo_grpo_cpu.yaml", steps=2)
+    printed = (tmp_path / "noref.out").read_text()
+    assert "reward.forward" in printed and "Memory per rank" in printed and "reference" not in printed, printed
+    logged = [r for r in rows if "reward/mean" in r]
+    assert len(logged) == 2 and not any("kl/mean" in r for r in rows)
+    memory = next(r for r in rows if "memory/param_bytes_rank1" in r)
+    assert memory["memory/param_bytes_rank0"] == memory["memory/param_bytes_rank1"]  # the actor alone on each_for_the_trainer_and_fabric():
     """``register_preset`` makes a plan builder a strategy name under both: each builds the builder's plan for the
     world size and the algorithm's roles (no critic calls for GRPO); the built-in names keep their typed classes."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY

@@ -30,7 +30,7 @@ def _calls(**overrides):
                 actor__train=(0,), critic__train=(0,)), r"Ranks \[1\] run no call.*cover the world of 2"),
         (_calls(reward__forward=()), r"'reward.forward' has an empty group: give it at least one rank"),
         (_calls(critic__train=(0, 5)), r"ranks \[5\] outside the world of 2"),
-        ({c: (0, 1) for c in CALLS if c != "reference.forward"}, r"missing \['reference.forward'\]"),
+        ({c: (0, 1) for c in CALLS if c != "reward.forward"}, r"missing \['reward.forward'\]"),
     ],
 )
 def test_invalid_plans_name_the_fix(calls, match):

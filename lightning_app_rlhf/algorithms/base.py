@@ -19,7 +19,15 @@ from lightning_app_rlhf.algorithms.functional import MISMATCH_STATS, LossScale
 from lightning_app_rlhf.algorithms.losses import get_policy_loss, get_value_loss
 from lightning_app_rlhf.algorithms.registry import Registry
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.core.role_table import CRITIC, REQUIRED_ROLES, TRAINABLE_ROLES
+from lightning_app_rlhf.core.role_table import (
+    ACTOR,
+    CRITIC,
+    REFERENCE,
+    REQUIRED_ROLES,
+    REWARD,
+    ROLE_NAMES,
+    TRAINABLE_ROLES,
+)
 
 if TYPE_CHECKING:  # calls.py imports the functional math from this package: no import back at runtime
     from lightning_app_rlhf.models.calls import Experience
@@ -37,8 +45,10 @@ class Algorithm:
 
     name: ClassVar[str]
     """The name the registry and ``RLHFModule(algorithm=...)`` know it by."""
-    roles: ClassVar[tuple[str, ...]] = REQUIRED_ROLES
-    """The roles it needs; the plan gives ranks to their calls only."""
+    roles: tuple[str, ...] = (ACTOR.name, REFERENCE.name, REWARD.name)
+    """The roles it needs; the plan gives ranks to their calls only. A class lists the reference; an instance whose
+    KL coefficients (``ppo.kl_coef``, ``ppo.kl_loss_coef``) are both 0 drops it: no reference is built, placed,
+    planned or run (as TRL at beta 0)."""
     advantage_estimator: ClassVar[str]
     """A registered advantage estimator's name (``register_advantage_estimator``)."""
     policy_loss_mode: ClassVar[str] = "ppo_clip"
@@ -66,6 +76,8 @@ class Algorithm:
         self.generation = generation
         self.loss_agg_mode = config.loss_agg_mode or self.default_loss_agg_mode
         self._resolve_defaults(config, generation)
+        if not self.uses_kl:
+            self.roles = tuple(r for r in type(self).roles if r != REFERENCE.name)
         if generation.num_samples < self.min_group_size:
             raise ValueError(
                 f"Algorithm {self.name!r} compares the responses of one prompt with each other and needs at least "
@@ -97,6 +109,11 @@ class Algorithm:
             raise ValueError(f"ppo.overlong_buffer ({config.overlong_buffer}) must be below generation.max_new_tokens "
                              f"({generation.max_new_tokens}): the penalty starts that many tokens before the limit. "
                              f"Lower it, e.g. to {generation.max_new_tokens // 5}.")
+
+    @property
+    def uses_kl(self) -> bool:
+        """Whether a KL to the reference enters the reward or the loss; without, there is no reference role."""
+        return self.config.kl_coef > 0 or self.config.kl_loss_coef > 0
 
     @property
     def trainable_roles(self) -> tuple[str, ...]:
@@ -173,11 +190,11 @@ def register_algorithm(cls: A) -> A:
     Args:
         cls: A subclass of :class:`Algorithm` that sets ``name`` and ``advantage_estimator``.
     """
-    unknown = [r for r in cls.roles if r not in (*REQUIRED_ROLES, *TRAINABLE_ROLES)]
+    unknown = [r for r in cls.roles if r not in ROLE_NAMES]
     missing = [r for r in REQUIRED_ROLES if r not in cls.roles]
     if unknown or missing:
         raise ValueError(f"Algorithm {cls.name!r} lists roles {list(cls.roles)}: it must include "
-                         f"{list(REQUIRED_ROLES)} and may add {[r for r in TRAINABLE_ROLES if r not in REQUIRED_ROLES]}.")
+                         f"{list(REQUIRED_ROLES)} and may add {[r for r in ROLE_NAMES if r not in REQUIRED_ROLES]}.")
     if not hasattr(cls, "advantage_estimator"):
         raise ValueError(f"Algorithm {cls.name!r} names no advantage estimator: set advantage_estimator to a "
                          "registered one, or register yours with @register_advantage_estimator(name).")

@@ -41,8 +41,9 @@ ROLES: tuple[Role, ...] = (
 ROLE_NAMES: tuple[str, ...] = tuple(role.name for role in ROLES)
 TRAINABLE_ROLES: tuple[str, ...] = tuple(role.name for role in ROLES if role.trainable)
 FROZEN_ROLES: tuple[str, ...] = tuple(role.name for role in ROLES if not role.trainable)
-REQUIRED_ROLES: tuple[str, ...] = ("actor", "reference", "reward")
-"""Roles every algorithm has: the policy, the KL anchor and the scorer."""
+REQUIRED_ROLES: tuple[str, ...] = ("actor", "reward")
+"""Roles every plan has: the policy and the scorer. The reference (the KL's anchor) is an algorithm's role too, but
+a run whose KL coefficients are both 0 leaves it out (:attr:`Algorithm.roles`)."""
 
 PHASES = ("generate", "forward", "train")
 """Call kinds in the order one iteration runs them."""

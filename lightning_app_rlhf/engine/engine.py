@@ -158,7 +158,8 @@ class RLHFEngine:
             trained_on = state.trained_on
             stats["overlap/staleness"] = float(iteration - trained_on.iteration) if trained_on is not None else 0.0
         samples = len(state.rollout.sequences)
-        self.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=samples)
+        if "kl/mean" in stats:  # without a reference there is no KL to control
+            self.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=samples)
         stats.update(state.timings(plan.overlap, samples, state.rollout.response_mask.sum().item()))
         return IterationResult(stats, state.rollout, state.scores, state.learning_rates)
 
@@ -206,7 +207,7 @@ class RLHFEngine:
     def _make_experience(self, state: IterationState) -> None:
         """The algorithm's advantages on the gathered rollout, on every rank (cheap, and it saves a broadcast)."""
         gathered = state.gathered
-        state.experience, stats = make_experience(state.rollout, gathered[REFERENCE.name], gathered[REWARD.name],
+        state.experience, stats = make_experience(state.rollout, gathered.get(REFERENCE.name), gathered[REWARD.name],
                                                   gathered.get(CRITIC.name), self.algorithm, self.shaping,
                                                   state.iteration)
         state.stats.update(stats)

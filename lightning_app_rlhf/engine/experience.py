@@ -108,7 +108,7 @@ class RewardShaping:
 
 def make_experience(
     rollout: Rollout,
-    ref_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
     scores: torch.Tensor,
     values: torch.Tensor | None,
     algorithm: Algorithm,
@@ -116,12 +116,14 @@ def make_experience(
     iteration: int,
 ) -> tuple[Experience, dict[str, torch.Tensor]]:
     """Shape the scores, estimate the KL, let ``algorithm`` compute advantages; return the experience and the
-    rollout's statistics (reward, KL, length)."""
+    rollout's statistics (reward, KL, length). Without a reference (``ref_logprobs`` None: the algorithm uses no KL)
+    the KL is 0 in the advantages and not logged."""
     finite = shaping.finite(scores)
     mask = rollout.response_mask * finite.unsqueeze(1).to(rollout.response_mask.dtype)
     raw_scores = scores[finite]
     shaped = shaping.shape(scores, finite, rollout, algorithm.generation)
-    kl = kl_penalty(rollout.logprobs, ref_logprobs, shaping.config.kl_estimator) * mask
+    kl = (kl_penalty(rollout.logprobs, ref_logprobs, shaping.config.kl_estimator) * mask if ref_logprobs is not None
+          else torch.zeros_like(rollout.logprobs))
     scored = ScoredRollout(
         scores=shaped, kl=kl, kl_coef=shaping.kl_controller.value, response_mask=mask, valid=finite,
         group_size=algorithm.generation.num_samples, values=values * mask if values is not None else None,
@@ -147,10 +149,11 @@ def make_experience(
     stats = {
         "reward/mean": raw_scores.mean() if raw_scores.numel() else scores.new_tensor(float("nan")),
         "reward/std": raw_scores.std() if raw_scores.numel() > 1 else scores.new_tensor(0.0),
-        "kl/mean": kl.sum(1).sum() / kept,
         "kl/coef": torch.tensor(shaping.kl_controller.value),
         "response/length_mean": rollout.response_mask.sum(1).float().mean(),
     }
+    if ref_logprobs is not None:
+        stats["kl/mean"] = kl.sum(1).sum() / kept
     if config.overlong_buffer:
         stats["reward/overlong_penalty_mean"] = shaping.overlong_penalty(rollout, algorithm.generation)[finite].mean()
     if truncated is not None:

@@ -168,6 +168,8 @@ class PlacementPlan:
         must hold the actor (trained weights or a shadow). A sharded actor (FSDP2 / ZeRO-3 over several ranks)
         runs a forward as a collective over its train group: the reference call must then cover that whole group.
         """
+        if REFERENCE.call("forward") not in self.calls:
+            return  # no KL, no reference
         actor_ranks = {r for call, ranks in self.calls.items() if role_of(call) == ACTOR.name for r in ranks}
         reference = set(self.calls[REFERENCE.call("forward")])
         missing = sorted(reference - actor_ranks)
@@ -256,14 +258,15 @@ def interleaving_plan(
     if world_size < 2:
         raise ValueError("Interleaving needs at least 2 ranks (reference and reward on disjoint groups); "
                          "use flattening on a single device.")
-    n_ref = _count(reference_ratio, world_size, REFERENCE.name)
+    n_ref = _count(reference_ratio, world_size, REFERENCE.name) if REFERENCE.name in roles else 0
     n_reward = _count(reward_ratio, world_size, REWARD.name)
     if n_ref + n_reward > world_size:
         raise ValueError(f"Reference ({reference_ratio}) and reward ({reward_ratio}) ratios sum to more than 1: "
                          "interleaving puts them on disjoint groups. Lower them so they sum to at most 1.")
     everyone = tuple(range(world_size))
     calls = {c: everyone for c in calls_of(roles)}
-    calls[REFERENCE.call("forward")] = tuple(range(n_ref))
+    if REFERENCE.name in roles:  # an algorithm without KL has none: the reward then starts at rank 0
+        calls[REFERENCE.call("forward")] = tuple(range(n_ref))
     calls[REWARD.call("forward")] = tuple(range(n_ref, n_ref + n_reward))
     return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="interleaving")
 

@@ -13,7 +13,14 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_app_rlhf.core.role_table import CRITIC, REQUIRED_ROLES, ROLE_NAMES, TRAINABLE_ROLES, calls_of
+from lightning_app_rlhf.core.role_table import (
+    CRITIC,
+    REFERENCE,
+    REQUIRED_ROLES,
+    ROLE_NAMES,
+    TRAINABLE_ROLES,
+    calls_of,
+)
 from lightning_app_rlhf.parallel.wrappers import available_wrappers, wrapper_class
 
 ROLE_KINDS = ("causal_lm", "value", "classifier")
@@ -332,17 +339,18 @@ def _counted_shape(f: dict[str, Any], name: str) -> RoleShape:
 class Workload:
     """One RLHF iteration: the shapes of the algorithm's roles and the batch they run.
 
-    The roles are those of :data:`~lightning_app_rlhf.core.role_table.REQUIRED_ROLES` (actor, reference, reward) plus
-    the critic when ``critic`` is given (PPO); ``critic=None`` is a critic-free algorithm (GRPO, RLOO, ...), whose
-    plans have no ``critic.*`` calls.
+    The roles are those of :data:`~lightning_app_rlhf.core.role_table.REQUIRED_ROLES` (actor, reward), the reference
+    when ``reference`` is given (every algorithm with a KL), and the critic when ``critic`` is given (PPO);
+    ``critic=None`` is a critic-free algorithm (GRPO, RLOO, ...), whose plans have no ``critic.*`` calls.
     """
 
     actor: RoleShape
     """The policy: generates, and trains."""
     critic: RoleShape | None
     """The value model (PPO); None: a critic-free algorithm (no critic calls, weights or optimizer state)."""
-    reference: RoleShape
-    """The frozen reference policy."""
+    reference: RoleShape | None
+    """The frozen reference policy; None: the algorithm uses no KL (both coefficients 0), so there is no reference
+    role (no calls, weights or memory)."""
     reward: RoleShape | None
     """None: the reward is a Python function (no model, no memory)."""
     batch_size: int
@@ -551,6 +559,7 @@ def workload_from_module(
     roles = module.algorithm.roles
     actor = shape(module.specs.actor, "causal_lm")
     reference = shape(module.specs.reference, "causal_lm") if module.specs.reference is not None else actor
+    reference = reference if REFERENCE.name in roles else None
     reward = shape(module.specs.reward, "classifier") if module.specs.reward is not None else None
     critic = shape(module.specs.critic, "value") if CRITIC.name in roles else None
     return Workload(
