@@ -23,7 +23,7 @@ from lightning_app_rlhf.checkpoint.format import (
     seal,
     verify,
 )
-from lightning_app_rlhf.core.role_table import ROLES
+from lightning_app_rlhf.core.role_table import REFERENCE, ROLES
 from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.models.roles import resolve_import, tokenizer_files
 
@@ -114,6 +114,10 @@ def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any)
     saved = checkpoint.get("state_dict")
     if not isinstance(saved, dict):
         return
+    if REFERENCE.name not in module.algorithm.roles and any(k.startswith(REFERENCE.attribute + ".") for k in saved):
+        raise CheckpointError(f"Checkpoint {path} holds a reference model: it was saved by a run with a KL term. This "
+                              "run has no KL (ppo.kl_coef and ppo.kl_loss_coef 0), so no reference. Resume with the "
+                              "KL coefficients it was saved with, or start a new run without --ckpt_path.")
     layout = checkpoint.get(LAYOUT_KEY) or {}
     strict = getattr(module, "strict_loading", True)
     problems, attributes = [], []
@@ -130,6 +134,9 @@ def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any)
         parts = [f"{len(names)} {what} (e.g. {'; '.join(names[:3])})"
                  for what, names in (("changed shape", changed), ("missing from the checkpoint", missing),
                                      ("in the checkpoint but not in this model", extra)) if names]
+        if entry.name == REFERENCE.name and not then:
+            parts = ["none in the checkpoint: it was saved by a run without KL (ppo.kl_coef and ppo.kl_loss_coef 0), "
+                     "which has no reference; resume with both at 0"]
         if parts:
             problems.append(f"role {entry.name!r}: {', '.join(parts)}")
             attributes.append(entry.attribute)

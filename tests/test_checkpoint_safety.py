@@ -265,3 +265,27 @@ def test_a_separation_checkpoint_resumes_exactly_on_one_process(tmp_path):
     for got, want in zip(resumed, full[2:], strict=True):
         for metric in (*COMPARED, "kl/coef"):
             assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
+
+
+@pytest.mark.parametrize(("saved_kl", "resumed_kl", "match"), [
+    (0.0, 0.04, "none in the checkpoint: it was saved by a run without KL"),
+    (0.04, 0.0, "holds a reference model: it was saved by a run with a KL term"),
+])
+def test_turning_the_kl_on_or_off_between_save_and_resume_names_the_fix(saved_kl, resumed_kl, match):
+    """A run without KL has no reference, so its checkpoint holds none: resuming it with a KL term, or resuming a
+    KL run's checkpoint without one, is refused before any weight loads, naming the coefficients."""
+    from helpers import make_module
+
+    from lightning_app_rlhf.checkpoint.format import CheckpointError
+    from lightning_app_rlhf.module_checkpoint import check_role_shapes
+
+    def built(kl_loss_coef: float) -> RLHFModule:
+        module = make_module(algorithm="grpo", generation=GenerationConfig(num_samples=2),
+                             ppo=PPOConfig(kl_coef=0.0, kl_loss_coef=kl_loss_coef))
+        module.configure_model()
+        return module
+
+    checkpoint = {"state_dict": built(saved_kl).state_dict()}
+    with pytest.raises(CheckpointError, match=match):
+        check_role_shapes(built(resumed_kl), checkpoint, "last.ckpt")
+    check_role_shapes(built(saved_kl), checkpoint, "last.ckpt")  # the same coefficients resume
