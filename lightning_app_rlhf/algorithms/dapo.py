@@ -3,11 +3,12 @@ loss aggregation, and a soft penalty for overlong responses."""
 
 from __future__ import annotations
 
-from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
+from lightning_app_rlhf.algorithms.base import register_algorithm
+from lightning_app_rlhf.algorithms.grpo import GRPO
 
 
 @register_algorithm
-class DAPO(Algorithm):
+class DAPO(GRPO):
     """``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)``; PPO's clipped surrogate with the ratio clipped to
     ``[1 - 0.2, 1 + 0.28]`` ("clip-higher": low-probability tokens may grow further before the clip stops them);
     every token of the minibatch weighted alike (``token_mean``: long responses are not down-weighted); and the
@@ -17,8 +18,6 @@ class DAPO(Algorithm):
     default, as the paper (``ppo.kl_coef`` and ``ppo.kl_loss_coef`` 0)."""
 
     name = "dapo"
-    advantage_estimator = "grpo"
-    min_group_size = 2
     default_kl = (0.0, 0.0)
     default_loss_agg_mode = "token_mean"
     default_clip_ratio = (0.2, 0.28)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
+from lightning_app_rlhf.algorithms.base import register_algorithm
+from lightning_app_rlhf.algorithms.grpo import GRPO
 
 
 @register_algorithm
-class GSPO(Algorithm):
+class GSPO(GRPO):
     """GRPO's group advantages; the ratio of a response is the geometric mean of its token ratios,
     ``s_i = exp(mean_t(log p_t - log p_old_t))``, and the loss ``-min(s_i A_i, clip(s_i, 1 - 3e-4, 1 + 4e-4) A_i)``
     is one number per response, averaged over the responses (``seq_mean_token_mean``). A whole response is clipped
@@ -14,9 +15,5 @@ class GSPO(Algorithm):
     per-token geometric mean: its typical deviation from 1 is of the order of one token's log-ratio."""
 
     name = "gspo"
-    advantage_estimator = "grpo"
     policy_loss_mode = "gspo"
-    min_group_size = 2
-    default_kl = (0.0, 0.04)
-    default_loss_agg_mode = "seq_mean_token_mean"
     default_clip_ratio = (3e-4, 4e-4)
