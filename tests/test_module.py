@@ -130,7 +130,9 @@ def shipped_grpo_rewards(tmp_path: Path, seed: int, steps: int | None = None, al
     return [float(r["reward/mean"]) for r in rows]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo", pytest.param("gspo", marks=pytest.mark.slow)])
+# DAPO and GSPO in the slow set: their losses are checked by hand in test_algorithms.py, and the default run keeps
+# one learning run of the group family (about 30 s each on 2 cores).
+@pytest.mark.parametrize("algorithm", ["grpo", *(pytest.param(a, marks=pytest.mark.slow) for a in ("dapo", "gspo"))])
 def test_the_shipped_grpo_demo_learns(tmp_path, algorithm):
     """The README's GRPO command, shortened to GRPO_CHECK_STEPS iterations, as shipped and with ``--model.algorithm
     dapo`` / ``gspo``: the reward of the last 50 is far above its start. Before the float64 group statistics and

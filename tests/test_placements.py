@@ -130,7 +130,7 @@ def test_plan_presets_assign_the_documented_ranks():
     assert sep.shadow_ranks("actor") == (0, 1, 2) and not sep.holds("reference", 3)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2: shares and their sum too
 def test_the_trainers_recomputed_logprobs_match_the_rollouts_in_fp32(tmp_path, devices):
     """ppo.recompute_old_logprobs with rollout_is tis: on one process, and on two under Flattening (each rank
     recomputes half the rollout, the group sums them), the trainer's log-probabilities equal the behaviour ones to
@@ -269,7 +269,7 @@ OVERLAP = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strate
 
 
 @pytest.mark.parametrize("strategy,devices", [
-    (("auto",), 1),
+    pytest.param(("auto",), 1, marks=pytest.mark.slow),  # one process: tests/test_checkpoint_safety.py resumes too
     *(pytest.param((s,), 2, marks=pytest.mark.slow) for s in STRATEGIES[:2]),  # Separation restores the most
     (("rlhf_separation",), 2),
     pytest.param(OVERLAP, 2, marks=pytest.mark.slow),  # overlap: test_separation_overlap_trains_one_step_behind
