@@ -329,7 +329,7 @@ else
   run_step "${GPU_CHECK_TRL_S:-150}" "$PYTHON" -m lightning_app_rlhf.bench trl \
     --presets "$(json_list "${GPU_CHECK_TRL_PRESETS:-small, medium}")" \
     --precisions "$(json_list "${GPU_CHECK_TRL_PRECISIONS:-bf16-mixed}")" --repeats "${GPU_CHECK_TRL_REPEATS:-1}" \
-    --warmup 2 --iterations "${GPU_CHECK_TRL_ITERATIONS:-4}" --out "$RUN_DIR/trl_gpu.json"
+    --run.warmup 2 --run.iterations "${GPU_CHECK_TRL_ITERATIONS:-4}" --out "$RUN_DIR/trl_gpu.json"
   finish trl "presets ${GPU_CHECK_TRL_PRESETS:-small, medium}, ${GPU_CHECK_TRL_PRECISIONS:-bf16-mixed}" trl=trl_gpu.json
 fi
 save_out
@@ -350,9 +350,9 @@ elif ((!HAVE_CLI)); then
   record placements skipped "$NO_CLI"
 else
   run_step "${GPU_CHECK_PLACEMENTS_S:-120}" "$PYTHON" -m lightning_app_rlhf.bench placements \
-    --preset "${GPU_CHECK_PLACEMENT_PRESET:-medium}" --processes "[$processes]" \
+    --run.preset "${GPU_CHECK_PLACEMENT_PRESET:-medium}" --processes "[$processes]" \
     --placements "$(json_list "$placements")" \
-    --warmup 1 --iterations "${GPU_CHECK_PLACEMENT_ITERATIONS:-3}" --out "$RUN_DIR/placements_gpu.json"
+    --run.warmup 1 --run.iterations "${GPU_CHECK_PLACEMENT_ITERATIONS:-3}" --out "$RUN_DIR/placements_gpu.json"
   finish placements "$placement_note" placements=placements_gpu.json
 fi
 save_out

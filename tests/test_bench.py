@@ -27,10 +27,10 @@ def bench(tmp_path: Path, *args: str) -> None:
 @pytest.mark.slow  # 100 s: the harness end to end against TRL; scripts/bench.sh runs the real thing
 def test_trl_comparison_placements_and_report(tmp_path):
     pytest.importorskip("trl")
-    small = ["--batch_size", "8", "--warmup", "1", "--iterations", "2"]
-    bench(tmp_path, "trl", "--presets", "[tiny]", "--precisions", "[32-true]", "--new_tokens", "4", "--repeats",
+    small = ["--run.batch_size", "8", "--run.warmup", "1", "--run.iterations", "2"]
+    bench(tmp_path, "trl", "--presets", "[tiny]", "--precisions", "[32-true]", "--run.new_tokens", "4", "--repeats",
           "2", "--out", "trl.json", *small)
-    bench(tmp_path, "placements", "--preset", "tiny", "--processes", "[2]", "--workloads", "[training-heavy]",
+    bench(tmp_path, "placements", "--run.preset", "tiny", "--processes", "[2]", "--workloads", "[training-heavy]",
           "--placements", "[flattening, separation]", "--out", "placements.json", *small)
     bench(tmp_path, "profile", "--presets", "[tiny]", "--batch_size", "8", "--new_tokens", "4", "--out",
           "profile.json")

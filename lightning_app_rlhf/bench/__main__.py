@@ -38,33 +38,26 @@ PLACEMENT_SETTINGS = {
 
 def compare_trl(
     presets: list[str] = ["tiny", "small"],  # noqa: B006 - jsonargparse reads the default
-    batch_size: int = 32,
-    new_tokens: int = 32,
-    threads: int = 1,
     precisions: list[str] = ["32-true", "bf16-mixed"],  # noqa: B006
-    warmup: int = 2,
-    iterations: int = 6,
     repeats: int = 2,
+    run: RunSettings = RunSettings(),  # noqa: B008 - replaced per cell, never changed
     out: str = "bench_results/trl.json",
 ) -> list[dict[str, Any]]:
     """Ours vs TRL 1.12.0's PPOTrainer: same models and weights, one PPO epoch, one minibatch, alternating runs.
 
     Args:
-        presets: Model presets to compare (tiny, small, medium).
-        batch_size: Prompts per PPO iteration.
-        new_tokens: Response length.
-        threads: Torch threads of each run.
-        precisions: Precisions to compare, each the same on both sides (``32-true``, ``bf16-mixed``).
-        warmup: Iterations dropped before measuring, per run.
-        iterations: Measured iterations per run.
+        presets: Model presets to compare (tiny, small, medium); each replaces ``run.preset``.
+        precisions: Precisions to compare, each the same on both sides (``32-true``, ``bf16-mixed``); each replaces
+            ``run.precision``.
         repeats: Runs per framework and preset, alternating ours / TRL; medians are over all measured iterations.
+        run: The settings of every run (:class:`~lightning_app_rlhf.bench.presets.RunSettings`:
+            ``--run.batch_size``, ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
         out: Where the JSON results go.
     """
     _check_trl()
     rows = []
     for preset, precision in [(preset, precision) for precision in precisions for preset in presets]:
-        settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, threads=threads,
-                               precision=precision, warmup=warmup, iterations=iterations)
+        settings = replace(run, preset=preset, precision=precision)
         params = count_parameters(settings)
         ours_runs, trl_runs = [], []
         for repeat in range(repeats):
@@ -72,10 +65,9 @@ def compare_trl(
             with tempfile.TemporaryDirectory() as work:
                 ours_runs.append(run_ours(settings, Path(work))["ranks"])
                 trl_runs.append([_run_trl(settings, Path(work))])
-        ours = summarize(_merge_repeats(ours_runs, settings), replace(settings, iterations=iterations * repeats),
-                         params)
-        peer = summarize(_merge_repeats(trl_runs, settings), replace(settings, iterations=iterations * repeats),
-                         params)
+        measured = replace(settings, iterations=settings.iterations * repeats)
+        ours = summarize(_merge_repeats(ours_runs, settings), measured, params)
+        peer = summarize(_merge_repeats(trl_runs, settings), measured, params)
         ratio = ours["samples_per_s"]["median"] / peer["samples_per_s"]["median"]
         rows.append({"settings": settings.as_dict(), "params": params, "ours": ours, "trl": peer,
                      "samples_per_s_ratio": ratio})
@@ -86,25 +78,21 @@ def compare_trl(
 
 
 def compare_placements(
-    preset: str = "small",
     processes: list[int] = [2, 4],  # noqa: B006
     workloads: list[str] = ["generation-heavy", "training-heavy"],  # noqa: B006
     placements: list[str] = list(PLACEMENTS),  # noqa: B006
-    batch_size: int = 32,
-    warmup: int = 1,
-    iterations: int = 3,
+    run: RunSettings = RunSettings(preset="small", warmup=1, iterations=3),  # noqa: B008
     out: str = "bench_results/placements.json",
 ) -> list[dict[str, Any]]:
     """Flattening vs Interleaving vs Separation (on-policy and overlapped), one thread per process.
 
     Args:
-        preset: Model preset of all four roles.
-        processes: Process counts to measure.
-        workloads: Names from ``PLACEMENT_SETTINGS`` (generation-heavy, training-heavy).
+        processes: Process counts to measure; each replaces ``run.processes``.
+        workloads: Names from ``PLACEMENT_SETTINGS`` (generation-heavy, training-heavy): each replaces the response
+            length, the epochs and the minibatches of ``run``.
         placements: Which placements to measure (flattening, interleaving, separation, separation_overlap).
-        batch_size: Prompts per PPO iteration (global).
-        warmup: Iterations dropped before measuring.
-        iterations: Measured iterations per run.
+        run: The settings of every run (:class:`~lightning_app_rlhf.bench.presets.RunSettings`: ``--run.preset``
+            for all four roles, ``--run.batch_size`` (global), ``--run.warmup``, ``--run.iterations``).
         out: Where the JSON results go.
     """
     rows = []
@@ -113,8 +101,7 @@ def compare_placements(
             raise ValueError(f"Unknown workload {workload!r}: choose from {sorted(PLACEMENT_SETTINGS)}.")
         for count in processes:
             for placement in placements:
-                settings = RunSettings(preset=preset, batch_size=batch_size, processes=count, placement=placement,
-                                       warmup=warmup, iterations=iterations, **PLACEMENT_SETTINGS[workload])
+                settings = replace(run, processes=count, placement=placement, **PLACEMENT_SETTINGS[workload])
                 with tempfile.TemporaryDirectory() as work:
                     ranks = run_ours(settings, Path(work))["ranks"]
                 summary = summarize(ranks, settings, count_parameters(settings))
