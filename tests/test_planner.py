@@ -660,6 +660,25 @@ def test_a_critic_free_workload_places_no_critic():
         CostModel(parse_cluster("1x4xcpu"), workload).evaluate(PlanChoice(flattening_plan(4)))
 
 
+def test_a_workload_without_kl_places_no_reference_and_holds_none():
+    """No KL (DAPO's default): the workload has no reference role, no preset places one, and each rank's memory is
+    the GRPO workload's less the reference's weights; the named-size `plan --algorithm dapo` builds such a one."""
+    from lightning_app_rlhf.planner.command import PlanOptions, named_size_workload
+
+    cluster, with_kl = parse_cluster("1x4xcpu"), grpo_workload()
+    without = grpo_workload(reference=None, algorithm="dapo")
+    assert without.roles == ("actor", "reward") and without.calls == ("actor.generate", "reward.forward", "actor.train")
+    for plan in (flattening_plan(4, roles=without.roles), interleaving_plan(4, roles=without.roles)):
+        assert "reference.forward" not in plan.calls
+        estimate = CostModel(cluster, without).evaluate(PlanChoice(plan))
+        assert estimate.fits and all(m.total > 0 for m in estimate.memory)
+    flat_kl = CostModel(cluster, with_kl).evaluate(PlanChoice(flattening_plan(4, roles=with_kl.roles)))
+    flat_none = CostModel(cluster, without).evaluate(PlanChoice(flattening_plan(4, roles=without.roles)))
+    assert [a.total - b.total for a, b in zip(flat_kl.memory, flat_none.memory)] == [4 * ACTOR_PARAMS] * 4
+    named = named_size_workload(PlanOptions(algorithm="dapo", num_samples=4, actor="gpt2-tiny", reward="function"),
+                                gpu=False)
+    assert named.reference is None and named.roles == ("actor", "reward")
+
 def test_samples_not_prompts_set_the_cost_of_a_rollout():
     """G responses per prompt cost what G times the prompts cost: 16 prompts x 2 samples = 32 prompts x 1."""
     cluster = parse_cluster("1x4xcpu")

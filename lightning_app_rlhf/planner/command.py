@@ -124,8 +124,9 @@ class PlanOptions:
     """Named sizes: the reward model's size, or 'function' for a Python reward (default: the critic's, the
     actor's without a critic)."""
     algorithm: str | None = None
-    """Named sizes: the RL algorithm, as RLHFModule(algorithm=...): ppo (default), grpo, dr_grpo, rloo,
-    reinforce_pp, reinforce_pp_baseline. Only ppo has a critic; the others are planned without critic calls."""
+    """Named sizes: the RL algorithm, as RLHFModule(algorithm=...): ppo (default), grpo, dr_grpo, dapo, gspo,
+    gspo_token, cispo, rloo, reinforce_pp, reinforce_pp_baseline. Only ppo has a critic; the others are planned
+    without critic calls. An algorithm whose default KL is none (dapo) is planned without a reference."""
     num_samples: int | None = None
     """Named sizes: responses sampled per prompt (generation.num_samples, the group size G of grpo and rloo): each
     iteration generates, scores and trains on batch_size x num_samples sequences (default: 1)."""
@@ -274,7 +275,9 @@ def named_size_workload(options: PlanOptions, gpu: bool) -> Workload:
     return Workload(
         actor=role_shape(actor, "causal_lm", dtype_bytes),
         critic=role_shape(critic, "value", dtype_bytes) if critic is not None else None,
-        reference=role_shape(options.reference or actor, "causal_lm", dtype_bytes),
+        # Its default KL coefficients (in the reward, in the loss): none at all means no reference role.
+        reference=role_shape(options.reference or actor, "causal_lm", dtype_bytes)
+        if any(ALGORITHMS[algorithm].default_kl) else None,
         reward=reward,
         batch_size=options.named("batch_size"),
         prompt_length=options.named("prompt_length"),
