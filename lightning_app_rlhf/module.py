@@ -168,8 +168,7 @@ class RLHFModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is None:
             return
-        # The role precisions resolve in `engine`: a contradiction fails here, before any model is built.
-        module_trainer.check_trainer(self.trainer, stage, self.engine)
+        module_trainer.check_trainer(self.trainer, stage, lambda: self.engine)
 
     @override
     def configure_model(self) -> None:

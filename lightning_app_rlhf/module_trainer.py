@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
@@ -41,10 +42,11 @@ LR_FINDER_REFUSAL = (
     "micro-batch sizes per placement.")
 
 
-def check_trainer(trainer: pl.Trainer, stage: str, engine: RLHFEngine) -> None:
+def check_trainer(trainer: pl.Trainer, stage: str, engine: Callable[[], RLHFEngine]) -> None:
     """Refuse the settings an RLHF run cannot honour, each naming the fix, before any model is built; make the
-    Trainer's checkpoint writes atomic and its reads checked; turn validation off when there are no held-out
-    prompts."""
+    Trainer's checkpoint writes atomic and its reads checked; then build the engine (``engine()``: the role
+    precisions resolve there, so a contradiction fails before any model is built too), check the batch against the
+    plan, and turn validation off when there are no held-out prompts."""
     if any(isinstance(callback, LearningRateFinder) for callback in trainer.callbacks):
         raise ValueError(LR_FINDER_REFUSAL)
     if str(trainer.precision).startswith("16"):
@@ -55,11 +57,12 @@ def check_trainer(trainer: pl.Trainer, stage: str, engine: RLHFEngine) -> None:
     warnings.filterwarnings("ignore", message=EPOCH_SYNC_ADVICE, category=PossibleUserWarning)
     if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    built = engine()
     if stage != "fit":
         return
     datamodule = trainer.datamodule
     if getattr(datamodule, "batch_size", None) is not None:
-        engine.check_batch(datamodule.batch_size)
+        built.check_batch(datamodule.batch_size)
     if getattr(datamodule, "has_val_prompts", True) is False:
         trainer.limit_val_batches = 0  # no held-out prompts: no validation, and no warning about it
     if trainer.ckpt_path is not None and "://" not in str(trainer.ckpt_path):
