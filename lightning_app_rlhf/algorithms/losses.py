@@ -88,7 +88,8 @@ class SurrogatePolicyLoss:
 
         Args:
             logprobs: [B, T] the actor's log-probabilities of the sampled tokens now, with gradients.
-            old_logprobs: [B, T] the behaviour log-probabilities, at sampling time.
+            old_logprobs: [B, T] the old log-probabilities of the ratio: the behaviour ones from sampling, or the
+                trainer's own with ``ppo.recompute_old_logprobs``.
             advantages: [B, T] the estimator's advantages.
             response_mask: [B, T] 1 on the response tokens that count.
             scale: The whole minibatch's sizes, which every shard divides by.

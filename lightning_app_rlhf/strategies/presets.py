@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -46,14 +45,13 @@ def register_preset(
     if not name.startswith("rlhf_"):
         raise ValueError(f"Preset names start with 'rlhf_' (they share Lightning's registry with its own "
                          f"strategies); got {name!r}. Name it 'rlhf_{name}'.")
-    plan = functools.partial(build_plan)  # the registry passes it as the `plan` argument of each instance
     if name not in StrategyRegistry:
         if trainer_strategy is None:
-            StrategyRegistry.register(name, PlacementStrategy, description=description, plan=plan)
+            StrategyRegistry.register(name, PlacementStrategy, description=description, plan=build_plan)
         else:
             StrategyRegistry.register(name, trainer_strategy, description=description)
     if name not in FABRIC_STRATEGY_REGISTRY:
-        FABRIC_STRATEGY_REGISTRY.register(name, FabricPlacementStrategy, description=description, plan=plan)
+        FABRIC_STRATEGY_REGISTRY.register(name, FabricPlacementStrategy, description=description, plan=build_plan)
 
 
 register_preset(FlatteningStrategy.strategy_name, flattening_plan,
