@@ -137,6 +137,17 @@ class PlacementProcesses:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
 
+def plan_for(
+    plan: PlacementPlan | Callable[..., PlacementPlan], world_size: int, roles: tuple[str, ...]
+) -> PlacementPlan:
+    """``plan`` itself, or built by it: a builder ``(world_size, roles=...)`` gets the algorithm's ``roles``, a
+    user's ``(world_size)`` the world size alone."""
+    if not callable(plan):
+        return plan
+    takes_roles = "roles" in inspect.signature(plan).parameters
+    return plan(world_size, roles=roles) if takes_roles else plan(world_size)
+
+
 def place(
     plan: PlacementPlan | Callable[..., PlacementPlan],
     module: nn.Module,
@@ -152,9 +163,7 @@ def place(
     Bad plans fail here, before any model is built.
     """
     algorithm = module.algorithm
-    if callable(plan):
-        takes_roles = "roles" in inspect.signature(plan).parameters
-        plan = plan(world_size, roles=algorithm.roles) if takes_roles else plan(world_size)
+    plan = plan_for(plan, world_size, algorithm.roles)
     if plan.world_size != world_size:
         raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {world_size} processes "
                          f"(devices x num_nodes). Set --trainer.devices (and --trainer.num_nodes; Fabric: devices, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 from pathlib import Path
@@ -43,6 +42,7 @@ from lightning_app_rlhf.strategies.placement_launcher import PlacementMultiProce
 from lightning_app_rlhf.strategies.placement_setup import (
     PlacementProcesses,
     place,
+    plan_for,
     wrap_roles,
 )
 from lightning_app_rlhf.strategies.sharded_checkpoint import (
@@ -93,10 +93,7 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
         if self._plan is None:
             raise ValueError("PlacementStrategy needs a `plan` (a PlacementPlan, or a function of the world size). "
                              "Or use a preset: strategy='rlhf_flattening', 'rlhf_interleaving' or 'rlhf_separation'.")
-        if not callable(self._plan):
-            return self._plan
-        takes_roles = "roles" in inspect.signature(self._plan).parameters
-        return self._plan(world_size, roles=roles) if takes_roles else self._plan(world_size)
+        return plan_for(self._plan, world_size, roles)
 
     # `is_distributed` stays unset (False) on purpose: every rank must read the same global batch, which each
     # call's group then shards (Placement.shard), so Lightning must not inject a DistributedSampler. Metrics
