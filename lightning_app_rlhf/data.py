@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
+from lightning_app_rlhf.generation import sample_keys
 from lightning_app_rlhf.models.roles import load_tokenizer, resolve_import
 
 Messages = list[dict[str, str]]
@@ -523,8 +524,7 @@ class PromptDataModule(pl.LightningDataModule):
         """Every rank gets the same global batches; a resumed run starts at the checkpoint's iteration."""
         if self.dataset is None:
             raise RuntimeError("Call setup('fit') before train_dataloader().")
-        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
-        sampler = PromptSampler(len(self.dataset), self.batch_size, self.shuffle, seed)
+        sampler = PromptSampler(len(self.dataset), self.batch_size, self.shuffle, self._seed())
         if self.trainer is not None:
             sampler.start_batch = self.trainer.global_step  # restored before dataloaders are built
         return DataLoader(
@@ -535,6 +535,24 @@ class PromptDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             collate_fn=functools.partial(collate_left_padded, pad_token_id=self.tokenizer.pad_token_id),
         )
+
+    def refill_batch(self, iteration: int, generation_round: int) -> dict[str, Any]:
+        """``batch_size`` training prompts for a further generation round of dynamic sampling
+        (``ppo.dynamic_sampling``), drawn without replacement from the whole training set in an order keyed by
+        (seed, iteration, round): the same on every rank and after a resume, whatever the placement.
+
+        Args:
+            iteration: The iteration that is short of informative groups.
+            generation_round: Its generation round (1 for the first refill).
+        """
+        if self.dataset is None:
+            raise RuntimeError("Call setup('fit') before refill_batch().")
+        key = int(sample_keys(self._seed(), iteration, torch.tensor([generation_round]))[0])
+        rows = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(key))[: self.batch_size]
+        return collate_left_padded([self.dataset[i] for i in rows.tolist()], self.tokenizer.pad_token_id)
+
+    def _seed(self) -> int:
+        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
 
     @override
     def val_dataloader(self) -> DataLoader:

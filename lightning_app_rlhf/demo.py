@@ -76,6 +76,13 @@ def topic_reward(prompts: list[str], responses: list[str]) -> list[float]:
     return [topic_score(p, r) for p, r in zip(prompts, responses)]
 
 
+def topic_hit_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """A pass/fail variant of the demo's reward, as DAPO's accuracy reward: 1.0 when the response names at least one
+    word of the prompt's topic (and more of them than of other topics), else 0.0. A random-init policy passes about
+    one prompt in ten, so many groups score alike: the task of dynamic sampling (``ppo.dynamic_sampling``)."""
+    return [float(topic_score(p, r) > 0) for p, r in zip(prompts, responses)]
+
+
 def prompts(num_prompts: int = 512, seed: int = 0) -> list[str]:
     """Demo prompts: every template for every topic, with random example words, in a seeded order."""
     rng = random.Random(seed)

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -113,6 +114,10 @@ class RLHFModule(pl.LightningModule):
         """Handed over by a placement strategy before ``configure_model``; else one process holds every role."""
         self.learning_rates: dict[str, float] = {}
         """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role, on every rank."""
+        self.refill_prompts: Callable[[int, int], dict[str, Any]] | None = None
+        """``(iteration, round) -> batch``: where dynamic sampling (``ppo.dynamic_sampling``) draws the prompts of a
+        further generation round. None: the Trainer's datamodule's ``refill_batch``
+        (:meth:`~lightning_app_rlhf.data.PromptDataModule.refill_batch`); under Fabric, set it."""
         self._fabric_iteration = 0
         self._engine: RLHFEngine | None = None
         self._latest: tuple[Rollout, torch.Tensor] | None = None
@@ -169,6 +174,8 @@ class RLHFModule(pl.LightningModule):
         if self._trainer is None:
             return
         module_trainer.check_trainer(self.trainer, stage, lambda: self.engine)
+        if stage == "fit":
+            self._more_prompts()  # dynamic sampling without a source of prompts fails now, not at iteration 0
 
     @override
     def configure_model(self) -> None:
@@ -231,7 +238,7 @@ class RLHFModule(pl.LightningModule):
             self.learning_rates = self.engine.learning_rates()  # Fabric calls no on_train_start
         schedulers = self._fabric.strategy.lr_schedulers if self._fabric is not None else self.lr_schedulers()
         schedulers = list(schedulers) if isinstance(schedulers, (list, tuple)) else [s for s in [schedulers] if s]
-        result = self.engine.run_iteration(batch, self.iteration, schedulers)
+        result = self.engine.run_iteration(batch, self.iteration, schedulers, self._more_prompts())
         self._latest = (result.rollout, result.scores)
         if self._fabric is not None:
             self._fabric_iteration += 1
@@ -243,6 +250,22 @@ class RLHFModule(pl.LightningModule):
         else:
             module_trainer.log_iteration(self, values, len(result.scores))
         self.learning_rates = result.learning_rates
+
+    def _more_prompts(self) -> Callable[[int, int], dict[str, Any]] | None:
+        """Dynamic sampling's further prompts (:attr:`refill_prompts`), on this module's device; None without it."""
+        if not self.ppo.dynamic_sampling:
+            return None
+        refill = self.refill_prompts
+        if refill is None and self._trainer is not None:
+            refill = getattr(self.trainer.datamodule, "refill_batch", None)
+        if refill is None:
+            where = "module.refill_prompts = datamodule.refill_batch" if self._fabric is not None else (
+                "a PromptDataModule (trainer.fit(module, datamodule=...)), or set module.refill_prompts")
+            raise ValueError("ppo.dynamic_sampling generates on more prompts when a batch has too few informative "
+                             f"groups, and this run has no source of them: use {where} "
+                             "((iteration, round) -> batch), or set ppo.dynamic_sampling false.")
+        return lambda iteration, generation_round: move_data_to_device(refill(iteration, generation_round),
+                                                                       self.device)
 
     def latest_completions(self, max_rows: int | None = None) -> list[dict[str, Any]]:
         """Prompt, completion and raw reward (:meth:`Rollout.completion_rows`) of the last training iteration's rollout

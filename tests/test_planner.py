@@ -277,6 +277,21 @@ def test_recomputing_old_logprobs_prices_one_more_forward_of_the_rollout_share(p
     assert more_comm > comm
     assert recomputing.call_time(choice, "critic.train") == plain.call_time(choice, "critic.train")
 
+def test_generation_rounds_price_each_update_with_more_generation_and_scoring():
+    """Dynamic sampling's rounds: an update generates and scores ``generation_rounds`` batches, then trains once."""
+    cluster, workload = parse_cluster("1x8xA100-80GB"), replace(llama_workload("llama-7b"), critic=None,
+                                                                algorithm="dapo")
+    choice = PlanChoice(flattening_plan(8, roles=workload.roles))
+    one, two = CostModel(cluster, workload), CostModel(cluster, replace(workload, generation_rounds=2))
+    names = [t.name for t in two.tasks(choice) if t.name.endswith("#1")]
+    assert names.count("actor.generate#1") == 2 and names.count("reward.forward#1") == 2
+    assert names.count("actor.train#1") == 1
+    first, second = one.evaluate(choice), two.evaluate(choice)
+    generate_and_score = sum(first.call_s[c] for c in ("actor.generate", "reference.forward", "reward.forward"))
+    assert second.iteration_s - first.iteration_s == pytest.approx(generate_and_score, rel=0.05)  # + gathers
+    assert second.samples_per_s < first.samples_per_s
+
+
 def test_search_is_deterministic_and_beats_or_matches_presets():
     cluster, workload = parse_cluster("2x8xA100-80GB"), llama_workload("llama-7b")
     first = plan_placement(cluster, workload, seed=3, time_budget_s=60, mcmc_steps=300)

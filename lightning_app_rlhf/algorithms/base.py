@@ -66,6 +66,8 @@ class Algorithm:
     """Its ``(kl_coef, kl_loss_coef)``, used where ``ppo`` leaves them None: the KL in the reward and in the loss."""
     default_overlong_buffer_fraction: ClassVar[float] = 0.0
     """Its paper's ``ppo.overlong_buffer`` as a fraction of ``generation.max_new_tokens``, used when it is None."""
+    default_dynamic_sampling: ClassVar[bool] = False
+    """Its paper's ``ppo.dynamic_sampling``, used when it is None."""
     policy_stats: ClassVar[tuple[str, ...]] = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
     """The statistics its policy loss reports, besides ``policy/kl_loss`` (with a KL loss term), in a fixed order."""
     value_stats: ClassVar[tuple[str, ...]] = ("value/loss", "value/clipfrac")
@@ -103,6 +105,12 @@ class Algorithm:
         low, high = self.default_clip_ratio or (config.clip_range, config.clip_range)
         config.clip_ratio_low = low if config.clip_ratio_low is None else config.clip_ratio_low
         config.clip_ratio_high = high if config.clip_ratio_high is None else config.clip_ratio_high
+        if config.dynamic_sampling is None:
+            config.dynamic_sampling = self.default_dynamic_sampling
+        if config.dynamic_sampling and self.min_group_size < 2:
+            raise ValueError(f"ppo.dynamic_sampling drops the groups of a prompt whose responses all score alike; "
+                             f"algorithm {self.name!r} does not compare a prompt's responses. Set "
+                             "ppo.dynamic_sampling false, or use a group algorithm (dapo, grpo, gspo, cispo, rloo).")
         if config.overlong_buffer is None:
             config.overlong_buffer = int(generation.max_new_tokens * self.default_overlong_buffer_fraction)
         if config.overlong_buffer >= generation.max_new_tokens:

@@ -14,11 +14,13 @@ class DAPO(GRPO):
     every token of the minibatch weighted alike (``token_mean``: long responses are not down-weighted); and the
     score of a response longer than ``max_new_tokens - overlong_buffer`` reduced linearly, by up to
     ``overlong_penalty_factor`` at ``max_new_tokens`` (the buffer defaults to a fifth of ``max_new_tokens``, the
-    paper's 4096 of 20480). ``ppo.overlong_filter`` leaves truncated responses out of the loss instead. No KL by
-    default, as the paper (``ppo.kl_coef`` and ``ppo.kl_loss_coef`` 0)."""
+    paper's 4096 of 20480). ``ppo.overlong_filter`` leaves truncated responses out of the loss instead. Dynamic
+    sampling (``ppo.dynamic_sampling``): groups whose scores are all equal are dropped, and more prompts generated
+    until the batch is full. No KL by default, as the paper (``ppo.kl_coef`` and ``ppo.kl_loss_coef`` 0)."""
 
     name = "dapo"
     default_kl = (0.0, 0.0)
     default_loss_agg_mode = "token_mean"
     default_clip_ratio = (0.2, 0.28)
     default_overlong_buffer_fraction = 0.2
+    default_dynamic_sampling = True

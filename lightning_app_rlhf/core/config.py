@@ -211,6 +211,16 @@ class PPOConfig:
     (the paper); ``batch``, the std of every valid reward of the rollout batch (one scale for all groups, as "Tricks or
     Traps" / Lite PPO recommend: a group whose responses differ by a tiny penalty is not blown up to unit advantages);
     ``none``, nothing (Dr. GRPO's advantage)."""
+    dynamic_sampling: bool | None = None
+    """DAPO's dynamic sampling, for an algorithm that compares the responses of a prompt (the GRPO family, RLOO):
+    a group whose raw scores are all equal has no advantage signal and is dropped; each further ``training_step``
+    generates and scores the next batch of prompts, until ``data.batch_size`` informative groups are collected,
+    then one update trains on exactly that many (docs/algorithms.md, "Dynamic sampling"). ``global_step`` counts
+    updates. None: the algorithm's default (on for ``dapo``)."""
+    max_generation_rounds: int = 10
+    """Most batches of prompts one update of ``dynamic_sampling`` generates (veRL's ``max_num_gen_batches``); after
+    as many rounds it trains on the informative groups it has, with a warning, the rest of the batch left out of the
+    loss."""
     recompute_old_logprobs: bool = False
     """The actor's train ranks recompute the rollout's log-probabilities with the trainer's own forward before the
     update (one more actor forward per iteration, no gradients) and use them as the old log-probabilities of the
@@ -255,7 +265,7 @@ class PPOConfig:
         return low, self.clip_range if self.clip_ratio_high is None else self.clip_ratio_high
 
     def __post_init__(self) -> None:
-        for name in ("ppo_epochs", "num_minibatches", "kl_horizon"):
+        for name in ("ppo_epochs", "num_minibatches", "kl_horizon", "max_generation_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ppo.{name} must be >= 1, got {getattr(self, name)}.")
         if type(self.reuse_critic_forward) is not bool:

@@ -31,7 +31,8 @@ from lightning_app_rlhf.algorithms.functional import rollout_correction
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
-from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
+from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, round_key
+from lightning_app_rlhf.engine.experience import RewardShaping, make_experience, rollout_stats
 from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, Step, iteration_steps
 from lightning_app_rlhf.engine.update_guard import (
     GRAD_NORM,
@@ -110,6 +111,19 @@ class RLHFEngine:
     _kept_values: KeptValues | None = field(default=None, init=False, repr=False)
     """The critic's scoring forward of this iteration, with its graph, kept for its train call
     (:attr:`reuses_critic_forward`)."""
+    collector: GroupCollector | None = field(default=None, init=False)
+    """With ``ppo.dynamic_sampling``: the informative groups of this update's generation rounds so far
+    (checkpointed)."""
+
+    def __post_init__(self) -> None:
+        if not self.config.dynamic_sampling:
+            return
+        if self.placement.plan.overlap:
+            raise ValueError("ppo.dynamic_sampling collects groups over generation rounds before each update; the "
+                             f"plan {self.placement.plan.name!r} overlaps generation with the previous update "
+                             "(overlap=True). Use a plan without overlap, or set ppo.dynamic_sampling false.")
+        self.collector = GroupCollector(self.generation.num_samples, self.config.max_generation_rounds,
+                                        self.tokenizer.pad_token_id)
 
     @property
     def placement(self) -> Placement:
@@ -122,11 +136,19 @@ class RLHFEngine:
     # ---- one iteration: the steps of iteration_steps(plan), in order ----
 
     def run_iteration(
-        self, batch: dict[str, Any], iteration: int, schedulers: Iterable[Any] = ()
+        self,
+        batch: dict[str, Any],
+        iteration: int,
+        schedulers: Iterable[Any] = (),
+        more_prompts: Callable[[int, int], dict[str, Any]] | None = None,
     ) -> IterationResult:
         """One iteration on the prompts of ``batch``: this rank takes, in order, the steps of
         :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` whose ranks include it. Each step is a
         collective on its ranks.
+
+        With dynamic sampling (``ppo.dynamic_sampling``), the generation and scoring steps run again, on
+        ``more_prompts(iteration, round)``, until the rounds collected a batch's worth of informative groups (or
+        ``ppo.max_generation_rounds`` rounds ran); the rest of the steps then train on those.
 
         Args:
             batch: The global batch of prompts (every rank has all of it); each is sampled ``generation.num_samples``
@@ -134,6 +156,8 @@ class RLHFEngine:
             iteration: The iteration's number: keys the sampling noise and the minibatch order.
             schedulers: This rank's LR schedulers, stepped once after the updates, before the learning rates are
                 broadcast.
+            more_prompts: With dynamic sampling: ``(iteration, round) -> batch``, the prompts of a further
+                generation round (round 1, 2, ...), the same on every rank (``PromptDataModule.refill_batch``).
 
         Raises:
             DivergenceError: On every rank, once a role's updates diverged.
@@ -141,15 +165,30 @@ class RLHFEngine:
         prompts = batch["input_ids"].shape[0]
         if prompts != self._checked_prompts:
             self.check_batch(prompts)
+        if self.collector is not None and more_prompts is None:
+            raise ValueError("ppo.dynamic_sampling generates on more prompts when a batch has too few informative "
+                             "groups: pass more_prompts (e.g. PromptDataModule.refill_batch).")
         plan = self.placement.plan
-        state = IterationState(repeat_samples(batch, self.generation.num_samples), iteration, self._now())
+        state = IterationState(repeat_samples(batch, self.generation.num_samples), iteration, self._now(), prompts,
+                               iteration)
         # With overlap, the train steps work on the previous iteration's rollout: none before the first one.
         previous = self.pending_experience if plan.overlap else None
-        for step in iteration_steps(plan, first=plan.overlap and previous is None):
+        steps = iteration_steps(plan, first=plan.overlap and previous is None)
+        taken = 0
+        while taken < len(steps):
+            step = steps[taken]
             if self.placement.rank in step.ranks:
                 self._run_step(step, state, previous, schedulers)
             state.mark(step, self._now)
-        assert state.rollout is not None and state.experience is not None
+            taken += 1
+            if state.collecting:  # too few informative groups so far: generate and score another batch of prompts
+                assert self.collector is not None and more_prompts is not None
+                generation_round = self.collector.rounds
+                state = state.next_round(repeat_samples(more_prompts(iteration, generation_round),
+                                                        self.generation.num_samples),
+                                         round_key(iteration, generation_round), self._now())
+                taken = 0  # dynamic sampling runs without overlap: the steps start with generation and scoring
+        assert state.rollout is not None and state.experience is not None and state.scores is not None
         if plan.overlap:
             self.pending_experience = state.experience
         stats = state.stats
@@ -157,10 +196,10 @@ class RLHFEngine:
         if plan.overlap:
             trained_on = state.trained_on
             stats["overlap/staleness"] = float(iteration - trained_on.iteration) if trained_on is not None else 0.0
-        samples = len(state.rollout.sequences)
         if "kl/mean" in stats:  # without a reference there is no KL to control
-            self.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=samples)
-        stats.update(state.timings(plan.overlap, samples, state.rollout.response_mask.sum().item()))
+            self.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=len(state.experience.sequences))
+        stats.update(state.timings(plan.overlap, len(state.experience.sequences),
+                                   state.rollout.response_mask.sum().item()))
         return IterationResult(stats, state.rollout, state.scores, state.learning_rates)
 
     def check_batch(self, prompts: int) -> None:
@@ -178,7 +217,7 @@ class RLHFEngine:
         experience = previous if step.previous_rollout else state.experience
         trains = experience is not None and bool(experience.response_mask.any())  # else every score was skipped
         if step.kind == "call" and step.name == ACTOR.call("generate"):
-            state.generated = self.generate_shard(state.batch, state.iteration)
+            state.generated = self.generate_shard(state.batch, state.sampling_key)
         elif step.kind == "gather" and step.name == ACTOR.call("generate"):
             state.rollout = self.gather_rollout(state.batch, state.generated)
             self._batch_rows = len(state.rollout.sequences)
@@ -205,13 +244,39 @@ class RLHFEngine:
             state.learning_rates.update(self.role_learning_rates(role))
 
     def _make_experience(self, state: IterationState) -> None:
-        """The algorithm's advantages on the gathered rollout, on every rank (cheap, and it saves a broadcast)."""
-        gathered = state.gathered
-        state.experience, stats = make_experience(state.rollout, gathered.get(REFERENCE.name), gathered[REWARD.name],
-                                                  gathered.get(CRITIC.name), self.algorithm, self.shaping,
-                                                  state.iteration)
+        """The algorithm's advantages on the gathered rollout, on every rank (cheap, and it saves a broadcast). With
+        dynamic sampling, on the batch of informative groups the rounds collected, once it is complete; until
+        then the round only adds its groups (``state.collecting``)."""
+        rollout, outputs, kept = state.rollout, state.gathered, None
+        state.scores = outputs[REWARD.name]
+        collector = self.collector
+        if collector is not None:
+            self.shaping.finite(state.scores)  # a non-finite score raises here, even in a group that is dropped
+            collector.add(state.rollout, outputs, state.scores)
+            if not collector.ready(state.prompts):
+                state.collecting = True
+                return
+            batch = collector.take(state.prompts)
+            # The reward and length of every response the rounds generated: the policy's, unfiltered.
+            scores = batch.generated_scores
+            state.stats.update(rollout_stats(scores, torch.isfinite(scores), batch.generated_lengths))
+            if not bool(batch.kept.all()):
+                groups = int(batch.kept.sum()) // self.generation.num_samples
+                warnings.warn(f"Dynamic sampling found {groups} of {state.prompts} informative groups in "
+                              f"{batch.generation_rounds} generation rounds (ppo.max_generation_rounds); iteration "
+                              f"{state.iteration} trains on those, the rest of the batch left out of the loss. Most "
+                              "groups score alike: raise ppo.max_generation_rounds, or use prompts of mixed "
+                              "difficulty.", stacklevel=2)
+            rollout, outputs, kept = batch.rollout, batch.outputs, batch.kept
+            state.stats.update({"train/filtered_groups": float(batch.filtered_groups),
+                                "train/generation_rounds": float(batch.generation_rounds)})
+        state.experience, stats = make_experience(rollout, outputs.get(REFERENCE.name), outputs[REWARD.name],
+                                                  outputs.get(CRITIC.name), self.algorithm, self.shaping,
+                                                  state.iteration, kept)
+        if collector is not None:  # the trained batch's own reward: biased by the filter, the policy's is above
+            stats = {k: v for k, v in stats.items() if k not in ("reward/std", "response/length_mean")}
+            stats["reward/trained_mean"] = stats.pop("reward/mean")
         state.stats.update(stats)
-        state.scores = gathered[REWARD.name]
 
     def learning_rates(self) -> dict[str, float]:
         """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role's first parameter group, on every
@@ -640,6 +705,28 @@ class IterationState:
     iteration: int
     start: float
     """``time.perf_counter()`` at the start; the other marks follow the steps (:meth:`mark`)."""
+    prompts: int
+    """Prompts of the batch: the groups an update trains on."""
+    sampling_key: int
+    """Keys the sampling noise: the iteration, or with dynamic sampling its generation round's key."""
+    collecting: bool = False
+    """A generation round of dynamic sampling ended short of informative groups: another round follows."""
+    earlier_rounds_s: tuple[float, float] = (0.0, 0.0)
+    """Generation and scoring seconds of the iteration's earlier generation rounds (dynamic sampling)."""
+    earlier_rounds_tokens: float = 0.0
+    """Tokens those rounds generated."""
+
+    def next_round(self, batch: dict[str, Any], sampling_key: int, now: float) -> IterationState:
+        """A fresh state for the next generation round of dynamic sampling, on ``batch``, carrying this round's
+        time and tokens."""
+        generate_s, score_s = self.earlier_rounds_s
+        assert self.rollout is not None
+        return IterationState(
+            batch, self.iteration, now, self.prompts, sampling_key,
+            earlier_rounds_s=(generate_s + self.marks["generated"] - self.start,
+                              score_s + self.marks["scored"] - self.marks["generated"]),
+            earlier_rounds_tokens=self.earlier_rounds_tokens + self.rollout.response_mask.sum().item(),
+        )
     generated: dict[str, torch.Tensor] | None = None
     """This rank's shard of ``actor.generate`` (None off its ranks)."""
     rollout: Rollout | None = None
@@ -686,13 +773,14 @@ class IterationState:
         generated, scored = marks["generated"], marks["scored"]
         trained = marks.get("trained", generated if overlap else scored)
         reallocated = marks.get("reallocated", max(trained, scored))
+        generate_s, score_s = self.earlier_rounds_s  # dynamic sampling's earlier generation rounds
         return {
-            "time/generate_s": generated - self.start,
-            "time/score_s": scored - (trained if overlap else generated),
+            "time/generate_s": generate_s + generated - self.start,
+            "time/score_s": score_s + scored - (trained if overlap else generated),
             "time/train_s": trained - (generated if overlap else scored),
             "time/reallocate_s": reallocated - max(trained, scored),
-            "perf/samples_per_sec": samples / (reallocated - self.start),
-            "perf/gen_tokens_per_sec": tokens / (generated - self.start),
+            "perf/samples_per_sec": samples / (generate_s + score_s + reallocated - self.start),
+            "perf/gen_tokens_per_sec": (self.earlier_rounds_tokens + tokens) / (generate_s + generated - self.start),
         }
 
 

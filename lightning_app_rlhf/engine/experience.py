@@ -114,13 +114,17 @@ def make_experience(
     algorithm: Algorithm,
     shaping: RewardShaping,
     iteration: int,
+    kept: torch.Tensor | None = None,
 ) -> tuple[Experience, dict[str, torch.Tensor]]:
     """Shape the scores, estimate the KL, let ``algorithm`` compute advantages; return the experience and the
     rollout's statistics (reward, KL, length). Without a reference (``ref_logprobs`` None: the algorithm uses no KL)
-    the KL is 0 in the advantages and not logged."""
-    finite = shaping.finite(scores)
+    the KL is 0 in the advantages and not logged. ``kept`` [B]: False for rows that only fill the batch's shape
+    (dynamic sampling short of groups), left out like skipped samples."""
+    if kept is None:
+        finite = shaping.finite(scores)
+    else:
+        finite = shaping.finite(torch.where(kept, scores, torch.zeros_like(scores))) & kept
     mask = rollout.response_mask * finite.unsqueeze(1).to(rollout.response_mask.dtype)
-    raw_scores = scores[finite]
     shaped = shaping.shape(scores, finite, rollout, algorithm.generation)
     kl = (kl_penalty(rollout.logprobs, ref_logprobs, shaping.config.kl_estimator) * mask if ref_logprobs is not None
           else torch.zeros_like(rollout.logprobs))
@@ -145,17 +149,22 @@ def make_experience(
         iteration=iteration,
         ref_logprobs=ref_logprobs * loss_mask if algorithm.keeps_ref_logprobs else None,
     )
-    kept = finite.float().sum().clamp(min=1.0)
-    stats = {
-        "reward/mean": raw_scores.mean() if raw_scores.numel() else scores.new_tensor(float("nan")),
-        "reward/std": raw_scores.std() if raw_scores.numel() > 1 else scores.new_tensor(0.0),
-        "kl/coef": torch.tensor(shaping.kl_controller.value),
-        "response/length_mean": rollout.response_mask.sum(1).float().mean(),
-    }
+    stats = {**rollout_stats(scores, finite, rollout.response_mask.sum(1)), "kl/coef": torch.tensor(shaping.kl_controller.value)}
     if ref_logprobs is not None:
-        stats["kl/mean"] = kl.sum(1).sum() / kept
+        stats["kl/mean"] = kl.sum(1).sum() / finite.float().sum().clamp(min=1.0)
     if config.overlong_buffer:
         stats["reward/overlong_penalty_mean"] = shaping.overlong_penalty(rollout, algorithm.generation)[finite].mean()
     if truncated is not None:
         stats["response/overlong_filtered"] = truncated.float().sum()
     return experience, stats
+
+
+def rollout_stats(scores: torch.Tensor, counted: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``reward/mean`` and ``reward/std`` of the ``counted`` [B] raw scores, and ``response/length_mean`` of every
+    response's length [B]."""
+    raw = scores[counted]
+    return {
+        "reward/mean": raw.mean() if raw.numel() else scores.new_tensor(float("nan")),
+        "reward/std": raw.std() if raw.numel() > 1 else scores.new_tensor(0.0),
+        "response/length_mean": lengths.float().mean(),
+    }

@@ -18,6 +18,10 @@ One iteration (on-policy):
    ranks and those copies exchange the new weights;
 6. a world broadcast of each trainable role's learning rates (``refresh_learning_rates``).
 
+With dynamic sampling (``ppo.dynamic_sampling``) an update may take several generation rounds: each round before
+the last runs steps 1-3 only (``iteration_steps(plan, updates=False)``), and the last round the whole iteration on
+the groups the rounds collected.
+
 With ``plan.overlap`` (one-step off-policy) the train calls and their broadcasts run right after generation, on the
 previous iteration's rollout; the first iteration has none, and no reallocation either.
 """
@@ -57,12 +61,15 @@ class Step:
         return " ".join(x for x in (self.kind, self.name, self.what) if x)
 
 
-def iteration_steps(plan: PlacementPlan, first: bool = False) -> list[Step]:
+def iteration_steps(plan: PlacementPlan, first: bool = False, updates: bool = True) -> list[Step]:
     """The steps of one iteration of ``plan``, in program order (each rank takes those whose ranks include it).
 
     Args:
         plan: The placement; its roles are the algorithm's (a critic-free plan has no ``critic.*`` calls).
         first: The run's first iteration: with ``overlap`` it trains nothing and reallocates nothing.
+        updates: False: a generation round of dynamic sampling that only collects groups (``ppo.dynamic_sampling``,
+            never with ``overlap``): the steps up to the forward calls' gathers, no train call, reallocation or
+            learning rates.
     """
     world = tuple(range(plan.world_size))
     roles = plan.roles
@@ -83,6 +90,8 @@ def iteration_steps(plan: PlacementPlan, first: bool = False) -> list[Step]:
     steps.append(Step("gather", ACTOR.call("generate"), world))
     steps += [Step("call", c, plan.ranks(c)) for c in forwards]
     steps += [Step("gather", c, world) for c in forwards]
+    if not updates:
+        return steps
     if not plan.overlap:
         steps += train(previous=False)
     for role in trainable:

@@ -164,4 +164,9 @@ def generate(
             parts.append(backend.decode(model, request.select(rows)))
         else:  # only with a lockstep group: take part in the group's forwards, keep nothing
             backend.decode(model, request.stand_in())
-    return concat_rollouts(parts, input_ids, attention_mask, pad_token_id)
+    if not parts:  # no row here (a lockstep rank with none): an empty rollout
+        empty = input_ids.new_zeros(0, 0)
+        return Rollout.from_responses(input_ids, attention_mask, empty, attention_mask.new_zeros(0, 0),
+                                      torch.zeros(0, 0, device=input_ids.device),
+                                      torch.zeros(0, dtype=torch.bool, device=input_ids.device))
+    return concat_rollouts(parts, pad_token_id)

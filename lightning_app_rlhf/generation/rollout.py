@@ -83,11 +83,31 @@ class Rollout:
         return [{"prompt": prompt, "completion": completion, "completion_ids": row_ids, "reward": float(score)}
                 for prompt, completion, row_ids, score in zip(*self.texts(tokenizer), ids, scores.tolist())]
 
-    def select(self, rows: slice) -> Rollout:
-        """The rollout of a subset of rows."""
+    def select(self, rows: slice | torch.Tensor) -> Rollout:
+        """The rollout of a subset of rows (a slice, or a boolean or index tensor)."""
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
                        self.logprobs[rows], self.prompt_length,
                        self.stopped[rows] if self.stopped is not None else None)
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """The rows of ``rollouts`` in order, as one rollout: prompts left-padded to the longest prompt part, responses
+    right-padded to the longest response part (pad tokens, masks and log-probabilities 0). Positions follow the
+    attention mask, so the extra padding changes no model output."""
+    prompt = max(r.prompt_length for r in rollouts)
+    response = max(r.response_mask.shape[1] for r in rollouts)
+
+    def pad(t: torch.Tensor, left: int, right: int, value: float = 0) -> torch.Tensor:
+        return F.pad(t, (left, right), value=value) if left or right else t
+
+    parts = []
+    for r in rollouts:
+        left, right = prompt - r.prompt_length, response - r.response_mask.shape[1]
+        parts.append((pad(r.sequences, left, right, pad_token_id), pad(r.attention_mask, left, right),
+                      pad(r.response_mask, 0, right), pad(r.logprobs, 0, right)))
+    stopped = [r.stopped for r in rollouts]
+    return Rollout(*(torch.cat(column) for column in zip(*parts)), prompt_length=prompt,
+                   stopped=torch.cat(stopped) if all(s is not None for s in stopped) else None)
 
 
 def sample_keys(
@@ -145,31 +165,3 @@ def row_chunks(
         num_chunks = -(-most // batch_size)
     bounds = [i * num_rows // num_chunks for i in range(num_chunks + 1)] if num_chunks else []
     return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
-
-
-def _pad_columns(tensor: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    return F.pad(tensor, (0, width - tensor.shape[1]), value=value)
-
-
-def concat_rollouts(
-    parts: list[Rollout], input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int
-) -> Rollout:
-    """The rollouts of consecutive row chunks as one, responses padded to the longest chunk's.
-
-    Args:
-        parts: The chunks' rollouts, in row order (none: an empty rollout).
-        input_ids: [B, P] the prompts of all the chunks' rows.
-        attention_mask: [B, P] their mask.
-        pad_token_id: Token written in a shorter chunk's extra response columns (their mask and log-probs are 0).
-    """
-    width = max((part.response_mask.shape[1] for part in parts), default=0)
-    if parts:
-        responses = torch.cat([_pad_columns(part.responses, width, pad_token_id) for part in parts])
-        response_mask = torch.cat([_pad_columns(part.response_mask, width, 0) for part in parts])
-        logprobs = torch.cat([_pad_columns(part.logprobs, width, 0.0) for part in parts])
-        stopped = torch.cat([part.stopped for part in parts])
-    else:
-        responses, response_mask = input_ids.new_zeros(0, 0), attention_mask.new_zeros(0, 0)
-        logprobs = torch.zeros(0, 0, device=input_ids.device)
-        stopped = torch.zeros(0, dtype=torch.bool, device=input_ids.device)
-    return Rollout.from_responses(input_ids, attention_mask, responses, response_mask, logprobs, stopped)

@@ -142,6 +142,10 @@ class PlanOptions:
     """Named sizes: passes of the train calls over the rollout (default: 1)."""
     num_minibatches: int | None = None
     """Named sizes: optimizer steps per epoch (default: 8)."""
+    generation_rounds: int = 1
+    """Generation rounds per update with dynamic sampling (ppo.dynamic_sampling, on for dapo): each update
+    generates and scores this many batches of prompts before it trains (a run logs train/generation_rounds);
+    default: 1."""
     lora_rank: int | None = None
     """Named sizes: train LoRA adapters of this rank (the reference is then the actor's base); 0 = full
     fine-tuning (default: full fine-tuning, and 128 with --sweep, as APP)."""
@@ -294,6 +298,7 @@ def named_size_workload(options: PlanOptions, gpu: bool) -> Workload:
         gradient_checkpointing=gpu,
         flash_attention=gpu,
         lora_rank=options.lora_rank or None,
+        generation_rounds=options.generation_rounds,
         name=workload_name(actor, critic, algorithm, options.named("num_samples"), options.lora_rank),
     )
 
@@ -329,7 +334,8 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         run: What the config runs.
     """
     check_no_named_sizes(options)
-    workload = replace(run.workload, wrappers=wrappers_option(options)) if options.wrappers else run.workload
+    workload = replace(run.workload, generation_rounds=options.generation_rounds)
+    workload = replace(workload, wrappers=wrappers_option(options)) if options.wrappers else workload
     result = search(options, parse_cluster(run.cluster), workload)
     report = PlanReport(result, configured_strategy=run.strategy, notes=list(run.notes))
     cluster = result.cluster

@@ -642,6 +642,10 @@ class CostModel:
         self.check_plan(plan)
         tasks: list[Task] = []
         for i in range(UNROLLED_ITERATIONS):
+            # Dynamic sampling: the rounds before an update's last generate and score only.
+            for _ in range(self.workload.generation_rounds - 1):
+                for step in iteration_steps(plan, first=i == 0, updates=False):
+                    tasks += self.step_tasks(choice, step, i)
             for step in iteration_steps(plan, first=i == 0):
                 tasks += self.step_tasks(choice, step, i)
         return tasks

@@ -385,6 +385,10 @@ class Workload:
     recompute_old_logprobs: bool = False
     """``ppo.recompute_old_logprobs``: the actor's train call first runs one forward (no gradients) over its share of
     the whole rollout, and sums the log-probabilities over its group."""
+    generation_rounds: int = 1
+    """Generation rounds per update: with dynamic sampling (``ppo.dynamic_sampling``) an update generates and scores
+    a batch of prompts this many times on average (a run logs it as ``train/generation_rounds``) before it trains
+    once; 1 without."""
     gradient_checkpointing: bool = False
     """Train calls keep only each layer's input and recompute the rest in backward (one more forward)."""
     flash_attention: bool = False
@@ -400,7 +404,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for what in ("batch_size", "prompt_length", "generation_length", "ppo_epochs", "num_minibatches",
-                     "num_samples"):
+                     "num_samples", "generation_rounds"):
             if getattr(self, what) < 1:
                 raise ValueError(f"Workload {what} must be >= 1, got {getattr(self, what)}.")
         if self.samples % self.num_minibatches:
