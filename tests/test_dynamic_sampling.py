@@ -9,7 +9,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ROOT, fit_demo, make_module
+from helpers import ROOT, fit_demo, make_module, run_ranks
 
 from lightning_app_rlhf import PromptDataModule, demo
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
@@ -129,6 +129,43 @@ def test_dynamic_sampling_needs_a_group_algorithm_a_plan_without_overlap_and_a_p
     data.setup("fit")
     with pytest.raises(ValueError, match="no source of them: use a PromptDataModule"):
         trainer.fit(module, train_dataloaders=data.train_dataloader())
+
+
+def test_dynamic_sampling_refuses_a_plan_with_overlap():
+    from lightning_app_rlhf.engine.dynamic_sampling import check_dynamic_sampling_plan
+    from lightning_app_rlhf.parallel.plan import separation_plan
+
+    check_dynamic_sampling_plan(separation_plan(2))
+    with pytest.raises(ValueError, match="without overlap, or set ppo.dynamic_sampling false"):
+        check_dynamic_sampling_plan(separation_plan(2, overlap=True))
+
+
+def _fabric_rank(rank: int, port: int) -> None:
+    """One Fabric process (forked: its process group and heartbeat end with it): DAPO refuses to run without a
+    source of prompts, then runs with the datamodule's."""
+    import os
+
+    from lightning.fabric import Fabric
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="rlhf_flattening")
+    fabric.launch()
+    tokenizer = demo.build_tokenizer()
+    module = fabric.strategy.setup_rlhf(fabric, make_module(
+        tokenizer=tokenizer, algorithm="dapo", reward_fn=demo.topic_hit_reward, seed=0,
+        generation=GenerationConfig(num_samples=4, max_new_tokens=8)))
+    data = PromptDataModule(demo.prompts(32), tokenizer, batch_size=2)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    with pytest.raises(ValueError, match="module.refill_prompts = datamodule.refill_batch"):
+        module.training_step(batch, 0)
+    module.refill_prompts = data.refill_batch
+    module.training_step(batch, 0)
+    assert module.iteration == 1
+
+
+def test_under_fabric_the_module_takes_its_refill_prompts_from_the_user():
+    run_ranks(_fabric_rank, 1, timeout=120)
 
 
 def _update_batches(module) -> list[Experience]:

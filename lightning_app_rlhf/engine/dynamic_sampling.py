@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from lightning_app_rlhf.generation import Rollout, concat_rollouts
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 
 
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -29,6 +30,15 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     high = torch.where(finite, grouped, -torch.inf).amax(1)
     low = torch.where(finite, grouped, torch.inf).amin(1)
     return (finite.sum(1) >= 2) & (high > low)
+
+
+def check_dynamic_sampling_plan(plan: PlacementPlan) -> None:
+    """Raise naming the fix if ``plan`` cannot run dynamic sampling: its rounds come before each update, which a
+    plan with ``overlap`` runs beside the next generation."""
+    if plan.overlap:
+        raise ValueError("ppo.dynamic_sampling collects groups over generation rounds before each update; the plan "
+                         f"{plan.name!r} overlaps generation with the previous update (overlap=True). Use a plan "
+                         "without overlap, or set ppo.dynamic_sampling false.")
 
 
 def round_key(iteration: int, generation_round: int) -> int:

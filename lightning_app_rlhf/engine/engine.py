@@ -31,7 +31,7 @@ from lightning_app_rlhf.algorithms.functional import rollout_correction
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
-from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, round_key
+from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dynamic_sampling_plan, round_key
 from lightning_app_rlhf.engine.experience import RewardShaping, make_experience, rollout_stats
 from lightning_app_rlhf.engine.iteration import FORWARD_ROLES, Step, iteration_steps
 from lightning_app_rlhf.engine.update_guard import (
@@ -118,10 +118,7 @@ class RLHFEngine:
     def __post_init__(self) -> None:
         if not self.config.dynamic_sampling:
             return
-        if self.placement.plan.overlap:
-            raise ValueError("ppo.dynamic_sampling collects groups over generation rounds before each update; the "
-                             f"plan {self.placement.plan.name!r} overlaps generation with the previous update "
-                             "(overlap=True). Use a plan without overlap, or set ppo.dynamic_sampling false.")
+        check_dynamic_sampling_plan(self.placement.plan)
         self.collector = GroupCollector(self.generation.num_samples, self.config.max_generation_rounds,
                                         self.tokenizer.pad_token_id)
 
