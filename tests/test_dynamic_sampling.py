@@ -141,12 +141,13 @@ def test_dynamic_sampling_refuses_a_plan_with_overlap():
 
 
 def _fabric_rank(rank: int, port: int) -> None:
-    """One Fabric process (forked: its process group and heartbeat end with it): DAPO refuses to run without a
+    """One Fabric process (its own: its process group and heartbeat end with it): DAPO refuses to run without a
     source of prompts, then runs with the datamodule's."""
     import os
 
     from lightning.fabric import Fabric
 
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fabric = Fabric(accelerator="cpu", devices=1, strategy="rlhf_flattening")
     fabric.launch()
@@ -165,7 +166,9 @@ def _fabric_rank(rank: int, port: int) -> None:
 
 
 def test_under_fabric_the_module_takes_its_refill_prompts_from_the_user():
-    run_ranks(_fabric_rank, 1, timeout=120)
+    # Spawned, not forked: a child forked after the suite's earlier tests ran torch's OpenMP pool deadlocks in its
+    # first kernel.
+    run_ranks(_fabric_rank, 1, timeout=120, start_method="spawn")
 
 
 def _update_batches(module) -> list[Experience]:

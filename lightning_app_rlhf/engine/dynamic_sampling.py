@@ -134,9 +134,13 @@ class GroupCollector:
         kept = torch.arange(rows, device=rollout.sequences.device) < have
         batch = CollectedBatch(rollout.select(slice(0, rows)), joined, kept, self.filtered, self.rounds,
                                torch.cat(self.scores), torch.cat(self.lengths))
+        self.clear()
+        return batch
+
+    def clear(self) -> None:
+        """Forget every round: the next update starts afresh."""
         self.rollouts, self.outputs, self.scores, self.lengths, self.fill = [], [], [], [], None
         self.rounds = self.filtered = 0
-        return batch
 
 
 def _pad_right(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -112,8 +112,8 @@ class RLHFEngine:
     """The critic's scoring forward of this iteration, with its graph, kept for its train call
     (:attr:`reuses_critic_forward`)."""
     collector: GroupCollector | None = field(default=None, init=False)
-    """With ``ppo.dynamic_sampling``: the informative groups of this update's generation rounds so far
-    (checkpointed)."""
+    """With ``ppo.dynamic_sampling``: the informative groups of the current update's generation rounds (empty
+    between iterations: an update collects and trains within one :meth:`run_iteration`)."""
 
     def __post_init__(self) -> None:
         if not self.config.dynamic_sampling:
@@ -165,6 +165,8 @@ class RLHFEngine:
         if self.collector is not None and more_prompts is None:
             raise ValueError("ppo.dynamic_sampling generates on more prompts when a batch has too few informative "
                              "groups: pass more_prompts (e.g. PromptDataModule.refill_batch).")
+        if self.collector is not None:
+            self.collector.clear()  # what an iteration that raised midway had collected
         plan = self.placement.plan
         state = IterationState(repeat_samples(batch, self.generation.num_samples), iteration, self._now(), prompts,
                                iteration)
