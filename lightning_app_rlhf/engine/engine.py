@@ -116,7 +116,7 @@ class RLHFEngine:
     between iterations: an update collects and trains within one :meth:`run_iteration`)."""
 
     def __post_init__(self) -> None:
-        if not self.config.dynamic_sampling:
+        if self.config is None or not self.config.dynamic_sampling:  # (generation-only engines take no config)
             return
         check_dynamic_sampling_plan(self.placement.plan)
         self.collector = GroupCollector(self.generation.num_samples, self.config.max_generation_rounds,
