@@ -73,6 +73,39 @@ def test_trl_comparison_placements_and_report(tmp_path):
     assert (docs.parent / "images" / "benchmarks.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # builds (once, about a minute, cached) and runs TRL 1.16 in its own environment
+def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
+    bench(tmp_path, "grpo", "--presets", "[tiny]", "--betas", "[0.0, 0.04]", "--repeats", "1", "--run.new_tokens", "8",
+          "--run.warmup", "1", "--run.iterations", "2", "--out", "grpo.json")
+    rows = json.loads((tmp_path / "grpo.json").read_text())["grpo"]
+    assert [r["settings"]["beta"] for r in rows] == [0.0, 0.04] and rows[0]["versions"]["trl"] == "1.16.0"
+    for row in rows:
+        completions = row["settings"]["batch_size"] * row["settings"]["num_samples"]
+        for side in ("ours", "trl"):
+            summary = row[side]
+            assert completions / summary["iteration_s"]["max"] == pytest.approx(summary["samples_per_s"]["min"])
+            assert summary["generate_s"] > 0
+    docs = tmp_path / "benchmarks.md"
+    bench(tmp_path, "report", "--results", "[grpo.json]", "--docs", str(docs))
+    text = docs.read_text()
+    assert "GRPOTrainer" in text and "| tiny | 0.04 | 32-true |" in text
+
+
+def test_grpo_runs_the_same_update_on_both_sides(tmp_path):
+    """Ours: the actor alone (a reference only with beta), the demo's reward function, G samples per prompt, the KL
+    as a k3 term in the loss; the peer's settings are the same dataclass."""
+    from lightning_app_rlhf.bench.ours import fit_config
+
+    settings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4, beta=0.04)
+    model = fit_config(settings, tmp_path)["model"]
+    assert model["algorithm"] == "grpo" and model["reward_fn"] == "lightning_app_rlhf.demo.topic_reward"
+    assert "reward_model" not in model and model["generation"]["num_samples"] == 4
+    assert model["ppo"] == {"ppo_epochs": 1, "num_minibatches": 1, "kl_coef": 0.0, "kl_loss_coef": 0.04,
+                            "kl_loss_estimator": "k3"}
+    assert settings.completions == 32 and RunSettings().completions == 32  # PPO: one completion per prompt
+    assert "reward_model" in fit_config(RunSettings(), tmp_path)["model"]
+
+
 def test_peer_gets_our_weights_with_stock_modules():
     """Same configs and seeds as our roles, but the stock GPT-2 activation a TRL user gets."""
     settings = RunSettings()
@@ -90,6 +123,9 @@ def test_peer_gets_our_weights_with_stock_modules():
     ({"placement": "separation", "processes": 1}, "at least 2 processes"),
     ({"batch_size": 30, "num_minibatches": 4}, "multiple of 4"),
     ({"precision": "16-mixed"}, "bf16-mixed"),
+    ({"algorithm": "grpo"}, "num_samples must be >= 2"),
+    ({"beta": 0.04}, "leave them at 1 and 0 for algorithm 'ppo'"),
+    ({"algorithm": "dapo"}, "'ppo' or 'grpo'"),
 ])
 def test_bad_settings_name_the_fix(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -1,7 +1,8 @@
-"""``python -m lightning_app_rlhf.bench``: ours vs TRL 1.12, and the placements against each other.
+"""``python -m lightning_app_rlhf.bench``: ours vs TRL 1.12's PPOTrainer and TRL 1.16's GRPOTrainer, and the
+placements against each other.
 
-``python -m lightning_app_rlhf.bench run`` does both and rewrites ``docs/benchmarks.md``; ``trl`` and
-``placements`` do one half; ``report`` redraws the doc from a results JSON. ``checkpoint`` measures resident memory
+``python -m lightning_app_rlhf.bench run`` does them all and rewrites ``docs/benchmarks.md``; ``trl``, ``grpo``
+and ``placements`` do one part (``grpo`` runs its peer in a virtual environment of its own, made on first use); ``report`` redraws the doc from a results JSON. ``checkpoint`` measures resident memory
 during checkpoint saves, ``soak`` each rank's resident memory over a long run (neither is part of ``run``).
 ``--help`` on each lists the settings.
 """
@@ -29,6 +30,8 @@ from lightning_app_rlhf.bench.report import checkpoint_table, write_report
 from lightning_app_rlhf.bench.results import count_parameters, machine, summarize, summarize_checkpoint
 
 console = Console(stderr=True)
+REPOSITORY = Path(__file__).resolve().parents[2]
+"""The checkout this package runs from: put on a peer environment's ``PYTHONPATH``."""
 PLACEMENT_SETTINGS = {
     "generation-heavy": {"new_tokens": 64, "ppo_epochs": 1, "num_minibatches": 1},
     "training-heavy": {"new_tokens": 16, "ppo_epochs": 4, "num_minibatches": 2},
@@ -74,6 +77,54 @@ def compare_trl(
         console.print(f"  ours {ours['samples_per_s']['median']:.1f} samples/s, TRL "
                       f"{peer['samples_per_s']['median']:.1f}: {ratio:.2f}x")
     _save(out, "trl", rows)
+    return rows
+
+
+def compare_grpo(
+    presets: list[str] = ["tiny", "small"],  # noqa: B006 - jsonargparse reads the default
+    betas: list[float] = [0.0, 0.04],  # noqa: B006
+    precisions: list[str] = ["32-true"],  # noqa: B006
+    repeats: int = 2,
+    run: RunSettings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4),  # noqa: B008
+    out: str = "bench_results/grpo.json",
+) -> list[dict[str, Any]]:
+    """Ours vs TRL 1.16.0's GRPOTrainer: the same random-init policy, prompts, reward function and group size, one
+    update per batch, alternating runs. TRL 1.16 cannot share this environment's TRL 1.12: it runs in a virtual
+    environment of its own, made on first use (about a minute) and cached
+    (:func:`~lightning_app_rlhf.bench.peer_env.peer_python`).
+
+    Args:
+        presets: Model presets to compare (tiny, small, medium); each replaces ``run.preset``.
+        betas: KL coefficients (a k3 term in the loss on both sides); 0: no reference model on either side.
+        precisions: Precisions, each the same on both sides (``32-true``, ``bf16-mixed``).
+        repeats: Runs per framework and cell, alternating ours / TRL; medians are over all measured iterations.
+        run: The settings of every run (``--run.batch_size`` prompts x ``--run.num_samples`` completions,
+            ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
+        out: Where the JSON results go.
+    """
+    from lightning_app_rlhf.bench.peer_env import GRPO_PEER, GRPO_PEER_NAME, peer_python
+
+    console.print(f"The peer's environment ({GRPO_PEER_NAME}: {', '.join(GRPO_PEER)}), made on first use ...")
+    python = peer_python(GRPO_PEER_NAME, GRPO_PEER)
+    rows = []
+    for preset, beta, precision in [(p, b, c) for c in precisions for p in presets for b in betas]:
+        settings = replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision)
+        params = count_parameters(settings)
+        ours_runs, trl_runs = [], []
+        for repeat in range(repeats):
+            console.print(f"[bold]{preset} beta {beta} {precision}[/] repeat {repeat + 1}/{repeats}: ours, then TRL")
+            with tempfile.TemporaryDirectory() as work:
+                ours_runs.append(run_ours(settings, Path(work))["ranks"])
+                trl_runs.append([_run_peer(settings, Path(work), "trl_grpo_peer", python)])
+        measured = replace(settings, iterations=settings.iterations * repeats)
+        ours = summarize(_merge_repeats(ours_runs, settings), measured, params)
+        peer = summarize(_merge_repeats(trl_runs, settings), measured, params)
+        ratio = ours["samples_per_s"]["median"] / peer["samples_per_s"]["median"]
+        rows.append({"settings": settings.as_dict(), "params": params, "ours": ours, "trl": peer,
+                     "samples_per_s_ratio": ratio, "versions": trl_runs[0][0]["versions"]})
+        console.print(f"  ours {ours['samples_per_s']['median']:.1f} completions/s, TRL "
+                      f"{peer['samples_per_s']['median']:.1f}: {ratio:.2f}x")
+    _save(out, "grpo", rows)
     return rows
 
 
@@ -264,25 +315,29 @@ def run(out_dir: str = "docs/bench_results", docs: str = "docs/benchmarks.md", r
         repeats: Alternating runs per framework in the TRL comparison.
     """
     compare_trl(out=f"{out_dir}/trl.json", repeats=repeats)
+    compare_grpo(out=f"{out_dir}/grpo.json", repeats=repeats)
     compare_placements(out=f"{out_dir}/placements.json")
     _profile_in_subprocess(f"{out_dir}/profile.json")
-    report(results=[f"{out_dir}/trl.json", f"{out_dir}/placements.json", f"{out_dir}/profile.json"], docs=docs)
+    report(results=[f"{out_dir}/trl.json", f"{out_dir}/grpo.json", f"{out_dir}/placements.json",
+                    f"{out_dir}/profile.json"], docs=docs)
 
 
 def report(
-    results: list[str] = ["docs/bench_results/trl.json", "docs/bench_results/placements.json",  # noqa: B006
-                          "docs/bench_results/profile.json"],
+    results: list[str] = ["docs/bench_results/trl.json", "docs/bench_results/grpo.json",  # noqa: B006
+                          "docs/bench_results/placements.json", "docs/bench_results/profile.json"],
     docs: str = "docs/benchmarks.md",
 ) -> None:
     """Rewrite the generated section of ``docs`` (tables, plot) from results JSON files.
 
     Args:
-        results: JSON files written by ``trl``, ``placements`` and ``profile``.
+        results: JSON files written by ``trl``, ``grpo``, ``placements`` and ``profile`` (a missing one is
+            skipped).
         docs: The markdown page to update.
     """
     merged: dict[str, Any] = {}
     for path in results:
-        merged.update(json.loads(Path(path).read_text()))
+        if Path(path).exists():
+            merged.update(json.loads(Path(path).read_text()))
     write_report(merged, Path(docs))
     console.print(f"Updated {docs}")
 
@@ -297,14 +352,20 @@ def _profile_in_subprocess(out: str) -> None:
 
 
 def _run_trl(settings: RunSettings, work: Path) -> dict[str, Any]:
-    out = work / "trl.json"
-    env_threads = {"OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads),
-                   "TRL_EXPERIMENTAL_SILENCE": "1"}
-    command = [sys.executable, "-m", "lightning_app_rlhf.bench.trl_peer", json.dumps(settings.as_dict()), str(out)]
-    result = subprocess.run(command, check=False, cwd=work, env={**os.environ, **env_threads}, capture_output=True, text=True,
-                            timeout=1800)
+    return _run_peer(settings, work, "trl_peer", Path(sys.executable))
+
+
+def _run_peer(settings: RunSettings, work: Path, module: str, python: Path) -> dict[str, Any]:
+    """``python -m lightning_app_rlhf.bench.{module} SETTINGS OUT`` in a fresh process (this checkout on its
+    ``PYTHONPATH``, for a peer environment where the package is not installed); its record."""
+    out = work / f"{module}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads),
+           "TRL_EXPERIMENTAL_SILENCE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
+    command = [str(python), "-m", f"lightning_app_rlhf.bench.{module}", json.dumps(settings.as_dict()), str(out)]
+    result = subprocess.run(command, check=False, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise RuntimeError(f"The TRL run failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"The peer run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 
@@ -346,7 +407,7 @@ def _save(path: str, section: str, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    auto_cli({"run": run, "trl": compare_trl, "placements": compare_placements, "profile": profile,
+    auto_cli({"run": run, "trl": compare_trl, "grpo": compare_grpo, "placements": compare_placements, "profile": profile,
               "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode})
 
 

@@ -1,4 +1,5 @@
-"""Run our PPO loop for one :class:`RunSettings` through the CLI, as a user would, and collect its timings."""
+"""Run our RL loop (PPO or GRPO) for one :class:`RunSettings` through the CLI, as a user would, and collect its
+timings."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ from lightning_app_rlhf.bench.presets import PLACEMENTS, TOKENIZER_VOCAB, RunSet
 
 
 def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
-    """The LightningCLI config: four roles from one preset (the reward is a sequence classifier, as TRL needs)."""
+    """The LightningCLI config. PPO: four roles from one preset (the reward is a sequence classifier, as TRL's
+    PPOTrainer needs). GRPO: the actor, a reference only with ``beta > 0`` (a k3 term in the loss, as TRL's
+    GRPOTrainer), and the demo's reward function on decoded text (the peer's too)."""
     strategy, strategy_args = PLACEMENTS[settings.placement]
     model = {"config": settings.model_config(), "init_seed": 0}
+    ppo = {"ppo_epochs": settings.ppo_epochs, "num_minibatches": settings.num_minibatches}
+    roles: dict[str, Any] = {"reward_model": {"config": settings.model_config(), "init_seed": 1}}
+    if settings.algorithm == "grpo":
+        roles = {"algorithm": "grpo", "reward_fn": "lightning_app_rlhf.demo.topic_reward"}
+        ppo.update(kl_coef=0.0, kl_loss_coef=settings.beta, kl_loss_estimator="k3")
     return {
         "seed_everything": 0,
         "trainer": {
@@ -38,9 +46,10 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
         "model": {
             "tokenizer": "lightning_app_rlhf.demo:build_tokenizer",
             "actor": model,
-            "reward_model": {"config": settings.model_config(), "init_seed": 1},
-            "generation": {"max_new_tokens": settings.new_tokens, "temperature": 1.0},
-            "ppo": {"ppo_epochs": settings.ppo_epochs, "num_minibatches": settings.num_minibatches},
+            **roles,
+            "generation": {"max_new_tokens": settings.new_tokens, "temperature": 1.0,
+                           "num_samples": settings.num_samples},
+            "ppo": ppo,
         },
         "data": {"prompts": "lightning_app_rlhf.demo:prompts", "batch_size": settings.batch_size},
     }

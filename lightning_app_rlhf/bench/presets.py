@@ -25,8 +25,16 @@ class RunSettings:
 
     preset: str = "tiny"
     """Model preset for all four roles: ``tiny``, ``small`` or ``medium``."""
+    algorithm: str = "ppo"
+    """``ppo`` (actor, critic, reference, reward model; the peer is TRL 1.12's PPOTrainer) or ``grpo`` (the actor,
+    a reference only with ``beta > 0``, the demo's reward function; the peer is TRL 1.16's GRPOTrainer)."""
     batch_size: int = 32
-    """Prompts per PPO iteration (the global rollout batch)."""
+    """Prompts per iteration (the global rollout batch holds ``batch_size x num_samples`` completions)."""
+    num_samples: int = 1
+    """Completions per prompt: GRPO's group size G (TRL's ``num_generations``); 1 for PPO."""
+    beta: float = 0.0
+    """GRPO's KL coefficient, a k3 term in the loss (TRL's ``beta``; ours ``ppo.kl_loss_coef``). 0: no reference
+    model on either side."""
     new_tokens: int = 32
     """Response length: tokens generated per prompt."""
     ppo_epochs: int = 1
@@ -60,8 +68,19 @@ class RunSettings:
             raise ValueError(f"Placement {self.placement!r} needs at least 2 processes; got {self.processes}.")
         if self.precision not in ("32-true", "bf16-mixed"):
             raise ValueError(f"precision must be '32-true' or 'bf16-mixed', got {self.precision!r}.")
+        if self.algorithm not in ("ppo", "grpo"):
+            raise ValueError(f"algorithm must be 'ppo' or 'grpo', got {self.algorithm!r}.")
+        if self.algorithm == "grpo" and self.num_samples < 2:
+            raise ValueError(f"GRPO compares a prompt's completions: num_samples must be >= 2, got {self.num_samples}.")
+        if self.algorithm == "ppo" and (self.num_samples != 1 or self.beta):
+            raise ValueError("num_samples and beta are GRPO's: leave them at 1 and 0 for algorithm 'ppo'.")
         if self.warmup < 0 or self.iterations < 1:
             raise ValueError(f"Need warmup >= 0 and iterations >= 1; got {self.warmup} and {self.iterations}.")
+
+    @property
+    def completions(self) -> int:
+        """Completions generated and trained on per iteration."""
+        return self.batch_size * self.num_samples
 
     def model_config(self) -> dict[str, Any]:
         return {**MODEL_PRESETS[self.preset], "n_positions": 128 + self.new_tokens, **SPECIAL_TOKENS}

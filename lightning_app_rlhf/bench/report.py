@@ -17,6 +17,7 @@ def write_report(results: dict[str, Any], docs: Path) -> None:
     body = "\n\n".join(part for part in (
         machine_line(results["machine"]),
         trl_table(results.get("trl", [])),
+        grpo_table(results.get("grpo", [])),
         placement_tables(results.get("placements", [])),
         "\n\n".join(profile_table(record) for record in results.get("profile", [])),
         f"![Throughput: ours vs TRL, and the placements]({PLOT})",
@@ -87,6 +88,37 @@ def trl_table(rows: list[dict[str, Any]]) -> str:
                "minibatch, one process, the same random-init models (actor, critic, reference, reward); medians over "
                "all measured iterations of alternating runs (min-max in brackets).")
     return _section("Ours vs TRL 1.12.0 PPOTrainer", caption, TRL_COLUMNS, body)
+
+
+GRPO_COLUMNS = (
+    "| preset | beta | precision | params | ours completions/s | TRL completions/s | ours / TRL "
+    "| ours generate / score / train ms | TRL generate ms | peak RSS ours / TRL MiB |",
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+)
+"""Header and alignment rule of :func:`grpo_table`."""
+
+
+def grpo_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    s, versions = rows[0]["settings"], rows[0].get("versions", {})
+    body = []
+    for row in rows:
+        ours, peer, cell = row["ours"], row["trl"], row["settings"]
+        body.append(
+            f"| {cell['preset']} | {cell['beta']:g} | {cell['precision']} | {row['params'] / 1e6:.2f}M "
+            f"| {_spread(ours['samples_per_s'])} | {_spread(peer['samples_per_s'])} "
+            f"| **{row['samples_per_s_ratio']:.2f}x** "
+            f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} "
+            f"| {_ms(peer, 'generate_s')} | {_mb(ours['peak_rss_bytes'])} / {_mb(peer['peak_rss_bytes'])} |"
+        )
+    caption = (f"{s['batch_size']} prompts x G={s['num_samples']} completions per step, {s['new_tokens']} new tokens, "
+               f"{s['threads']} thread, one update per batch (TRL `num_iterations=1`; ours 1 epoch, 1 minibatch), one "
+               "process, the same random-init policy and string reward function; beta is the k3 KL term in the loss "
+               "(0: no reference model on either side). Medians over all measured steps of alternating runs "
+               f"(min-max in brackets). Peer: TRL {versions.get('trl', '?')} with transformers "
+               f"{versions.get('transformers', '?')} in its own environment.")
+    return _section(f"Ours vs TRL {versions.get('trl', '1.16')} GRPOTrainer", caption, GRPO_COLUMNS, body)
 
 
 def placement_tables(rows: list[dict[str, Any]]) -> str:
@@ -162,30 +194,26 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, dict[
 
 
 def draw_plot(results: dict[str, Any], path: Path) -> None:
-    """Left: samples/s of ours vs TRL per preset. Right: samples/s of each placement per workload and size."""
+    """Panels: ours vs TRL 1.12 (PPO) and vs TRL 1.16 (GRPO) per cell; samples/s of each placement per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    trl_rows, placement_rows = results.get("trl", []), results.get("placements", [])
-    panels = [p for p in (trl_rows, placement_rows) if p]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False,
-                             gridspec_kw={"width_ratios": [1, 2][: len(panels)] if len(panels) == 2 else [1]})
+    trl_rows, grpo_rows = results.get("trl", []), results.get("grpo", [])
+    placement_rows = results.get("placements", [])
+    panels = [p for p in (trl_rows, grpo_rows, placement_rows) if p]
+    widths = [2 if p is placement_rows else 1 for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * sum(widths), 4), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
     axes = list(axes[0])
     if trl_rows:
-        ax = axes.pop(0)
         names = [f"{row['settings']['preset']}\n{row['settings']['precision']}" for row in trl_rows]
-        for offset, (key, label) in enumerate((("ours", "lightning-app-rlhf"), ("trl", "TRL 1.12.0"))):
-            medians = [row[key]["samples_per_s"]["median"] for row in trl_rows]
-            errors = [[m - row[key]["samples_per_s"]["min"] for m, row in zip(medians, trl_rows)],
-                      [row[key]["samples_per_s"]["max"] - m for m, row in zip(medians, trl_rows)]]
-            ax.bar([i + 0.4 * offset for i in range(len(names))], medians, 0.4, yerr=errors, label=label, capsize=3)
-        ax.set_xticks([i + 0.2 for i in range(len(names))], names)
-        ax.set_yscale("log")
-        ax.set_ylabel("samples/s (log)")
-        ax.set_title("PPO throughput, 1 process, 1 thread")
-        ax.legend()
+        _peer_panel(axes.pop(0), trl_rows, names, "TRL 1.12.0", "PPO, 1 process, 1 thread", "samples/s (log)")
+    if grpo_rows:
+        names = [f"{row['settings']['preset']}\nbeta {row['settings']['beta']:g}" for row in grpo_rows]
+        peer = f"TRL {grpo_rows[0].get('versions', {}).get('trl', '1.16')}"
+        _peer_panel(axes.pop(0), grpo_rows, names, peer, "GRPO, 1 process, 1 thread", "completions/s (log)")
     if placement_rows:
         ax = axes.pop(0)
         groups = _groups(placement_rows)
@@ -203,3 +231,17 @@ def draw_plot(results: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _peer_panel(ax: Any, rows: list[dict[str, Any]], names: list[str], peer: str, title: str, ylabel: str) -> None:
+    """Bars of ours and a peer's median throughput per cell, min-max as error bars, on a log scale."""
+    for offset, (key, label) in enumerate((("ours", "lightning-app-rlhf"), ("trl", peer))):
+        medians = [row[key]["samples_per_s"]["median"] for row in rows]
+        errors = [[m - row[key]["samples_per_s"]["min"] for m, row in zip(medians, rows)],
+                  [row[key]["samples_per_s"]["max"] - m for m, row in zip(medians, rows)]]
+        ax.bar([i + 0.4 * offset for i in range(len(names))], medians, 0.4, yerr=errors, label=label, capsize=3)
+    ax.set_xticks([i + 0.2 for i in range(len(names))], names)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()

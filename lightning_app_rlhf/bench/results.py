@@ -31,7 +31,7 @@ def summarize(ranks: list[dict[str, Any]], settings: RunSettings, params: int) -
     wall = [row["wall_s"] for row in measured]
     out: dict[str, Any] = {
         "iteration_s": spread(wall),
-        "samples_per_s": spread([settings.batch_size / w for w in wall]),
+        "samples_per_s": spread([settings.completions / w for w in wall]),  # completions (G per prompt)
         "peak_rss_bytes": [rank["peak_rss_bytes"] for rank in ranks],
     }
     if all("gen_tokens" in row for row in measured):
