@@ -58,26 +58,31 @@ def compare_trl(
         out: Where the JSON results go.
     """
     _check_trl()
-    rows = []
-    for preset, precision in [(preset, precision) for precision in precisions for preset in presets]:
-        settings = replace(run, preset=preset, precision=precision)
-        params = count_parameters(settings)
-        ours_runs, trl_runs = [], []
-        for repeat in range(repeats):
-            console.print(f"[bold]{preset} {precision}[/] repeat {repeat + 1}/{repeats}: ours, then TRL")
-            with tempfile.TemporaryDirectory() as work:
-                ours_runs.append(run_ours(settings, Path(work))["ranks"])
-                trl_runs.append([_run_trl(settings, Path(work))])
-        measured = replace(settings, iterations=settings.iterations * repeats)
-        ours = summarize(_merge_repeats(ours_runs, settings), measured, params)
-        peer = summarize(_merge_repeats(trl_runs, settings), measured, params)
-        ratio = ours["samples_per_s"]["median"] / peer["samples_per_s"]["median"]
-        rows.append({"settings": settings.as_dict(), "params": params, "ours": ours, "trl": peer,
-                     "samples_per_s_ratio": ratio})
-        console.print(f"  ours {ours['samples_per_s']['median']:.1f} samples/s, TRL "
-                      f"{peer['samples_per_s']['median']:.1f}: {ratio:.2f}x")
+    rows = [_alternate(replace(run, preset=preset, precision=precision), repeats, "trl_peer", Path(sys.executable))
+            for precision in precisions for preset in presets]
     _save(out, "trl", rows)
     return rows
+
+
+def _alternate(settings: RunSettings, repeats: int, peer: str, python: Path) -> dict[str, Any]:
+    """``repeats`` runs of ours, each followed by one of the peer (the module ``bench.{peer}`` under ``python``);
+    the row of the comparison: both sides' medians over all measured iterations, and their ratio."""
+    params = count_parameters(settings)
+    ours_runs, peer_runs = [], []
+    for repeat in range(repeats):
+        console.print(f"[bold]{settings.preset} {settings.algorithm} beta {settings.beta:g} {settings.precision}[/] "
+                      f"repeat {repeat + 1}/{repeats}: ours, then the peer")
+        with tempfile.TemporaryDirectory() as work:
+            ours_runs.append(run_ours(settings, Path(work))["ranks"])
+            peer_runs.append([_run_peer(settings, Path(work), peer, python)])
+    measured = replace(settings, iterations=settings.iterations * repeats)
+    ours = summarize(_merge_repeats(ours_runs, settings), measured, params)
+    theirs = summarize(_merge_repeats(peer_runs, settings), measured, params)
+    ratio = ours["samples_per_s"]["median"] / theirs["samples_per_s"]["median"]
+    console.print(f"  ours {ours['samples_per_s']['median']:.1f} completions/s, the peer "
+                  f"{theirs['samples_per_s']['median']:.1f}: {ratio:.2f}x")
+    return {"settings": settings.as_dict(), "params": params, "ours": ours, "trl": theirs,
+            "samples_per_s_ratio": ratio, "versions": peer_runs[0][0].get("versions", {})}
 
 
 def compare_grpo(
@@ -106,24 +111,9 @@ def compare_grpo(
 
     console.print(f"The peer's environment ({GRPO_PEER_NAME}: {', '.join(GRPO_PEER)}), made on first use ...")
     python = peer_python(GRPO_PEER_NAME, GRPO_PEER)
-    rows = []
-    for preset, beta, precision in [(p, b, c) for c in precisions for p in presets for b in betas]:
-        settings = replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision)
-        params = count_parameters(settings)
-        ours_runs, trl_runs = [], []
-        for repeat in range(repeats):
-            console.print(f"[bold]{preset} beta {beta} {precision}[/] repeat {repeat + 1}/{repeats}: ours, then TRL")
-            with tempfile.TemporaryDirectory() as work:
-                ours_runs.append(run_ours(settings, Path(work))["ranks"])
-                trl_runs.append([_run_peer(settings, Path(work), "trl_grpo_peer", python)])
-        measured = replace(settings, iterations=settings.iterations * repeats)
-        ours = summarize(_merge_repeats(ours_runs, settings), measured, params)
-        peer = summarize(_merge_repeats(trl_runs, settings), measured, params)
-        ratio = ours["samples_per_s"]["median"] / peer["samples_per_s"]["median"]
-        rows.append({"settings": settings.as_dict(), "params": params, "ours": ours, "trl": peer,
-                     "samples_per_s_ratio": ratio, "versions": trl_runs[0][0]["versions"]})
-        console.print(f"  ours {ours['samples_per_s']['median']:.1f} completions/s, TRL "
-                      f"{peer['samples_per_s']['median']:.1f}: {ratio:.2f}x")
+    rows = [_alternate(replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision), repeats,
+                       "trl_grpo_peer", python)
+            for precision in precisions for preset in presets for beta in betas]
     _save(out, "grpo", rows)
     return rows
 
@@ -349,10 +339,6 @@ def _profile_in_subprocess(out: str) -> None:
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"The profile failed:\n{result.stderr[-3000:]}")
-
-
-def _run_trl(settings: RunSettings, work: Path) -> dict[str, Any]:
-    return _run_peer(settings, work, "trl_peer", Path(sys.executable))
 
 
 def _run_peer(settings: RunSettings, work: Path, module: str, python: Path) -> dict[str, Any]:
