@@ -159,22 +159,29 @@ def profile(
     new_tokens: int = 32,
     threads: int = 1,
     precision: str = "32-true",
+    algorithm: str = "ppo",
+    num_samples: int = 1,
+    beta: float = 0.0,
     out: str = "bench_results/profile.json",
 ) -> list[dict[str, Any]]:
     """Profile one of our iterations per preset (after two warm-up iterations): per phase, op by op.
 
     Args:
         presets: Model presets to profile.
-        batch_size: Prompts per PPO iteration.
+        batch_size: Prompts per iteration.
         new_tokens: Response length.
         threads: Torch threads.
         precision: ``32-true`` or ``bf16-mixed``.
+        algorithm: ``ppo`` (the TRL 1.12 comparison's run) or ``grpo`` (the TRL 1.16 comparison's).
+        num_samples: GRPO's completions per prompt (G).
+        beta: GRPO's KL coefficient in the loss (0: no reference).
         out: Where the JSON results go.
     """
     records = []
     for preset in presets:
         settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, threads=threads,
-                               precision=precision, warmup=2, iterations=1)
+                               precision=precision, algorithm=algorithm, num_samples=num_samples, beta=beta,
+                               warmup=2, iterations=1)
         records.append({"settings": settings.as_dict(), "phases": profile_iteration(settings)})
         print(profile_table(records[-1]), file=sys.stderr)
     _save(out, "profile", records)

@@ -1,19 +1,21 @@
-"""Where one of our PPO iterations spends its time: torch.profiler over each phase, grouped by op.
+"""Where one of our iterations (PPO or GRPO) spends its time: torch.profiler over each phase, grouped by op.
 
 Runs in this process, one rank, so it profiles the single-process settings of the TRL comparison.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from lightning_app_rlhf.bench.ours import fit_config
 from lightning_app_rlhf.bench.presets import RunSettings
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import build_tokenizer, prompts
@@ -41,13 +43,8 @@ def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
     """Profile the iteration after warm-up; returns per phase its wall seconds, matmul share and top ops."""
     torch.set_num_threads(settings.threads)
     tokenizer = build_tokenizer()
-    module = RLHFModule(
-        actor={"config": settings.model_config(), "init_seed": 0},
-        tokenizer=tokenizer,
-        reward_model={"config": settings.model_config(), "init_seed": 1},
-        generation=GenerationConfig(max_new_tokens=settings.new_tokens),
-        ppo=PPOConfig(ppo_epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches),
-    )
+    # The module the comparison's runs build (bench/ours.py), with the tokenizer object rather than its import path.
+    module = RLHFModule(**{**fit_config(settings, Path(tempfile.gettempdir()))["model"], "tokenizer": tokenizer})
     phases: dict[str, tuple[dict[str, list[float]], float]] = {}
     run_step = RLHFEngine._run_step
 
@@ -95,8 +92,10 @@ def profile_table(record: dict[str, Any]) -> str:
     """A markdown table: per phase its wall time, matmul share and heaviest ops."""
     settings, result = RunSettings(**record["settings"]), record["phases"]
     lines = [
-        (f"Profile of one iteration, `{settings.preset}` preset, batch {settings.batch_size}, {settings.new_tokens} "
-        f"new tokens, {settings.threads} thread, {settings.precision} (`python -m lightning_app_rlhf.bench profile`):"),
+        (f"Profile of one {settings.algorithm.upper()} iteration, `{settings.preset}` preset, batch "
+         f"{settings.batch_size}{f' x G={settings.num_samples}' if settings.num_samples > 1 else ''}"
+         f"{f', beta {settings.beta:g}' if settings.algorithm == 'grpo' else ''}, {settings.new_tokens} new tokens, "
+         f"{settings.threads} thread, {settings.precision} (`python -m lightning_app_rlhf.bench profile`):"),
         "",
         "| phase | wall ms | matmul share of op time | heaviest ops (self ms, calls) |",
         "| --- | ---: | ---: | --- |",
