@@ -76,8 +76,10 @@ def test_trl_comparison_placements_and_report(tmp_path):
 @pytest.mark.slow  # builds (once, about a minute, cached) and runs TRL 1.16 in its own environment
 def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     bench(tmp_path, "grpo", "--presets", "[tiny]", "--betas", "[0.0, 0.04]", "--repeats", "1", "--run.new_tokens", "8",
-          "--run.warmup", "1", "--run.iterations", "2", "--out", "grpo.json")
-    rows = json.loads((tmp_path / "grpo.json").read_text())["grpo"]
+          "--run.warmup", "1", "--run.iterations", "2", "--profile_preset", "tiny", "--out", "grpo.json")
+    results = json.loads((tmp_path / "grpo.json").read_text())
+    rows, profiled = results["grpo"], results["grpo_profile"]
+    assert set(profiled["ours"]) == {"generate", "score", "train"} and profiled["trl"]["step"]["wall_s"] > 0
     assert [r["settings"]["beta"] for r in rows] == [0.0, 0.04] and rows[0]["versions"]["trl"] == "1.16.0"
     for row in rows:
         completions = row["settings"]["batch_size"] * row["settings"]["num_samples"]
@@ -89,6 +91,7 @@ def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     bench(tmp_path, "report", "--results", "[grpo.json]", "--docs", str(docs))
     text = docs.read_text()
     assert "GRPOTrainer" in text and "| tiny | 0.04 | 32-true |" in text
+    assert "| TRL | whole step |" in text and "| ours | train |" in text
 
 
 def test_grpo_runs_the_same_update_on_both_sides(tmp_path):

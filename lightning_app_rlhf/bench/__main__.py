@@ -91,6 +91,7 @@ def compare_grpo(
     precisions: list[str] = ["32-true"],  # noqa: B006
     repeats: int = 2,
     run: RunSettings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4),  # noqa: B008
+    profile_preset: str | None = "small",
     out: str = "bench_results/grpo.json",
 ) -> list[dict[str, Any]]:
     """Ours vs TRL 1.16.0's GRPOTrainer: the same random-init policy, prompts, reward function and group size, one
@@ -105,6 +106,8 @@ def compare_grpo(
         repeats: Runs per framework and cell, alternating ours / TRL; medians are over all measured iterations.
         run: The settings of every run (``--run.batch_size`` prompts x ``--run.num_samples`` completions,
             ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
+        profile_preset: Then profile one step of each side, op by op, at this preset, the largest beta and the first
+            precision (``grpo_profile`` in ``out``); None: no profile.
         out: Where the JSON results go.
     """
     from lightning_app_rlhf.bench.peer_env import GRPO_PEER, GRPO_PEER_NAME, peer_python
@@ -115,7 +118,28 @@ def compare_grpo(
                        "trl_grpo_peer", python)
             for precision in precisions for preset in presets for beta in betas]
     _save(out, "grpo", rows)
+    if profile_preset is not None:
+        settings = replace(run, algorithm="grpo", preset=profile_preset, beta=max(betas), precision=precisions[0])
+        results = json.loads(Path(out).read_text())
+        results["grpo_profile"] = _profile_grpo(settings, python)
+        Path(out).write_text(json.dumps(results, indent=2))
     return rows
+
+
+def _profile_grpo(settings: RunSettings, python: Path) -> dict[str, Any]:
+    """One profiled step of each side (after ``settings.warmup``), each in a fresh one-thread process: ours by
+    phase (:func:`profile`), TRL's as one span (generation, reward, reference, update)."""
+    settings = replace(settings, iterations=1)
+    with tempfile.TemporaryDirectory() as work:
+        ours_out = Path(work) / "ours_profile.json"
+        _profile_in_subprocess(str(ours_out), "--presets", f"[{settings.preset}]", "--batch_size",
+                               str(settings.batch_size), "--new_tokens", str(settings.new_tokens), "--algorithm",
+                               "grpo", "--num_samples", str(settings.num_samples), "--beta", str(settings.beta),
+                               "--precision", settings.precision)
+        trl_out = Path(work) / "trl_profile.json"
+        _run_peer(settings, Path(work), "trl_grpo_peer", python, trl_out)
+        ours = json.loads(ours_out.read_text())["profile"][0]["phases"]
+        return {"settings": settings.as_dict(), "ours": ours, "trl": json.loads(trl_out.read_text())}
 
 
 def compare_placements(
@@ -339,23 +363,27 @@ def report(
     console.print(f"Updated {docs}")
 
 
-def _profile_in_subprocess(out: str) -> None:
-    """One thread, fresh process: the same conditions as the single-process measurements."""
+def _profile_in_subprocess(out: str, *args: str) -> None:
+    """``bench profile ARGS`` with one thread, in a fresh process: the same conditions as the single-process
+    measurements."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "lightning_app_rlhf.bench", "profile", "--out", out]
+    command = [sys.executable, "-m", "lightning_app_rlhf.bench", "profile", "--out", out, *args]
     result = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"The profile failed:\n{result.stderr[-3000:]}")
 
 
-def _run_peer(settings: RunSettings, work: Path, module: str, python: Path) -> dict[str, Any]:
-    """``python -m lightning_app_rlhf.bench.{module} SETTINGS OUT`` in a fresh process (this checkout on its
-    ``PYTHONPATH``, for a peer environment where the package is not installed); its record."""
+def _run_peer(
+    settings: RunSettings, work: Path, module: str, python: Path, profile_out: Path | None = None
+) -> dict[str, Any]:
+    """``python -m lightning_app_rlhf.bench.{module} SETTINGS OUT [PROFILE_OUT]`` in a fresh process (this checkout
+    on its ``PYTHONPATH``, for a peer environment where the package is not installed); its record."""
     out = work / f"{module}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads),
            "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
-    command = [str(python), "-m", f"lightning_app_rlhf.bench.{module}", json.dumps(settings.as_dict()), str(out)]
+    command = [str(python), "-m", f"lightning_app_rlhf.bench.{module}", json.dumps(settings.as_dict()), str(out),
+               *([str(profile_out)] if profile_out is not None else [])]
     result = subprocess.run(command, check=False, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"The peer run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")

@@ -57,10 +57,7 @@ def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
             run_step(engine, step, state, *args)
             wall = time.perf_counter() - start
         ops, total = phases.get(phase, ({}, 0.0))
-        for event in prof.key_averages():
-            op = ops.setdefault(event.key, [0.0, 0])
-            op[0] += event.self_cpu_time_total
-            op[1] += event.count
+        add_events(ops, prof.key_averages())
         phases[phase] = (ops, total + wall)
         return None
 
@@ -73,6 +70,21 @@ def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
     finally:
         RLHFEngine._run_step = run_step
     return {phase: _summarize(ops, wall, top) for phase, (ops, wall) in phases.items()}
+
+
+def add_events(ops: dict[str, list[float]], events: Any) -> None:
+    """Add a profile's ``key_averages()`` to ``op -> [self us, calls]``."""
+    for event in events:
+        op = ops.setdefault(event.key, [0.0, 0])
+        op[0] += event.self_cpu_time_total
+        op[1] += event.count
+
+
+def summarize_ops(events: Any, wall: float, top: int = 8) -> dict[str, Any]:
+    """One profiled span (a peer's whole step): its wall time, matmul share and heaviest ops."""
+    ops: dict[str, list[float]] = {}
+    add_events(ops, events)
+    return _summarize(ops, wall, top)
 
 
 def _summarize(ops: dict[str, list[float]], wall: float, top: int) -> dict[str, Any]:

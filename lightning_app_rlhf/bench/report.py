@@ -18,6 +18,7 @@ def write_report(results: dict[str, Any], docs: Path) -> None:
         machine_line(results["machine"]),
         trl_table(results.get("trl", [])),
         grpo_table(results.get("grpo", [])),
+        grpo_profile_table(results.get("grpo_profile")),
         placement_tables(results.get("placements", [])),
         "\n\n".join(profile_table(record) for record in results.get("profile", [])),
         f"![Throughput: ours vs TRL, and the placements]({PLOT})",
@@ -119,6 +120,31 @@ def grpo_table(rows: list[dict[str, Any]]) -> str:
                f"(min-max in brackets). Peer: TRL {versions.get('trl', '?')} with transformers "
                f"{versions.get('transformers', '?')} in its own environment.")
     return _section(f"Ours vs TRL {versions.get('trl', '1.16')} GRPOTrainer", caption, GRPO_COLUMNS, body)
+
+
+def grpo_profile_table(record: dict[str, Any] | None) -> str:
+    """One profiled GRPO step of each side: ours per phase, TRL's whole step; wall time, the matmul share of op
+    time, and the heaviest ops."""
+    if not record:
+        return ""
+    s = record["settings"]
+    rows = [("ours", phase, summary) for phase, summary in record["ours"].items()]
+    rows.append(("TRL", "whole step", record["trl"]["step"]))
+
+    def ops(summary: dict[str, Any]) -> str:
+        return ", ".join(f"`{o['op'].removeprefix('aten::')}` {o['self_s'] * 1000:.0f} ({o['calls']})"
+                         for o in summary["top_ops"][:5])
+
+    body = [f"| {side} | {phase} | {summary['wall_s'] * 1000:.0f} | {summary['matmul_share']:.0%} | {ops(summary)} |"
+            for side, phase, summary in rows]
+    body.append(f"| ours | total | {sum(v['wall_s'] for v in record['ours'].values()) * 1000:.0f} | | |")
+    caption = (f"One step after warm-up, `{s['preset']}` preset, {s['batch_size']} prompts x G={s['num_samples']}, "
+               f"beta {s['beta']:g}, {s['new_tokens']} new tokens, 1 thread, {s['precision']}, torch.profiler "
+               "(`python -m lightning_app_rlhf.bench grpo --profile_preset small`): the arithmetic both sides do "
+               "(matmuls), and what else each spends.")
+    columns = ("| side | phase | wall ms | matmul share of op time | heaviest ops (self ms, calls) |",
+               "| --- | --- | ---: | ---: | --- |")
+    return _section("Where a GRPO step's time goes: ours and TRL's", caption, columns, body)
 
 
 def placement_tables(rows: list[dict[str, Any]]) -> str:

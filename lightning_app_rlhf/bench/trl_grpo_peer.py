@@ -41,8 +41,10 @@ def parse_settings(raw: dict[str, Any]) -> RunSettings:
     return settings
 
 
-def run_trl_grpo(settings: RunSettings, out_path: Path) -> None:
-    """Train ``settings.warmup + settings.iterations`` GRPO steps; write per-step wall and generation seconds."""
+def run_trl_grpo(settings: RunSettings, out_path: Path, profile_path: Path | None = None) -> None:
+    """Train ``settings.warmup + settings.iterations`` GRPO steps; write per-step wall and generation seconds. With
+    ``profile_path``: also torch.profiler's op table of the first measured step (generation included), as
+    :func:`~lightning_app_rlhf.bench.profile.profile_iteration` gives ours."""
     num_generations, beta = settings.num_samples, settings.beta
     import datasets
     import transformers
@@ -89,8 +91,9 @@ def run_trl_grpo(settings: RunSettings, out_path: Path) -> None:
             use_vllm=False, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
             dataloader_num_workers=0,
         )
+        profiler = _StepProfiler(settings.warmup, profile_path) if profile_path is not None else None
         trainer = GRPOTrainer(model=policy, reward_funcs=demo_reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[timer])
+                              processing_class=tokenizer, callbacks=[timer, *([profiler] if profiler else [])])
         generate = trainer._generate_single_turn  # the sampling itself, as trl_peer times batch_generation
 
         def timed_generation(prompt_ids: list[list[int]], *rest: Any, **kwargs: Any) -> Any:
@@ -132,11 +135,39 @@ def demo_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> li
     return topic_reward(prompts, completions)
 
 
+class _StepProfiler(_IterationTimer):
+    """torch.profiler around one optimizer step (``step``, 0-based), written as ``{"step": summary}``."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        super().__init__()
+        self.step, self.path, self._profile, self._start = step, path, None, 0.0
+
+    def on_step_begin(self, args: Any, state: Any, *rest: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU])
+            self._profile.__enter__()
+            self._start = time.perf_counter()
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        if self._profile is None:
+            return
+        wall = time.perf_counter() - self._start
+        self._profile.__exit__(None, None, None)
+        from lightning_app_rlhf.bench.profile import summarize_ops
+
+        summary = summarize_ops(self._profile.key_averages(), wall)
+        self.path.write_text(json.dumps({"step": summary}))
+        self._profile = None
+
+
 def main(argv: list[str]) -> None:
-    """``SETTINGS_JSON OUT_JSON``: run the peer and write its record."""
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m lightning_app_rlhf.bench.trl_grpo_peer SETTINGS_JSON OUT_JSON")
-    run_trl_grpo(parse_settings(json.loads(argv[0])), Path(argv[1]))
+    """``SETTINGS_JSON OUT_JSON [PROFILE_JSON]``: run the peer and write its record (and a step's profile)."""
+    if len(argv) not in (2, 3):
+        raise SystemExit("usage: python -m lightning_app_rlhf.bench.trl_grpo_peer SETTINGS_JSON OUT_JSON "
+                         "[PROFILE_JSON]")
+    run_trl_grpo(parse_settings(json.loads(argv[0])), Path(argv[1]), Path(argv[2]) if len(argv) == 3 else None)
 
 
 if __name__ == "__main__":
