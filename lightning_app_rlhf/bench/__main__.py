@@ -428,8 +428,8 @@ def _save(path: str, section: str, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    auto_cli({"run": run, "trl": compare_trl, "grpo": compare_grpo, "placements": compare_placements, "profile": profile,
-              "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode})
+    auto_cli({"run": run, "trl": compare_trl, "grpo": compare_grpo, "placements": compare_placements,
+              "profile": profile, "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode})
 
 
 if __name__ == "__main__":

@@ -213,10 +213,10 @@ class PPOConfig:
     ``none``, nothing (Dr. GRPO's advantage)."""
     dynamic_sampling: bool | None = None
     """DAPO's dynamic sampling, for an algorithm that compares the responses of a prompt (the GRPO family, RLOO):
-    a group whose raw scores are all equal has no advantage signal and is dropped; each further ``training_step``
-    generates and scores the next batch of prompts, until ``data.batch_size`` informative groups are collected,
-    then one update trains on exactly that many (docs/algorithms.md, "Dynamic sampling"). ``global_step`` counts
-    updates. None: the algorithm's default (on for ``dapo``)."""
+    a group whose raw scores are all equal has no advantage signal and is dropped; within the same ``training_step``
+    another batch of prompts (``PromptDataModule.refill_batch``, keyed by iteration and round) is generated and
+    scored until ``data.batch_size`` informative groups are collected, then one update trains on exactly that many
+    (docs/algorithms.md, "Dynamic sampling"). None: the algorithm's default (on for ``dapo``)."""
     max_generation_rounds: int = 10
     """Most batches of prompts one update of ``dynamic_sampling`` generates (veRL's ``max_num_gen_batches``); after
     as many rounds it trains on the informative groups it has, with a warning, the rest of the batch left out of the

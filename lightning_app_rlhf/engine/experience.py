@@ -149,7 +149,8 @@ def make_experience(
         iteration=iteration,
         ref_logprobs=ref_logprobs * loss_mask if algorithm.keeps_ref_logprobs else None,
     )
-    stats = {**rollout_stats(scores, finite, rollout.response_mask.sum(1)), "kl/coef": torch.tensor(shaping.kl_controller.value)}
+    stats = {**rollout_stats(scores, finite, rollout.response_mask.sum(1)),
+             "kl/coef": torch.tensor(shaping.kl_controller.value)}
     if ref_logprobs is not None:
         stats["kl/mean"] = kl.sum(1).sum() / finite.float().sum().clamp(min=1.0)
     if config.overlong_buffer:
