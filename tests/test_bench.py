@@ -75,12 +75,16 @@ def test_trl_comparison_placements_and_report(tmp_path):
 
 @pytest.mark.slow  # builds (once, about a minute, cached) and runs TRL 1.16 in its own environment
 def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
-    bench(tmp_path, "grpo", "--presets", "[tiny]", "--betas", "[0.0, 0.04]", "--repeats", "1", "--run.new_tokens", "8",
-          "--run.warmup", "1", "--run.iterations", "2", "--profile_preset", "tiny", "--out", "grpo.json")
+    bench(tmp_path, "grpo", "--presets", "[tiny]", "--betas", "[0.0, 0.04]", "--decoders", "[eager, static]",
+          "--repeats", "1", "--run.new_tokens", "8", "--run.warmup", "1", "--run.iterations", "2",
+          "--profile_preset", "tiny", "--out", "grpo.json")
     results = json.loads((tmp_path / "grpo.json").read_text())
     rows, profiled = results["grpo"], results["grpo_profile"]
     assert set(profiled["ours"]) == {"generate", "score", "train"} and profiled["trl"]["step"]["wall_s"] > 0
-    assert [r["settings"]["beta"] for r in rows] == [0.0, 0.04] and rows[0]["versions"]["trl"] == "1.16.0"
+    assert "aten::addmm" in profiled["trl"]["step"]["ops"]
+    cells = [(r["settings"]["beta"], r["settings"]["decoder"]) for r in rows]
+    assert cells == [(0.0, "eager"), (0.0, "static"), (0.04, "eager"), (0.04, "static")]
+    assert rows[0]["trl"] == rows[1]["trl"] and rows[0]["versions"]["trl"] == "1.16.0"  # one peer run per cell
     for row in rows:
         completions = row["settings"]["batch_size"] * row["settings"]["num_samples"]
         for side in ("ours", "trl"):
@@ -90,8 +94,9 @@ def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     docs = tmp_path / "benchmarks.md"
     bench(tmp_path, "report", "--results", "[grpo.json]", "--docs", str(docs))
     text = docs.read_text()
-    assert "GRPOTrainer" in text and "| tiny | 0.04 | 32-true |" in text
+    assert "GRPOTrainer" in text and "| tiny | 0.04 | 32-true | `static` |" in text
     assert "| TRL | whole step |" in text and "| ours | train |" in text
+    assert "The model arithmetic both sides run" in text
 
 
 def test_grpo_runs_the_same_update_on_both_sides(tmp_path):
@@ -107,6 +112,24 @@ def test_grpo_runs_the_same_update_on_both_sides(tmp_path):
                             "kl_loss_estimator": "k3"}
     assert settings.completions == 32 and RunSettings().completions == 32  # PPO: one completion per prompt
     assert "reward_model" in fit_config(RunSettings(), tmp_path)["model"]
+    assert "backend" not in model["generation"]  # the default decoder
+    compiled = fit_config(RunSettings(algorithm="grpo", num_samples=4, decoder="static_compiled"), tmp_path)
+    assert compiled["model"]["generation"] | {"max_new_tokens": 0} == {
+        "max_new_tokens": 0, "temperature": 1.0, "num_samples": 4, "backend": "static", "compile": True}
+
+
+def test_shared_arithmetic_is_the_smaller_side_per_model_op():
+    """Per kind of model arithmetic (matmuls, the activation however it is written, ...) the smaller self time of
+    the two sides, summed over phases; ops outside it (a sampler's ``exponential_``, an optimizer's ``mul``, copies)
+    do not count."""
+    from lightning_app_rlhf.bench.profile import shared_arithmetic_s
+
+    def phase(**ops: float) -> dict:
+        return {"ops": {f"aten::{op}": {"self_s": s, "calls": 1} for op, s in ops.items()}}
+
+    ours = [phase(mm=0.3, addmm=0.2, copy_=0.05), phase(mm=0.5, gelu=0.02)]  # matmul 1.0, activation 0.02
+    trl = [phase(mm=0.6, addmm=0.1, tanh=0.03, pow=0.01, mul=0.3, exponential_=0.16)]  # matmul 0.7, activation 0.04
+    assert shared_arithmetic_s(ours, trl) == pytest.approx(0.7 + 0.02)
 
 
 def test_peer_gets_our_weights_with_stock_modules():
@@ -129,6 +152,7 @@ def test_peer_gets_our_weights_with_stock_modules():
     ({"algorithm": "grpo"}, "num_samples must be >= 2"),
     ({"beta": 0.04}, "leave them at 1 and 0 for algorithm 'ppo'"),
     ({"algorithm": "dapo"}, "'ppo' or 'grpo'"),
+    ({"decoder": "vllm"}, "Unknown decoder 'vllm'"),
 ])
 def test_bad_settings_name_the_fix(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -294,7 +294,7 @@ def test_behaviour_logprobs_match_full_forward(gpt2, tokenizer, top_k, top_p):
     rollout = run(model, batch, GenerationConfig(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p))
     assert rollout.response_mask.min() == 0  # some positions past EOS, to check they are excluded
     with torch.no_grad():
-        logits = response_logits(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+        logits = response_logits(model, rollout.sequences, rollout.attention_mask, rollout.prompt_length)[:, :-1]
     full = functional.logprobs_from_logits(logits / temperature, rollout.responses)
     valid = rollout.response_mask.bool()
     assert_close(rollout.logprobs[valid], full[valid], rtol=0, atol=1e-4)

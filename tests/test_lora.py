@@ -196,7 +196,7 @@ def test_kv_cache_generation_with_a_peft_actor_matches_a_full_forward(tokenizer,
         pad_token_id=0,
     )
     with torch.no_grad():
-        logits = response_logits(actor, rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+        logits = response_logits(actor, rollout.sequences, rollout.attention_mask, rollout.prompt_length)[:, :-1]
     full = functional.logprobs_from_logits(logits, rollout.responses)
     valid = rollout.response_mask.bool()
     torch.testing.assert_close(rollout.logprobs[valid], full[valid], rtol=0, atol=1e-4)

@@ -21,6 +21,7 @@ from lightning_app_rlhf.algorithms.functional import (
     masked_var,
     masked_whiten,
     policy_loss,
+    token_logprobs_and_entropy,
     token_rewards,
     value_loss,
 )
@@ -124,6 +125,52 @@ def test_logprobs_and_entropy_two_tokens():
     assert_close(logprobs_from_logits(logits, tokens), expected_lp, rtol=1e-6, atol=1e-6)
     # H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.25*1.386294 + 0.75*0.287682 = 0.346574 + 0.215762 = 0.562335
     assert_close(entropy_from_logits(logits), torch.full((2, 2), 0.5623351446188083), rtol=1e-6, atol=1e-6)
+
+
+
+def test_token_logprobs_and_entropy_hand_values_and_gradient():
+    """logits [0, ln 3] (p = 1/4, 3/4), token 1: log p = ln 3/4; d log p / dx = onehot - p = [-1/4, 1/4]. H = 0.562335,
+    dH/dx = -p (log p + H) = [-1/4 (-1.386294 + 0.562335), -3/4 (-0.287682 + 0.562335)] = [0.205990, -0.205990].
+    An extra last position (what ``logits_to_keep=T + 1`` returns) gets zero gradient."""
+    logits = torch.tensor([[[0.0, LN3], [7.0, -7.0]]], requires_grad=True)
+    logprobs, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]), entropy_grad=True)
+    assert_close(logprobs, torch.tensor([[-0.2876820724517809]]))
+    assert_close(entropy, torch.tensor([[0.5623351446188083]]))
+    (grad,) = torch.autograd.grad(logprobs.sum(), logits, retain_graph=True)
+    assert_close(grad, torch.tensor([[[-0.25, 0.25], [0.0, 0.0]]]))
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    assert_close(grad, torch.tensor([[[0.2059896, -0.2059896], [0.0, 0.0]]]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_and_entropy_match_autograd(temperature: float, entropy_grad: bool, dtype: torch.dtype):
+    """The closed-form backward gives autograd's gradients of log_softmax + gather (+ entropy) on the sliced
+    logits, for any temperature, with and without the entropy's graph, and for bf16 logits (autocast's LM head:
+    compared with autograd on the same logits in float32, since autograd's own bf16 path sums the two terms'
+    gradients in bf16)."""
+    generator = torch.Generator().manual_seed(0)
+    full = (torch.randn(3, 5, 11, generator=generator) * 3).to(dtype)
+    tokens = torch.randint(0, 11, (3, 4), generator=generator)
+    weights = torch.randn(3, 4, generator=generator)
+    ours_in = full.clone().requires_grad_()
+    ours_lp, ours_h = token_logprobs_and_entropy(ours_in, tokens, temperature, entropy_grad)
+    ref_in = full.float().requires_grad_()
+    ref_lp = logprobs_from_logits(ref_in[:, :4], tokens, temperature)
+    ref_h = entropy_from_logits(ref_in[:, :4] if entropy_grad else ref_in[:, :4].detach(), temperature)
+    assert_close(ours_lp, ref_lp, rtol=1e-6, atol=1e-6)
+    assert_close(ours_h, ref_h, rtol=1e-6, atol=1e-6)
+    assert ours_h.requires_grad is entropy_grad
+    loss = lambda lp, h: (lp * weights).sum() + ((h * weights.flip(0)).sum() if entropy_grad else 0)  # noqa: E731
+    (ours_grad,) = torch.autograd.grad(loss(ours_lp, ours_h), ours_in)
+    (ref_grad,) = torch.autograd.grad(loss(ref_lp, ref_h), ref_in)
+    assert ours_grad.dtype == dtype
+    if dtype == torch.float32:
+        assert_close(ours_grad, ref_grad, rtol=1e-5, atol=1e-6)
+    else:  # one bf16 rounding of the float32 gradient (within one bf16 step)
+        assert_close(ours_grad.float(), ref_grad.to(dtype).float(), rtol=2**-8, atol=1e-6)
+    assert not ours_grad[:, 4:].any()
 
 
 # ------------------------------------------------------------------------------------------ KL estimators

@@ -55,19 +55,100 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened * mask.to(values.dtype)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of ``tokens`` [B, T] under ``logits`` [B, T, V] / ``temperature``.
+def tempered_float(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits`` in float32, divided by ``temperature``. The division comes after the cast, as in sampling:
+    dividing bf16 logits first would round them again and widen the gap between behaviour and training
+    log-probabilities. At temperature 1 there is no division: a pass over [B, T, V] that changes no number."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
 
-    The division comes after the float32 cast, as in sampling: dividing bf16 logits first would round them again
-    and widen the gap between behaviour and training log-probabilities.
-    """
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of ``tokens`` [B, T] under ``logits`` [B, T, V] / ``temperature``."""
+    logp = F.log_softmax(tempered_float(logits, temperature), dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class _TokenLogprobsAndEntropy(torch.autograd.Function):
+    """:func:`token_logprobs_and_entropy`'s forward and its hand-written backward.
+
+    Autograd's backward of ``log_softmax(x).gather(...)`` fills a zero tensor of the logits' size and scatters
+    into it (gather's backward), runs log-softmax's backward over it, and, when the caller sliced the logits,
+    fills and copies another logits-sized tensor (the slice's backward). The gradient has a closed form instead:
+    d log p(t) / dx = onehot(t) - p, and d H / dx = -p (log p + H). One pass writes it, into the logits' own
+    shape, so no slice, zero fill or scatter of the vocabulary is needed. Float32 throughout (``p`` is saved,
+    as log-softmax's output would be)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        temperature: float,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = tokens.shape[1]
+        logp = F.log_softmax(tempered_float(logits[:, :steps], temperature), dim=-1)
+        logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        probs = logp.exp()
+        entropy = -(probs * logp).sum(-1)
+        ctx.temperature, ctx.entropy_grad = temperature, entropy_grad
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        if entropy_grad:
+            ctx.save_for_backward(tokens, probs, logp, entropy)
+        else:
+            ctx.save_for_backward(tokens, probs)
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None, None]:
+        tokens, probs = ctx.saved_tensors[:2]
+        steps = tokens.shape[1]
+        grad = probs * -grad_logprobs.unsqueeze(-1)
+        if ctx.entropy_grad and grad_entropy is not None:
+            logp, entropy = ctx.saved_tensors[2:]
+            grad -= (grad_entropy.unsqueeze(-1) * probs) * (logp + entropy.unsqueeze(-1))
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad /= ctx.temperature
+        if ctx.logits_shape[1] == steps and ctx.logits_dtype == grad.dtype:
+            return grad, None, None, None
+        full = grad.new_empty(ctx.logits_shape, dtype=ctx.logits_dtype)
+        full[:, :steps] = grad
+        full[:, steps:] = 0  # positions past the response (e.g. the last one, which predicts no response token)
+        return full, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities [B, T] of ``tokens`` and entropies [B, T] under ``logits`` / ``temperature``, with one
+    float32 log-softmax over the vocabulary and a closed-form backward (no logits-sized zero fill or scatter).
+
+    The numbers are :func:`logprobs_from_logits`'s and :func:`entropy_from_logits`'s, and so are the gradients,
+    within float rounding.
+
+    Args:
+        logits: [B, T', V] with T' >= T: position t predicts ``tokens[:, t]``; positions from T on get zero
+            gradient (an LM head run with ``logits_to_keep=T + 1`` returns one position past the response).
+        tokens: [B, T] int64.
+        temperature: The sampling temperature the log-probabilities are taken at.
+        entropy_grad: False: the entropy is a statistic (no entropy term in the loss), returned without a graph.
+    """
+    if logits.shape[1] < tokens.shape[1]:
+        raise ValueError(f"logits cover {logits.shape[1]} positions, fewer than the {tokens.shape[1]} tokens.")
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        logp = F.log_softmax(tempered_float(logits[:, : tokens.shape[1]], temperature), dim=-1)
+        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    return _TokenLogprobsAndEntropy.apply(logits, tokens, temperature, entropy_grad)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy [B, T] of the categorical distributions given by ``logits`` [B, T, V] / ``temperature``."""
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = F.log_softmax(tempered_float(logits, temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 

@@ -58,37 +58,48 @@ def compare_trl(
         out: Where the JSON results go.
     """
     _check_trl()
-    rows = [_alternate(replace(run, preset=preset, precision=precision), repeats, "trl_peer", Path(sys.executable))
-            for precision in precisions for preset in presets]
+    rows = [row for precision in precisions for preset in presets
+            for row in _alternate(replace(run, preset=preset, precision=precision), repeats, "trl_peer",
+                                  Path(sys.executable))]
     _save(out, "trl", rows)
     return rows
 
 
-def _alternate(settings: RunSettings, repeats: int, peer: str, python: Path) -> dict[str, Any]:
-    """``repeats`` runs of ours, each followed by one of the peer (the module ``bench.{peer}`` under ``python``);
-    the row of the comparison: both sides' medians over all measured iterations, and their ratio."""
+def _alternate(
+    settings: RunSettings, repeats: int, peer: str, python: Path, decoders: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """``repeats`` rounds of: one run of ours per decoder (``decoders``; None: ``settings.decoder`` alone), then one
+    of the peer (the module ``bench.{peer}`` under ``python``). One row of the comparison per decoder: both sides'
+    medians over all measured iterations, and their ratio (the peer's runs are shared by the rows)."""
     params = count_parameters(settings)
-    ours_runs, peer_runs = [], []
+    variants = [replace(settings, decoder=decoder) for decoder in (decoders or [settings.decoder])]
+    ours_runs: list[list[Any]] = [[] for _ in variants]
+    peer_runs = []
     for repeat in range(repeats):
         console.print(f"[bold]{settings.preset} {settings.algorithm} beta {settings.beta:g} {settings.precision}[/] "
-                      f"repeat {repeat + 1}/{repeats}: ours, then the peer")
+                      f"repeat {repeat + 1}/{repeats}: ours ({', '.join(v.decoder for v in variants)}), then the peer")
         with tempfile.TemporaryDirectory() as work:
-            ours_runs.append(run_ours(settings, Path(work))["ranks"])
+            for variant, runs in zip(variants, ours_runs):
+                runs.append(run_ours(variant, Path(work) / variant.decoder)["ranks"])
             peer_runs.append([_run_peer(settings, Path(work), peer, python)])
     measured = replace(settings, iterations=settings.iterations * repeats)
-    ours = summarize(_merge_repeats(ours_runs, settings), measured, params)
     theirs = summarize(_merge_repeats(peer_runs, settings), measured, params)
-    ratio = ours["samples_per_s"]["median"] / theirs["samples_per_s"]["median"]
-    console.print(f"  ours {ours['samples_per_s']['median']:.1f} completions/s, the peer "
-                  f"{theirs['samples_per_s']['median']:.1f}: {ratio:.2f}x")
-    return {"settings": settings.as_dict(), "params": params, "ours": ours, "trl": theirs,
-            "samples_per_s_ratio": ratio, "versions": peer_runs[0][0].get("versions", {})}
+    rows = []
+    for variant, runs in zip(variants, ours_runs):
+        ours = summarize(_merge_repeats(runs, settings), measured, params)
+        ratio = ours["samples_per_s"]["median"] / theirs["samples_per_s"]["median"]
+        console.print(f"  ours ({variant.decoder}) {ours['samples_per_s']['median']:.1f} completions/s, the peer "
+                      f"{theirs['samples_per_s']['median']:.1f}: {ratio:.2f}x")
+        rows.append({"settings": variant.as_dict(), "params": params, "ours": ours, "trl": theirs,
+                     "samples_per_s_ratio": ratio, "versions": peer_runs[0][0].get("versions", {})})
+    return rows
 
 
 def compare_grpo(
     presets: list[str] = ["tiny", "small"],  # noqa: B006 - jsonargparse reads the default
     betas: list[float] = [0.0, 0.04],  # noqa: B006
     precisions: list[str] = ["32-true"],  # noqa: B006
+    decoders: list[str] = ["eager", "static_compiled"],  # noqa: B006
     repeats: int = 2,
     run: RunSettings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4),  # noqa: B008
     profile_preset: str | None = "small",
@@ -103,6 +114,8 @@ def compare_grpo(
         presets: Model presets to compare (tiny, small, medium); each replaces ``run.preset``.
         betas: KL coefficients (a k3 term in the loss on both sides); 0: no reference model on either side.
         precisions: Precisions, each the same on both sides (``32-true``, ``bf16-mixed``).
+        decoders: Our generation backends to measure, each a row against the same peer runs: ``eager`` (the
+            default), ``static``, ``static_compiled`` (opt-in: ``generation.backend: static``, ``compile: true``).
         repeats: Runs per framework and cell, alternating ours / TRL; medians are over all measured iterations.
         run: The settings of every run (``--run.batch_size`` prompts x ``--run.num_samples`` completions,
             ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
@@ -114,9 +127,9 @@ def compare_grpo(
 
     console.print(f"The peer's environment ({GRPO_PEER_NAME}: {', '.join(GRPO_PEER)}), made on first use ...")
     python = peer_python(GRPO_PEER_NAME, GRPO_PEER)
-    rows = [_alternate(replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision), repeats,
-                       "trl_grpo_peer", python)
-            for precision in precisions for preset in presets for beta in betas]
+    rows = [row for precision in precisions for preset in presets for beta in betas
+            for row in _alternate(replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision),
+                                  repeats, "trl_grpo_peer", python, decoders)]
     _save(out, "grpo", rows)
     if profile_preset is not None:
         settings = replace(run, algorithm="grpo", preset=profile_preset, beta=max(betas), precision=precisions[0])

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from lightning_app_rlhf.bench.presets import PLACEMENTS, TOKENIZER_VOCAB, RunSettings
+from lightning_app_rlhf.bench.presets import DECODERS, PLACEMENTS, TOKENIZER_VOCAB, RunSettings
 
 
 def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
             "actor": model,
             **roles,
             "generation": {"max_new_tokens": settings.new_tokens, "temperature": 1.0,
-                           "num_samples": settings.num_samples},
+                           "num_samples": settings.num_samples, **DECODERS[settings.decoder]},
             "ppo": ppo,
         },
         "data": {"prompts": "lightning_app_rlhf.demo:prompts", "batch_size": settings.batch_size},

@@ -49,6 +49,9 @@ class RunSettings:
     """Processes (ranks). Ours only: the peer runs single-process here."""
     placement: str = "flattening"
     """``flattening``, ``interleaving``, ``separation`` or ``separation_overlap``."""
+    decoder: str = "eager"
+    """Our generation backend (:data:`DECODERS`): ``eager`` (the default), ``static``, or ``static_compiled`` (the
+    static decode step through ``torch.compile``; its compilation falls in the warm-up). Ours only."""
     warmup: int = 2
     """Iterations run before measuring (allocator, caches)."""
     iterations: int = 6
@@ -68,6 +71,8 @@ class RunSettings:
             raise ValueError(f"Placement {self.placement!r} needs at least 2 processes; got {self.processes}.")
         if self.precision not in ("32-true", "bf16-mixed"):
             raise ValueError(f"precision must be '32-true' or 'bf16-mixed', got {self.precision!r}.")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"Unknown decoder {self.decoder!r}: choose one of {sorted(DECODERS)}.")
         if self.algorithm not in ("ppo", "grpo"):
             raise ValueError(f"algorithm must be 'ppo' or 'grpo', got {self.algorithm!r}.")
         if self.algorithm == "grpo" and self.num_samples < 2:
@@ -88,6 +93,13 @@ class RunSettings:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
+DECODERS: dict[str, dict[str, Any]] = {
+    "eager": {},
+    "static": {"backend": "static"},
+    "static_compiled": {"backend": "static", "compile": True},
+}
+"""Decoder name -> our ``generation`` settings (see docs/api.md, "Generation backends")."""
 
 PLACEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "flattening": ("lightning_app_rlhf.strategies.FlatteningStrategy", {}),

@@ -24,6 +24,19 @@ from lightning_app_rlhf.engine.iteration import Step
 from lightning_app_rlhf.module import RLHFModule
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+MODEL_ARITHMETIC: dict[str, tuple[str, ...]] = {
+    "matmul": (*MATMUL_OPS, "aten::addmm_"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+    # GELU: one fused op (ours) or GPT-2's gelu_new formula (tanh, pow and muls; the muls are left out, see below).
+    "activation": ("aten::gelu", "aten::gelu_backward", "aten::tanh", "aten::tanh_backward", "aten::pow"),
+    "layer norm": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
+    "log-softmax": ("aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::_softmax", "aten::exp"),
+    "embedding": ("aten::embedding_dense_backward",),
+}
+"""A transformer's own arithmetic, by kind, forward and backward: what both sides of a comparison on the same model
+and data must run, whichever ops each writes it with. Elementwise ``mul``/``add`` are left out: samplers and
+optimizers use them too, so the sums are a lower bound."""
 
 
 def step_phase(step: Step) -> str | None:
@@ -97,7 +110,24 @@ def _summarize(ops: dict[str, list[float]], wall: float, top: int) -> dict[str, 
         "profiled_cpu_s": total_us / 1e6,
         "matmul_share": matmul_us / total_us if total_us else 0.0,
         "top_ops": [{"op": op, "self_s": us / 1e6, "calls": int(calls)} for op, (us, calls) in rows[:top]],
+        "ops": {op: {"self_s": us / 1e6, "calls": int(calls)} for op, (us, calls) in rows},
     }
+
+
+def shared_arithmetic_s(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> float:
+    """Seconds of model arithmetic (:data:`MODEL_ARITHMETIC`) that both sides spend: per kind, the smaller of the
+    two sides' self times, summed. Ours cannot go below it without doing less of that arithmetic, or doing it
+    faster than either side does now. Each argument is a list of phase summaries (with ``ops``)."""
+
+    def per_kind(summaries: list[dict[str, Any]]) -> dict[str, float]:
+        ops: dict[str, float] = {}
+        for summary in summaries:
+            for op, value in summary.get("ops", {}).items():
+                ops[op] = ops.get(op, 0.0) + value["self_s"]
+        return {kind: sum(ops.get(op, 0.0) for op in names) for kind, names in MODEL_ARITHMETIC.items()}
+
+    mine, peer = per_kind(ours), per_kind(theirs)
+    return sum(min(mine[kind], peer[kind]) for kind in MODEL_ARITHMETIC)
 
 
 def profile_table(record: dict[str, Any]) -> str:

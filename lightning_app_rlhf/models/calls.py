@@ -27,16 +27,17 @@ from lightning_app_rlhf.models.roles import RewardFunction
 def response_logits(
     model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
 ) -> torch.Tensor:
-    """Logits [B, T, V] that predict the T response tokens; the LM head runs on those positions only."""
+    """Logits [B, T + 1, V] of the last T + 1 positions: the LM head runs on those only. Positions 0..T-1 predict
+    the T response tokens; the last predicts the token after the response, and only pads the shape (slicing it
+    off would cost a logits-sized copy, and in backward a logits-sized zero fill)."""
     response_length = sequences.shape[1] - prompt_length
-    logits = model(
+    return model(
         input_ids=sequences,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
         logits_to_keep=response_length + 1,
     ).logits
-    return logits[:, :-1, :]
 
 
 def _in_chunks(
@@ -92,7 +93,7 @@ def reference_forward(
 
     def forward(part: Rollout) -> torch.Tensor:
         logits = response_logits(reference, part.sequences, part.attention_mask, part.prompt_length)
-        return functional.logprobs_from_logits(logits, part.responses, temperature) * part.response_mask
+        return functional.logprobs_from_logits(logits[:, :-1], part.responses, temperature) * part.response_mask
 
     return _in_chunks(forward, rollout, batch_size, lockstep_group)
 
@@ -300,19 +301,13 @@ def policy_logprobs(
     """The actor's log-probabilities [B, T] of the sampled response tokens (with gradients) and its entropies
     [B, T], at the sampling temperature: the forward of the ``actor.train`` call.
 
-    One float32 ``log_softmax`` over the vocabulary serves both, with the ops of
-    :func:`~lightning_app_rlhf.algorithms.functional.logprobs_from_logits` and
-    :func:`~lightning_app_rlhf.algorithms.functional.entropy_from_logits` (the same numbers, one pass fewer).
-    ``entropy_grad=False`` (no entropy term in the loss): the entropy is a statistic, computed without a graph, so
-    backward skips it."""
+    One float32 ``log_softmax`` over the vocabulary serves both, with a closed-form backward
+    (:func:`~lightning_app_rlhf.algorithms.functional.token_logprobs_and_entropy`: the numbers of
+    ``logprobs_from_logits`` and ``entropy_from_logits``). ``entropy_grad=False`` (no entropy term in the loss):
+    the entropy is a statistic, computed without a graph, so backward skips it."""
     logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length)
     responses = batch.sequences[:, batch.prompt_length :]
-    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 is x: skip the pass
-    logp = torch.nn.functional.log_softmax(scaled, dim=-1)
-    logprobs = logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logprobs, entropy
+    return functional.token_logprobs_and_entropy(logits, responses, temperature, entropy_grad)
 
 
 def critic_values(critic: nn.Module, batch: Experience | Rollout) -> torch.Tensor:
