@@ -28,6 +28,7 @@ from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
 from lightning_app_rlhf.bench.report import checkpoint_table, write_report
 from lightning_app_rlhf.bench.results import count_parameters, machine, summarize, summarize_checkpoint
+from lightning_app_rlhf.bench.smollm2_race import race_smollm2, report_race
 
 console = Console(stderr=True)
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -442,7 +443,8 @@ def _save(path: str, section: str, rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     auto_cli({"run": run, "trl": compare_trl, "grpo": compare_grpo, "placements": compare_placements,
-              "profile": profile, "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode})
+              "profile": profile, "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode,
+              "smollm2": {"run": race_smollm2, "report": report_race}})
 
 
 if __name__ == "__main__":

