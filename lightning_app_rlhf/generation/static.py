@@ -77,11 +77,23 @@ class _ModelState:
 
 
 def _decode_step(
-    model: torch.nn.Module, cache: Any, token: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """One token per row through the model with the static cache: [B, V] logits of the next token."""
+    model: torch.nn.Module,
+    cache: Any,
+    token: torch.Tensor,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor,
+    config: GenerationConfig,
+    uniforms: torch.Tensor | None,
+    done: torch.Tensor,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row through the model with the static cache, and the next token drawn from its logits
+    (:func:`~lightning_app_rlhf.generation.sampling.next_token`, ``uniforms`` [B] the step's column): the next
+    tokens [B] and their log-probabilities [B]. Compiled, the draw is part of the graph (fused with the LM head's
+    log-softmax instead of a dozen small eager ops per token)."""
     out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kwargs(cache))
-    return out.logits[:, -1, :]
+    column = None if uniforms is None else uniforms.unsqueeze(-1)
+    return next_token(out.logits[:, -1, :], config, column, 0, done, pad_token_id)
 
 
 def _compile_on(config: GenerationConfig, device: torch.device) -> bool:
@@ -169,24 +181,27 @@ class StaticBackend(GenerationBackend):
                 f"{type(model).__name__} does not decode with transformers' StaticCache (it returned its own cache), "
                 "so generation.backend='static' cannot run it. Use generation.backend='eager'."
             )
-        logits = out.logits[:, -1, :]
         position = position_ids[:, -1:].clone()
         tokens = torch.full((batch, steps), pad_token_id, dtype=input_ids.dtype, device=device)
         logprobs = torch.zeros(batch, steps, device=device)
         masks = torch.zeros(batch, steps, dtype=torch.bool, device=device)
         done = torch.full((batch,), not request.active, dtype=torch.bool, device=device)
         stops, lockstep_group = request.stops, request.lockstep_group
+        token, logprob = next_token(out.logits[:, -1, :], config, uniforms, 0, done, pad_token_id)
         for step in range(steps):
-            token, logprobs[:, step] = next_token(logits, config, uniforms, step, done, pad_token_id)
+            if step > 0:
+                position.add_(1)
+                if state.compiled and device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+                token, logprob = state.step(model, cache, token.unsqueeze(-1), position, mask, config,
+                                            None if uniforms is None else uniforms[:, step], done, pad_token_id)
+                token = token.clone()  # a CUDA graph's output is overwritten by its next replay; it is that input
+            logprobs[:, step] = logprob
             masks[:, step] = ~done
             tokens[:, step] = token
             done = done | stops.ended_window(tokens[:, max(0, step + 1 - stops.window) : step + 1])
             if step == steps - 1 or ((step + 1) % config.sync_every == 0 and all_done(done, lockstep_group)):
                 break
-            position.add_(1)
-            if state.compiled and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-            logits = state.step(model, cache, token.unsqueeze(-1), position, mask)
         width = self._width(masks, lockstep_group)
         response_mask = masks[:, :width].to(attention_mask.dtype)
         return Rollout.from_responses(input_ids, attention_mask, tokens[:, :width], response_mask,
