@@ -77,7 +77,8 @@ def test_trl_comparison_placements_and_report(tmp_path):
 def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     bench(tmp_path, "grpo", "--presets", "[tiny]", "--betas", "[0.0, 0.04]", "--decoders", "[eager, static]",
           "--repeats", "1", "--run.new_tokens", "8", "--run.warmup", "1", "--run.iterations", "2",
-          "--profile_preset", "tiny", "--out", "grpo.json")
+          "--profile_preset", "tiny", "--out", "grpo.json", "--docs", "page.md")
+    assert "| tiny | 0.04 | 32-true | `static` |" in (tmp_path / "page.md").read_text()  # its section, written
     results = json.loads((tmp_path / "grpo.json").read_text())
     rows, profiled = results["grpo"], results["grpo_profile"]
     assert set(profiled["ours"]) == {"generate", "score", "train"} and profiled["trl"]["step"]["wall_s"] > 0

@@ -104,7 +104,8 @@ def compare_grpo(
     repeats: int = 2,
     run: RunSettings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4),  # noqa: B008
     profile_preset: str | None = "small",
-    out: str = "bench_results/grpo.json",
+    out: str = "docs/bench_results/grpo.json",
+    docs: str | None = "docs/benchmarks.md",
 ) -> list[dict[str, Any]]:
     """Ours vs TRL 1.16.0's GRPOTrainer: the same random-init policy, prompts, reward function and group size, one
     update per batch, alternating runs. TRL 1.16 cannot share this environment's TRL 1.12: it runs in a virtual
@@ -123,6 +124,8 @@ def compare_grpo(
         profile_preset: Then profile one step of each side, op by op, at this preset, the largest beta and the first
             precision (``grpo_profile`` in ``out``); None: no profile.
         out: Where the JSON results go.
+        docs: Then rewrite the generated section of this page from ``out`` and the other results beside it
+            (``trl.json``, ``placements.json``, ``profile.json``: see ``report``); None: leave the page alone.
     """
     from lightning_app_rlhf.bench.peer_env import GRPO_PEER, GRPO_PEER_NAME, peer_python
 
@@ -137,6 +140,10 @@ def compare_grpo(
         results = json.loads(Path(out).read_text())
         results["grpo_profile"] = _profile_grpo(settings, python)
         Path(out).write_text(json.dumps(results, indent=2))
+    if docs is not None:
+        beside = Path(out).parent
+        report(results=[str(beside / name) for name in ("trl.json", "placements.json", "profile.json")] + [out],
+               docs=docs)
     return rows
 
 
@@ -350,7 +357,7 @@ def run(out_dir: str = "docs/bench_results", docs: str = "docs/benchmarks.md", r
         repeats: Alternating runs per framework in the TRL comparison.
     """
     compare_trl(out=f"{out_dir}/trl.json", repeats=repeats)
-    compare_grpo(out=f"{out_dir}/grpo.json", repeats=repeats)
+    compare_grpo(out=f"{out_dir}/grpo.json", docs=None, repeats=repeats)
     compare_placements(out=f"{out_dir}/placements.json")
     _profile_in_subprocess(f"{out_dir}/profile.json")
     report(results=[f"{out_dir}/trl.json", f"{out_dir}/grpo.json", f"{out_dir}/placements.json",
