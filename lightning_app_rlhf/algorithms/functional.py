@@ -76,8 +76,8 @@ class _TokenLogprobsAndEntropy(torch.autograd.Function):
     into it (gather's backward), runs log-softmax's backward over it, and, when the caller sliced the logits,
     fills and copies another logits-sized tensor (the slice's backward). The gradient has a closed form instead:
     d log p(t) / dx = onehot(t) - p, and d H / dx = -p (log p + H). One pass writes it, into the logits' own
-    shape, so no slice, zero fill or scatter of the vocabulary is needed. Float32 throughout (``p`` is saved,
-    as log-softmax's output would be)."""
+    shape, so no slice, zero fill or scatter of the vocabulary is needed. Float32 throughout. Saved for backward:
+    ``p``, as log-softmax's output would be (and log p as well when the entropy takes a gradient)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
