@@ -157,8 +157,8 @@ def grpo_profile_table(record: dict[str, Any] | None) -> str:
                if shared_ms > half_ms else f"so 2x TRL leaves {half_ms - shared_ms:.0f} ms for everything else")
     return (f"{section}\n\nThe model arithmetic both sides run (its matmuls, attention, activation, layer norms, "
             f"log-softmax and embedding gradient, forward and backward; per kind the smaller of the two sides' self "
-            f"times, `bench/profile.py`'s `MODEL_ARITHMETIC`): **{shared_ms:.0f} ms**. Ours takes {ours_ms:.0f} ms in all; half of TRL's step is "
-            f"{half_ms:.0f} ms, {verdict}.")
+            f"times, `bench/profile.py`'s `MODEL_ARITHMETIC`): **{shared_ms:.0f} ms**. Ours takes {ours_ms:.0f} ms "
+            f"in all; half of TRL's step is {half_ms:.0f} ms, {verdict}.")
 
 
 def placement_tables(rows: list[dict[str, Any]]) -> str:
