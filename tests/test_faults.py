@@ -22,18 +22,22 @@ minute each on 2 cores) runs with::
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, cli_command, free_port, metrics_rows, one_thread_env, run_python
+from helpers import ROOT, cli_command, free_port, metrics_rows, one_thread_env, output_tail, run_python
 
 from lightning_app_rlhf.checkpoint.format import load_checkpoint_file, verify
+from lightning_app_rlhf.parallel.heartbeat import STUCK_EXIT_CODE
 
 TIMEOUT_S = 20
 """The collective timeout the cells run under (``--trainer.strategy.timeout``)."""
@@ -187,7 +191,8 @@ def test_heartbeat_names_the_rank_that_stopped():
                           timeout=datetime.timedelta(seconds=5))
     alive, me = Heartbeat(store, 2, 4, interval=0.2), Heartbeat(store, 1, 4, interval=0.2)
     try:
-        store.set(f"{HEARTBEAT_KEY}0", repr(time.time() - 30))  # rank 0 beat once, 30 s ago; rank 3 never did
+        beat = json.loads(store.get(f"{HEARTBEAT_KEY}1"))
+        store.set(f"{HEARTBEAT_KEY}0", json.dumps({**beat, "time": time.time() - 30}))  # 30 s ago; rank 3: never
         text = me.stopped_ranks()
     finally:
         alive.stop()
@@ -214,3 +219,119 @@ def test_a_process_exits_cleanly_while_its_heartbeats_beat():
     called without an active exception": 9 of 15 runs of this script when they were daemons)."""
     for _ in range(3):
         run_python("-c", EXIT_WHILE_BEATING, timeout=120)
+
+
+# ---- a rank that is alive but stuck ----
+
+HEARTBEAT_TIMEOUT_S = 5
+"""The heartbeat timeout the stuck-rank runs use (``--trainer.strategy.heartbeat_timeout``)."""
+STUCK_MARGIN_S = 10
+"""Allowed on top of it: a beat's interval, the verdict's round through the store, rank 0's wait for the others."""
+STUCK_EXITS = (STUCK_EXIT_CODE, -signal.SIGKILL)
+"""The launcher's exit: its own verdict's status, or SIGKILL from Lightning's observer of the ranks it launched,
+which kills the launcher once one of them exited non-zero (here: a stuck rank that ended itself first)."""
+VERDICT = re.compile(r"HungRankError: Rank (\d): Stuck rank: rank (\d) \(host (\S+), pid (\d+)\) is stuck, last in "
+                     r"'([^']+)': (.+?)\. Rank \d \(host \S+\) waited \d+ s for it in a collective")
+
+
+def run_until_stuck(tmp_path: Path, placement: str, *extra: str,
+                    env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Fit the demo on 2 processes launched as a user launches them (``--trainer.devices 2``: rank 0 starts rank 1)
+    with a short heartbeat timeout, until a rank gets stuck (:mod:`stuck_rank`). The finished launcher, seconds
+    from the moment the rank got stuck to the job's end, and the stuck process's pid; fails unless every process of
+    the job has ended."""
+    stuck_file = tmp_path / "stuck.json"
+    cmd = cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
+                      "--trainer.strategy", f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
+                      "--trainer.strategy.heartbeat_timeout", str(HEARTBEAT_TIMEOUT_S), "--trainer.max_steps", "8",
+                      "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
+                      "--model.generation.max_new_tokens", "8", *extra)
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=one_thread_env(tests=True, RLHF_STUCK_FILE=str(stuck_file), **(env or {})),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job: set[psutil.Process] = set()
+    try:
+        stdout, stderr = "", ""
+        deadline = time.monotonic() + 300
+        while launcher.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                job.update(psutil.Process(launcher.pid).children(recursive=True))
+            time.sleep(0.2)
+        ended = time.time()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate()
+    result = subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr)
+    assert stuck_file.exists(), "no rank got stuck\n" + output_tail(result)
+    stuck = json.loads(stuck_file.read_text())
+    left = [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for process in left:
+        process.kill()
+    assert not left, f"processes of the job left behind: {left}\n{output_tail(result)}"
+    return result, ended - stuck["time"], stuck["pid"]
+
+
+def test_a_sigstopped_rank_is_named_within_the_heartbeat_timeout_and_no_process_is_left(tmp_path):
+    """SIGSTOP freezes rank 1 (its heartbeat thread too) at the start of iteration 3: rank 0 waits in the gather of
+    the generation, sees rank 1's beats stop, and the job ends within the heartbeat timeout (not the 10-minute
+    collective timeout) with an error naming rank 1, its host, its pid and its last step; rank 0 kills the frozen
+    rank it launched (SIGKILL: nothing else ends a stopped process)."""
+    result, took, pid = run_until_stuck(tmp_path, "rlhf_separation", "--trainer.callbacks+=stuck_rank.StopRank",
+                                        "--trainer.callbacks.step=3")
+    print(f"SIGSTOP: the job ended {took:.1f} s after rank 1 froze")
+    assert result.returncode in STUCK_EXITS, output_tail(result)
+    assert took < HEARTBEAT_TIMEOUT_S + STUCK_MARGIN_S, took
+    match = VERDICT.search(result.stderr)
+    assert match, output_tail(result)
+    assert match.groups()[:4] == ("0", "1", socket.gethostname(), str(pid)), match[0]
+    assert match[5].startswith("iteration 2"), match[0]  # its steps of iteration 2, as of its last beat
+    assert match[6].startswith("its heartbeats stopped "), match[0]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_deadlocked_reward_function_is_named_with_its_stack(tmp_path):
+    """The reward function never returns on rank 1 (it waits on a lock it holds): its process lives and beats, but
+    its main thread stands still outside any collective. The job ends within the heartbeat timeout; the verdict
+    names rank 1, its reward call and the line it is stuck at, and rank 1 prints its main thread's stack."""
+    result, took, pid = run_until_stuck(tmp_path, "rlhf_flattening", "--model.reward_fn",
+                                        "stuck_rank.deadlocking_reward",
+                                        env={"RLHF_STUCK_RANK": "1", "RLHF_STUCK_CALL": "6"})
+    print(f"deadlocked reward: the job ended {took:.1f} s after rank 1 got stuck")
+    assert result.returncode in STUCK_EXITS, output_tail(result)
+    assert took < HEARTBEAT_TIMEOUT_S + STUCK_MARGIN_S, took
+    match = VERDICT.search(result.stderr)
+    assert match, output_tail(result)
+    assert match.groups()[1:4] == ("1", socket.gethostname(), str(pid)), match[0]
+    assert re.fullmatch(r"iteration \d+: call reward\.forward", match[5]), match[0]
+    assert re.match(r"its main thread has not moved for \d+ s outside any collective, at \S+stuck_rank\.py:\d+ in "
+                    r"deadlocking_reward", match[6]), match[0]
+    stack = result.stderr[result.stderr.index("This is the stuck rank. Its main thread:"):]
+    assert "in deadlocking_reward" in stack and "lock.acquire()" in stack, stack[-2000:]
+
+
+def test_which_ranks_count_as_stuck():
+    """Stuck: beats older than the heartbeat timeout, or a main thread standing still that long outside any
+    collective. Not stuck: a rank waiting in a collective (it waits for someone else), or one that moves."""
+    from lightning_app_rlhf.parallel.heartbeat import Beat, Heartbeat
+
+    now, timeout = 1000.0, 60.0
+    watcher = Heartbeat.__new__(Heartbeat)  # only its timeout is read: no store, no thread
+    watcher.heartbeat_timeout = timeout
+
+    def beat(age: float, still: float, waiting: bool) -> Beat:
+        return Beat(now - age, "node3", 4242, 1, "iteration 7: call reward.forward", "reward.py:12 in score", still,
+                    waiting)
+
+    assert watcher._is_stuck(beat(age=61, still=0, waiting=True), now)  # frozen process: its last beat is old
+    assert watcher._is_stuck(beat(age=1, still=61, waiting=False), now)  # alive, standing still outside collectives
+    assert not watcher._is_stuck(beat(age=1, still=600, waiting=True), now)  # waits for another rank
+    assert not watcher._is_stuck(beat(age=1, still=59, waiting=False), now)  # within the timeout
+    assert not watcher._is_stuck(beat(age=59, still=0, waiting=False), now)
+
+
+def test_a_heartbeat_timeout_below_a_few_beats_is_refused():
+    from lightning_app_rlhf.strategies import SeparationStrategy
+
+    with pytest.raises(ValueError, match=r"heartbeat_timeout=1 s is shorter than 3.0 s.*or None to turn the watch"):
+        SeparationStrategy(heartbeat_timeout=1)
+    assert SeparationStrategy(heartbeat_timeout=None)._heartbeat_timeout is None

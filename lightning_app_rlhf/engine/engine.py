@@ -55,6 +55,7 @@ from lightning_app_rlhf.models.calls import (
     split_minibatches,
 )
 from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
+from lightning_app_rlhf.parallel.heartbeat import entering
 from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
@@ -177,6 +178,7 @@ class RLHFEngine:
         while taken < len(steps):
             step = steps[taken]
             if self.placement.rank in step.ranks:
+                entering(f"iteration {iteration}: {step.kind} {step.name}")  # a stuck-rank verdict names it
                 self._run_step(step, state, previous, schedulers)
             state.mark(step, self._now)
             taken += 1
@@ -187,6 +189,7 @@ class RLHFEngine:
                                                         self.generation.num_samples),
                                          round_key(iteration, generation_round), self._now())
                 taken = 0  # dynamic sampling runs without overlap: the steps start with generation and scoring
+        entering(f"iteration {iteration} done: outside the engine (the training loop, callbacks, checkpoints)")
         assert state.rollout is not None and state.experience is not None and state.scores is not None
         if plan.overlap:
             self.pending_experience = state.experience

@@ -1,38 +1,115 @@
-"""The heartbeat: a thread per rank that writes its wall-clock time to the job's store, so that when a collective
-fails the surviving ranks can name the rank that stopped. Plain torch.distributed.
+"""The heartbeat: a thread per rank that writes its state to the job's store every second, so that a failed collective
+names the rank that died, and a rank that is alive but stuck is named within ``heartbeat_timeout`` instead of
+stalling the job for the collective timeout. Plain torch.distributed.
+
+A rank is *stuck* when its process is frozen (SIGSTOP, a node that stopped answering: its beats stop), or when its
+main thread has stood still outside any collective (a deadlocked reward function, a read from a stalled file system:
+its beats go on, but its main thread's frame does not move). A rank waiting in a collective for longer than
+``heartbeat_timeout`` reads the others' beats; if one of them is stuck it posts the verdict to the store, and every
+rank (the stuck one too, where it can, with its main thread's stack) prints it and ends its process, as NCCL's own
+watchdog does: a thread cannot raise into a main thread blocked inside a C++ collective.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import json
+import os
+import signal
+import socket
+import sys
 import threading
 import time
+import traceback
+from dataclasses import asdict, dataclass
+from types import FrameType
 
 import torch.distributed as dist
 
 EXIT_POLL = 0.1
 """Seconds between the heartbeat thread's checks that the main thread still runs."""
 HEARTBEAT_KEY = "rlhf_heartbeat/"
-"""Store key prefix of the heartbeats: ``rlhf_heartbeat/{rank}`` holds that rank's wall-clock time of its last beat."""
+"""Store key prefix of the heartbeats: ``rlhf_heartbeat/{rank}`` holds that rank's :class:`Beat` as JSON."""
+STUCK_KEY = "rlhf_stuck"
+"""Store key of the verdict: the message naming the stuck ranks, posted by the first rank that found them."""
+STUCK_EXIT_CODE = 75
+"""Exit status of every rank that ends on a stuck-rank verdict (EX_TEMPFAIL: a restart may succeed)."""
+DEFAULT_HEARTBEAT_TIMEOUT = 60.0
+"""Seconds a rank may wait in a collective for a stuck rank before the job stops naming it."""
+NEWS_DELAY = 0.2
+"""A new step is told at the next poll at least this many seconds after the last beat (not only at the next beat):
+a rank frozen right after it entered a step is named with it."""
+STILL_CPU_SHARE = 0.01
+"""A main thread that used less than this share of a CPU since the last beat, in the same frame, stands still."""
+WAITING_CODE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}",
+                f"{os.sep}deepspeed{os.sep}", f"{os.sep}torch{os.sep}autograd{os.sep}")
+"""Source directories whose frames on the main thread's stack mean "waiting for other ranks": torch.distributed's
+collectives (ours and FSDP's), DDP, DeepSpeed's communication, and the backward pass in which DDP and ZeRO reduce
+gradients."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's state, as it writes it to the store every beat.
+
+    Args:
+        time: Wall-clock time of the beat.
+        host: The rank's host name.
+        pid: Its process id.
+        ppid: Its parent's process id (rank 0 of a Lightning launch is the parent of the other local ranks).
+        call: The last step of the iteration it entered (``"call actor.generate"``), or ``""`` before the first.
+        where: Its main thread's innermost Python frame, ``file:line in function``.
+        still_s: Seconds its main thread's frame has not moved.
+        waiting: Whether its main thread is inside a collective (or the backward pass): waiting for other ranks.
+    """
+
+    time: float
+    host: str
+    pid: int
+    ppid: int
+    call: str
+    where: str
+    still_s: float
+    waiting: bool
+
+    def age(self, now: float) -> float:
+        return now - self.time
 
 
 class Heartbeat:
-    """A daemon thread that writes this rank's wall-clock time to the job's store every ``interval`` seconds, so
-    that when a collective fails the surviving ranks can name the rank that stopped (gloo names only the dead
-    peer's address). It writes through its own connection to the store, with a timeout of ``store_timeout``.
+    """A thread that writes this rank's :class:`Beat` to the job's store every ``interval`` seconds, through its own
+    connection to the store (timeout ``store_timeout``), and that stops the job when a rank is stuck.
 
     The store lives in rank 0's process: when rank 0 dies the heartbeats go with it, and :meth:`stopped_ranks`
-    says so. Ranks compare each other's clocks, which across nodes are only as close as their clock sync; a rank
-    that hangs but lives keeps beating (its collectives' timeout names it, not this).
+    says so. Ranks compare each other's clocks, which across nodes are only as close as their clock sync.
+
+    Args:
+        store: The job's store (the default process group's).
+        rank: This rank.
+        world_size: The job's ranks.
+        interval: Seconds between beats.
+        store_timeout: Limit of one store call.
+        heartbeat_timeout: Seconds this rank waits in a collective before it looks for a stuck rank; also how long a
+            rank's beats must have stopped, or its main thread stood still outside a collective, to count as
+            stuck. None: never stop the job (a failed collective still names the rank that died).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float = 1.0,
-                 store_timeout: float = 5.0) -> None:
+                 store_timeout: float = 5.0, heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
+        self.heartbeat_timeout = heartbeat_timeout
         self._writer, self._reader = store.clone(), store.clone()  # own connections: thread-safe, own timeout
         for connection in (self._writer, self._reader):
             connection.set_timeout(datetime.timedelta(seconds=store_timeout))
+        self._host, self._main = socket.gethostname(), threading.main_thread()
+        self._call = self._published_call = ""
+        self._beaten = time.monotonic()
+        self._frame_seen: tuple[int, int] | None = None
+        self._still_since = self._observed_at = time.monotonic()
+        self._main_cpu_clock = _thread_cpu_clock(self._main)
+        self._main_cpu = self._main_cpu_time()
         self._stopped = threading.Event()
         self._join_timeout = interval + store_timeout
         self._beat()
@@ -41,23 +118,130 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"rlhf-heartbeat-rank{rank}", daemon=False)
         self._thread.start()
 
-    def _beat(self) -> None:
-        self._writer.set(f"{HEARTBEAT_KEY}{self.rank}", repr(time.time()))
+    # ---- the main thread's side ----
+
+    def enter(self, call: str) -> None:
+        """Note that the main thread starts ``call`` (named in a stuck-rank verdict as the call it was last in)."""
+        self._call = call
+
+    # ---- the thread ----
+
+    def _main_frame(self) -> FrameType | None:
+        return sys._current_frames().get(self._main.ident)  # documented in sys; what faulthandler and py-spy read
+
+    def _main_cpu_time(self) -> float:
+        return time.clock_gettime(self._main_cpu_clock) if self._main_cpu_clock is not None else 0.0
+
+    def _observe(self) -> Beat:
+        """This rank's state now: how long its main thread has stood still (its frame did not move and it used no
+        CPU: a long C++ call such as a big matmul or a checkpoint load computes, a blocked one waits), and whether it
+        waits in a collective."""
+        frame, now, cpu = self._main_frame(), time.monotonic(), self._main_cpu_time()
+        seen = (id(frame), frame.f_lasti) if frame is not None else None
+        computed = cpu - self._main_cpu > STILL_CPU_SHARE * (now - self._observed_at)
+        if seen != self._frame_seen or computed:
+            self._frame_seen, self._still_since = seen, now
+        self._observed_at, self._main_cpu = now, cpu
+        waiting, where = False, ""
+        if frame is not None:
+            code = frame.f_code
+            where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            stack = frame
+            while stack is not None and not waiting:
+                waiting = any(part in stack.f_code.co_filename for part in WAITING_CODE)
+                stack = stack.f_back
+        return Beat(time.time(), self._host, os.getpid(), os.getppid(), self._call, where,
+                    round(now - self._still_since, 3), waiting)
+
+    def _beat(self) -> Beat:
+        beat = self._observe()
+        self._writer.set(f"{HEARTBEAT_KEY}{self.rank}", json.dumps(asdict(beat)))
+        self._published_call, self._beaten = beat.call, time.monotonic()
+        return beat
 
     def _run(self) -> None:
         """Beat every ``interval`` until stopped or until the main thread has finished (the interpreter is exiting
-        and waits for this thread: it notices within ``EXIT_POLL`` seconds)."""
+        and waits for this thread: it notices within ``EXIT_POLL`` seconds); watch for stuck ranks."""
         next_beat = time.monotonic() + self.interval
         while not self._stopped.wait(min(EXIT_POLL, max(0.0, next_beat - time.monotonic()))):
-            if not threading.main_thread().is_alive():
+            if not self._main.is_alive():
                 return
-            if time.monotonic() < next_beat:
-                continue
-            next_beat += self.interval
+            now = time.monotonic()
+            if now < next_beat and not (self._call != self._published_call and now > self._beaten + NEWS_DELAY):
+                continue  # no beat due, and no new step to tell (soon after the last beat)
+            next_beat = now + self.interval
             try:
-                self._beat()
-            except RuntimeError:  # the store is gone (rank 0 ended): nothing left to tell (DistError)
-                return
+                beat = self._beat()
+                self._watch(beat)
+            except RuntimeError:  # the store is gone (DistError): rank 0 ended, or is frozen
+                if not self._waiting_too_long(self._observe()):
+                    return  # rank 0 ended (or failed) first: nothing left to tell
+                self._stop_job(f"Rank {self.rank} (host {self._host}) waited {self._observe().still_s:.0f} s in a "
+                               "collective and the store that carries the heartbeats does not answer: rank 0, which "
+                               "hosts it, is frozen (SIGSTOP, a stalled node) or died. Look at rank 0's host and log.",
+                               stuck=[])
+
+    def _waiting_too_long(self, beat: Beat) -> bool:
+        return self.heartbeat_timeout is not None and beat.waiting and beat.still_s > self.heartbeat_timeout
+
+    def _watch(self, beat: Beat) -> None:
+        """Stop this process on a posted verdict; post one when this rank has waited too long for a stuck rank."""
+        if self._reader.check([STUCK_KEY]):
+            verdict = json.loads(self._reader.get(STUCK_KEY))
+            self._stop_job(verdict["message"], verdict["stuck"])
+        if not self._waiting_too_long(beat):
+            return
+        now, beats = time.time(), self.beats()
+        stuck = {rank: other for rank, other in beats.items() if self._is_stuck(other, now)}
+        if not stuck:
+            return  # every other rank moves or waits too: a mismatch of collectives, which their timeout ends
+        verdict = json.dumps({"message": self._verdict(beat, stuck, now), "stuck": sorted(stuck)})
+        self._reader.compare_set(STUCK_KEY, "", verdict)  # the first rank's verdict stands
+        verdict = json.loads(self._reader.get(STUCK_KEY))
+        self._stop_job(verdict["message"], verdict["stuck"])
+
+    def _is_stuck(self, beat: Beat, now: float) -> bool:
+        assert self.heartbeat_timeout is not None
+        return beat.age(now) > self.heartbeat_timeout or (not beat.waiting and beat.still_s > self.heartbeat_timeout)
+
+    def _verdict(self, beat: Beat, stuck: dict[int, Beat], now: float) -> str:
+        lines = []
+        for rank, other in sorted(stuck.items()):
+            how = (f"its heartbeats stopped {other.age(now):.0f} s ago: the process is frozen (SIGSTOP, a stalled "
+                   "node) or gone" if other.age(now) > (self.heartbeat_timeout or 0) else
+                   f"its main thread has not moved for {other.still_s:.0f} s outside any collective, at {other.where}")
+            last = f"last in {other.call!r}" if other.call else "before its first call"
+            lines.append(f"rank {rank} (host {other.host}, pid {other.pid}) is stuck, {last}: {how}")
+        return (f"Stuck rank: {'; '.join(lines)}. Rank {self.rank} (host {self._host}) waited {beat.still_s:.0f} s "
+                f"for it in a collective, last in {beat.call!r}, longer than heartbeat_timeout={self.heartbeat_timeout}"
+                " s, so every rank stops now. A living stuck rank prints its main thread's stack in its log. If one "
+                "step of a rank legitimately runs longer without a collective, raise PlacementStrategy("
+                "heartbeat_timeout=...).")
+
+    def _stop_job(self, message: str, stuck: list[int]) -> None:
+        """Print the verdict (a stuck rank adds its main thread's stack) and end this process; rank 0, which hosts
+        the store, first lets the others read it and kills the stuck ranks it launched."""
+        text = f"HungRankError: Rank {self.rank}: {message}\n"
+        frame = self._main_frame()
+        if self.rank in stuck and frame is not None:
+            text += "This is the stuck rank. Its main thread:\n" + "".join(traceback.format_stack(frame))
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        if self.rank == 0:
+            self.keep_store_up(max_wait=3 * self.interval + 2)
+            self._kill_stuck_children(stuck)
+        os._exit(STUCK_EXIT_CODE)
+
+    def _kill_stuck_children(self, stuck: list[int]) -> None:
+        """SIGKILL the stuck ranks that this process launched (a SIGSTOPped child would outlive the job: only
+        SIGKILL ends a stopped process); a launcher such as torchrun kills its own."""
+        with contextlib.suppress(RuntimeError):
+            beats = self.beats()
+            for rank in stuck:
+                other = beats.get(rank)
+                if other is not None and other.host == self._host and other.ppid == os.getpid():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other.pid, signal.SIGKILL)
 
     def stop(self) -> None:
         """Stop beating, wait for the thread (at most one store timeout), and close the store connections."""
@@ -67,17 +251,23 @@ class Heartbeat:
         if not self._thread.is_alive():  # close the store connections now, not during interpreter teardown
             self._writer = self._reader = None
 
-    def last_beats(self) -> dict[int, float]:
-        """Each other rank's time of its last beat (ranks that never beat are left out). Raises if the store is
-        unreachable."""
+    # ---- reading the others ----
+
+    def beats(self) -> dict[int, Beat]:
+        """Each other rank's last beat (ranks that never beat are left out). Raises if the store is unreachable."""
         if self._reader is None:
             raise RuntimeError("the heartbeat was stopped")
         beats = {}
         for rank in range(self.world_size):
             key = f"{HEARTBEAT_KEY}{rank}"
             if rank != self.rank and self._reader.check([key]):
-                beats[rank] = float(self._reader.get(key))
+                beats[rank] = Beat(**json.loads(self._reader.get(key)))
         return beats
+
+    def last_beats(self) -> dict[int, float]:
+        """Each other rank's time of its last beat (ranks that never beat are left out). Raises if the store is
+        unreachable."""
+        return {rank: beat.time for rank, beat in self.beats().items()}
 
     def stopped_ranks(self) -> str:
         """Which ranks stopped beating, for an error message: reads the beats, waits two intervals (a rank that
@@ -114,24 +304,42 @@ class Heartbeat:
             time.sleep(self.interval / 2)
 
 
+def _thread_cpu_clock(thread: threading.Thread) -> int | None:
+    """The clock of ``thread``'s CPU time (None where the platform has none: then only its frames tell progress)."""
+    try:
+        return time.pthread_getcpuclockid(thread.ident)  # type: ignore[arg-type]
+    except (AttributeError, OSError):
+        return None
+
+
 _heartbeat: Heartbeat | None = None
 
 
-def start_heartbeat(rank: int, world_size: int, interval: float = 1.0) -> Heartbeat | None:
+def start_heartbeat(rank: int, world_size: int, interval: float = 1.0,
+                    heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT) -> Heartbeat | None:
     """Start this process's :class:`Heartbeat` through the default process group's store (once per process; None
-    for a single process). Placement errors then name the ranks that stopped beating."""
+    for a single process). Placement errors then name the ranks that stopped beating, and a stuck rank stops the
+    job after ``heartbeat_timeout`` seconds."""
     global _heartbeat
     if world_size < 2 or not dist.is_initialized():
         return None
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
-    if _heartbeat is None or (_heartbeat.store, _heartbeat.rank, _heartbeat.world_size) != (store, rank, world_size):
+    wanted = (store, rank, world_size, heartbeat_timeout)
+    if _heartbeat is None or (_heartbeat.store, _heartbeat.rank, _heartbeat.world_size,
+                              _heartbeat.heartbeat_timeout) != wanted:
         if _heartbeat is not None:  # a new process group in this process (a later fit): beat through its store
             _heartbeat.stop()
-        _heartbeat = Heartbeat(store, rank, world_size, interval)
+        _heartbeat = Heartbeat(store, rank, world_size, interval, heartbeat_timeout=heartbeat_timeout)
         atexit.register(_heartbeat.stop)
     return _heartbeat
+
+
+def entering(call: str) -> None:
+    """Note the step of the iteration this rank's main thread starts (a stuck-rank verdict names it)."""
+    if _heartbeat is not None:
+        _heartbeat.enter(call)
 
 
 def stopped_ranks() -> str:

@@ -87,6 +87,9 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         plan: A function from the world size (and the algorithm's ``roles``) to a plan (the registered presets pass
             one), or a plan. The plan is built in :meth:`setup_rlhf`, when the module's algorithm is known.
         timeout: Limit of every collective and transfer.
+        heartbeat_timeout: Seconds a rank may wait in a collective for a stuck rank (its process frozen, or its
+            main thread standing still outside any collective) before every rank stops naming it (default 60;
+            None: off).
         start_method: ``popen`` re-runs the script per process; ``fork``/``spawn`` otherwise.
         process_group_backend: ``gloo``/``nccl``; default by device.
         threads_per_process: CPU threads per process (default: cores / local processes).

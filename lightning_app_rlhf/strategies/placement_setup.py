@@ -17,7 +17,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from lightning_app_rlhf.parallel.heartbeat import start_heartbeat
+from lightning_app_rlhf.parallel.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, start_heartbeat
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -32,14 +32,20 @@ def start_distributed(
     backend: str | None,
     threads_per_process: int | None,
     timeout: datetime.timedelta,
+    heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
 ) -> None:
     """Initialise torch.distributed, start this rank's heartbeat (so that a failed collective's error names the rank
-    that died) and size the CPU threads of this process."""
+    that died, and a stuck rank stops the job after ``heartbeat_timeout`` seconds) and size the CPU threads of this
+    process."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     _init_dist_connection(cluster_environment, backend, timeout=timeout)
-    start_heartbeat(torch.distributed.get_rank(), torch.distributed.get_world_size())
+    start_heartbeat(torch.distributed.get_rank(), torch.distributed.get_world_size(),
+                    heartbeat_timeout=heartbeat_timeout)
     if root_device.type == "cpu":  # processes sharing cores must not each run a thread per core: OpenMP crawls
         torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(1, local_processes)))
+
+HEARTBEAT_TIMEOUT_MIN = 3.0
+"""The shortest ``heartbeat_timeout``: a few beats of one second."""
 
 
 class PlacementProcesses:
@@ -49,6 +55,10 @@ class PlacementProcesses:
     Args:
         plan: A plan, or a function from the world size (and the algorithm's ``roles``) to a plan.
         timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
+        heartbeat_timeout: Seconds a rank may wait in a collective for a rank that is stuck (its process frozen, or
+            its main thread standing still outside any collective: a deadlocked reward function, a stalled file
+            system) before every rank stops with an error naming the stuck rank, its host and its last call.
+            Above the longest step a rank runs without a collective; None turns the watch off (then ``timeout``).
         start_method: ``popen`` re-runs the script per process (the default, as DDP); ``fork``/``spawn`` for
             notebooks and tests.
         process_group_backend: ``gloo``/``nccl``; default by device.
@@ -73,6 +83,7 @@ class PlacementProcesses:
         self,
         plan: PlacementPlan | Callable[..., PlacementPlan] | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         threads_per_process: int | None = None,
@@ -83,6 +94,12 @@ class PlacementProcesses:
                          **strategy_arguments)
         self._plan = plan
         self._timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        if heartbeat_timeout is not None and heartbeat_timeout < HEARTBEAT_TIMEOUT_MIN:
+            raise ValueError(f"heartbeat_timeout={heartbeat_timeout} s is shorter than {HEARTBEAT_TIMEOUT_MIN} s: a "
+                             "rank beats once a second, so a healthy rank would look stuck. Pass at least "
+                             f"{HEARTBEAT_TIMEOUT_MIN} (default {DEFAULT_HEARTBEAT_TIMEOUT}), or None to turn the "
+                             "watch off.")
+        self._heartbeat_timeout = heartbeat_timeout
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._threads_per_process = threads_per_process
@@ -117,7 +134,7 @@ class PlacementProcesses:
     def _start_distributed(self) -> None:
         """Initialise torch.distributed and this rank's heartbeat (:func:`start_distributed`)."""
         start_distributed(self.cluster_environment, self.root_device, self.num_processes, self._process_group_backend,
-                          self._threads_per_process, self._timeout)
+                          self._threads_per_process, self._timeout, self._heartbeat_timeout)
 
     @property
     def root_device(self) -> torch.device:

@@ -71,6 +71,9 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
         plan: A plan, or a function from the world size to a plan. Its calls must be those of the module's
             algorithm (no ``critic.*`` calls for a critic-free one).
         timeout: Limit of every collective and transfer; a dead rank becomes an error after it.
+        heartbeat_timeout: Seconds a rank may wait in a collective for a stuck rank (its process frozen, or its
+            main thread standing still outside any collective) before every rank stops naming it (default 60;
+            None: off).
         start_method: ``popen`` re-runs the script per process (the default, as DDP); ``fork``/``spawn`` for
             notebooks and tests, after which the main process's module holds the trained roles
             (:class:`~lightning_app_rlhf.strategies.placement_launcher.PlacementMultiProcessingLauncher`).
