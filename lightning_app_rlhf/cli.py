@@ -14,14 +14,17 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import docstring_parser
 import torch
 from jsonargparse import ActionYesNo, Namespace, set_parsing_settings
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
@@ -30,6 +33,7 @@ from lightning_app_rlhf.checkpoint.format import (
     is_sharded_checkpoint,
     load_checkpoint_file,
 )
+from lightning_app_rlhf.checkpoint.newest import AUTO, newest_complete_checkpoint
 from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.module import RLHFModule
@@ -166,7 +170,13 @@ class RLHFCLI(LightningCLI):
         """Check ``--ckpt_path`` before anything else runs (weights-only, so an empty, truncated or crafted file
         fails here with its name). Unlike LightningCLI, the checkpoint's saved hyperparameters do not override the
         config: the config is the run's source of truth, and it holds what they cannot (optimizer builders)."""
-        ckpt_path = self.config.get(self.config.get("subcommand") or "", {}).get("ckpt_path")
+        subcommand = self.config.get("subcommand") or ""
+        ckpt_path = self.config.get(subcommand, {}).get("ckpt_path")
+        if ckpt_path == AUTO:
+            if subcommand != "fit":
+                raise ValueError(f"--ckpt_path auto resumes training (fit), not {subcommand}: pass the path of the "
+                                 "checkpoint to evaluate, or 'last' / 'best'.")
+            return  # resolved in before_fit, once the trainer knows its directories
         if ckpt_path in LIGHTNING_CHECKPOINT_NAMES:
             return  # Lightning resolves it (and the strategy reads the file it finds, weights-only)
         if ckpt_path and "://" not in str(ckpt_path):
@@ -186,8 +196,11 @@ class RLHFCLI(LightningCLI):
                          "class_path lightning_app_rlhf.PlacementStrategy with init_args.plan.")
 
     def before_fit(self) -> None:
-        """A PlacementTuner must see ``--ckpt_path`` before the models are built, to reuse the saved plan."""
+        """Resolve ``--ckpt_path auto``; a PlacementTuner must see ``--ckpt_path`` before the models are built, to
+        reuse the saved plan."""
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        if ckpt_path == AUTO:
+            ckpt_path = self.config_init[self.subcommand]["ckpt_path"] = _newest_checkpoint_of(self.trainer)
         if ckpt_path and is_sharded_checkpoint(ckpt_path) and not isinstance(self.trainer.strategy, PlacementStrategy):
             raise CheckpointError(f"Checkpoint {ckpt_path} is a directory with sharded roles, which only a placement "
                                   f"strategy reads; this run uses {type(self.trainer.strategy).__name__}. Resume with "
@@ -195,6 +208,33 @@ class RLHFCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, PlacementTuner) and callback.ckpt_path is None:
                 callback.ckpt_path = ckpt_path
+
+
+def run_directories(trainer: Trainer) -> list[Path]:
+    """Where ``trainer`` writes checkpoints: each ModelCheckpoint's ``dirpath``, each logger's root directory (all its
+    versions: a restarted job logs to a new one), and ``trainer.default_root_dir`` (SLURM's requeue checkpoints)."""
+    directories = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+    for logger in trainer.loggers:
+        root = getattr(logger, "root_dir", None) or logger.save_dir
+        if root:
+            directories.append(Path(root))
+    directories.append(Path(trainer.default_root_dir))
+    return list(dict.fromkeys(d.resolve() for d in directories))
+
+
+def _newest_checkpoint_of(trainer: Trainer) -> str | None:
+    """``--ckpt_path auto``: the newest complete checkpoint in the run's directories (:func:`run_directories`), or
+    None to start from scratch; says which on rank 0, and warns of newer checkpoints it passed over."""
+    directories = run_directories(trainer)
+    path, passed_over = newest_complete_checkpoint(directories)
+    for reason in passed_over:
+        rank_zero_warn(f"--ckpt_path auto passes over a checkpoint: {reason}")
+    where = ", ".join(map(str, directories))
+    if path is None:
+        rank_zero_info(f"--ckpt_path auto: no complete checkpoint under {where}: training starts from scratch.")
+        return None
+    rank_zero_info(f"--ckpt_path auto: resuming from {path}, the newest complete checkpoint under {where}.")
+    return str(path)
 
 
 def _first_sentence(method: Any) -> str:

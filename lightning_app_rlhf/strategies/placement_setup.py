@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -37,12 +37,26 @@ def start_distributed(
     """Initialise torch.distributed, start this rank's heartbeat (so that a failed collective's error names the rank
     that died, and a stuck rank stops the job after ``heartbeat_timeout`` seconds) and size the CPU threads of this
     process."""
+    check_elastic_restarts(os.environ)
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     _init_dist_connection(cluster_environment, backend, timeout=timeout)
     start_heartbeat(torch.distributed.get_rank(), torch.distributed.get_world_size(),
                     heartbeat_timeout=heartbeat_timeout)
     if root_device.type == "cpu":  # processes sharing cores must not each run a thread per core: OpenMP crawls
         torch.set_num_threads(threads_per_process or max(1, (os.cpu_count() or 1) // max(1, local_processes)))
+
+def check_elastic_restarts(environment: Mapping[str, str]) -> None:
+    """Refuse a ``torchrun --max-restarts N`` launch whose workers share the agent's rendezvous store: torch keeps it
+    across restarts, so a restarted attempt reads the previous attempt's addresses and cannot connect
+    (pytorch/pytorch#135712). The fix is an environment variable of torchrun's own process."""
+    restarts = int(environment.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and environment.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            f"torchrun --max-restarts {restarts} with the rendezvous store shared with the workers (torch's default): "
+            "a restarted attempt would read the failed attempt's addresses from it and fail to connect "
+            "(pytorch/pytorch#135712). Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every "
+            "node (export it before torchrun, or `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...`).")
+
 
 HEARTBEAT_TIMEOUT_MIN = 3.0
 """The shortest ``heartbeat_timeout``: a few beats of one second."""
