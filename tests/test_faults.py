@@ -335,3 +335,35 @@ def test_a_heartbeat_timeout_below_a_few_beats_is_refused():
     with pytest.raises(ValueError, match=r"heartbeat_timeout=1 s is shorter than 3.0 s.*or None to turn the watch"):
         SeparationStrategy(heartbeat_timeout=1)
     assert SeparationStrategy(heartbeat_timeout=None)._heartbeat_timeout is None
+
+
+@pytest.mark.slow
+def test_a_sigstopped_rank_0_is_named_by_the_store_it_no_longer_serves(tmp_path):
+    """Rank 0 hosts the store: frozen, it takes the heartbeats with it. Rank 1 (launched as torchrun would) waits
+    in a collective, finds the store silent, and exits within the heartbeat timeout saying that rank 0 is frozen or
+    died. Rank 0 stays stopped until its launcher (torchrun, here the test) kills it."""
+    stuck_file = tmp_path / "stuck.json"
+    cmd = cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
+                      "--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
+                      "--trainer.strategy.heartbeat_timeout", str(HEARTBEAT_TIMEOUT_S), "--trainer.max_steps", "8",
+                      "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
+                      "--model.generation.max_new_tokens", "8", "--trainer.callbacks+=stuck_rank.StopRank",
+                      "--trainer.callbacks.rank=0", "--trainer.callbacks.step=3")
+    env = one_thread_env(tests=True, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+                         NODE_RANK="0", RLHF_STUCK_FILE=str(stuck_file))
+    ranks = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(2)]
+    try:
+        _, stderr = ranks[1].communicate(timeout=300)
+        ended = time.time()
+    finally:
+        for rank in ranks:
+            os.killpg(rank.pid, signal.SIGKILL) if rank.poll() is None else None
+            rank.wait()
+    took = ended - json.loads(stuck_file.read_text())["time"]
+    print(f"SIGSTOP of rank 0: rank 1 ended {took:.1f} s after it")
+    assert ranks[1].returncode == STUCK_EXIT_CODE, stderr[-3000:]
+    assert took < HEARTBEAT_TIMEOUT_S + STUCK_MARGIN_S, took
+    assert re.search(r"HungRankError: Rank 1: this rank \(host \S+\) waits in a collective, last in 'iteration 3: "
+                     r"[^']+', and the store that carries the heartbeats has not answered for \d+ s: rank 0, which "
+                     r"hosts it, is frozen", stderr), stderr[-3000:]

@@ -117,6 +117,12 @@ class Heartbeat:
         # finalizes (a daemon thread there is stopped mid-C++ call: "terminate called without an active exception").
         self._thread = threading.Thread(target=self._run, name=f"rlhf-heartbeat-rank{rank}", daemon=False)
         self._thread.start()
+        # A store call to a frozen rank 0 never returns (its timeout covers the wait for a key, not a silent
+        # server), so a second thread, which makes no store calls (a daemon: nothing to interrupt at exit), watches
+        # the first one's store calls.
+        self._in_store_call_since: float | None = None
+        if heartbeat_timeout is not None:
+            threading.Thread(target=self._guard_store, name=f"rlhf-heartbeat-guard-rank{rank}", daemon=True).start()
 
     # ---- the main thread's side ----
 
@@ -142,14 +148,8 @@ class Heartbeat:
         if seen != self._frame_seen or computed:
             self._frame_seen, self._still_since = seen, now
         self._observed_at, self._main_cpu = now, cpu
-        waiting, where = False, ""
-        if frame is not None:
-            code = frame.f_code
-            where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-            stack = frame
-            while stack is not None and not waiting:
-                waiting = any(part in stack.f_code.co_filename for part in WAITING_CODE)
-                stack = stack.f_back
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame is not None else ""
+        waiting = _in_collective(frame)
         return Beat(time.time(), self._host, os.getpid(), os.getppid(), self._call, where,
                     round(now - self._still_since, 3), waiting)
 
@@ -170,16 +170,27 @@ class Heartbeat:
             if now < next_beat and not (self._call != self._published_call and now > self._beaten + NEWS_DELAY):
                 continue  # no beat due, and no new step to tell (soon after the last beat)
             next_beat = now + self.interval
+            self._in_store_call_since = time.monotonic()
             try:
-                beat = self._beat()
-                self._watch(beat)
-            except RuntimeError:  # the store is gone (DistError): rank 0 ended, or is frozen
-                if not self._waiting_too_long(self._observe()):
-                    return  # rank 0 ended (or failed) first: nothing left to tell
-                self._stop_job(f"Rank {self.rank} (host {self._host}) waited {self._observe().still_s:.0f} s in a "
-                               "collective and the store that carries the heartbeats does not answer: rank 0, which "
-                               "hosts it, is frozen (SIGSTOP, a stalled node) or died. Look at rank 0's host and log.",
-                               stuck=[])
+                self._watch(self._beat())
+            except RuntimeError:  # the store fails (DistError): rank 0 ended or died; try again at the next beat
+                pass
+            finally:
+                self._in_store_call_since = None
+
+    def _guard_store(self) -> None:
+        """Stop the job when a store call has not returned for ``heartbeat_timeout`` seconds while the main thread
+        waits in a collective: rank 0, which hosts the store, is frozen or gone, and the collective would wait for it
+        until its own timeout."""
+        assert self.heartbeat_timeout is not None
+        while not self._stopped.wait(self.interval) and self._main.is_alive():
+            since = self._in_store_call_since
+            silent = time.monotonic() - since if since is not None else 0.0
+            if silent > self.heartbeat_timeout and _in_collective(self._main_frame()):
+                self._stop_job(f"this rank (host {self._host}) waits in a collective, last in {self._call!r}, and "
+                               f"the store that carries the heartbeats has not answered for {silent:.0f} s: rank 0, "
+                               "which hosts it, is frozen (SIGSTOP, a stalled node) or died. Look at rank 0's host "
+                               "and log.", stuck=[])
 
     def _waiting_too_long(self, beat: Beat) -> bool:
         return self.heartbeat_timeout is not None and beat.waiting and beat.still_s > self.heartbeat_timeout
@@ -302,6 +313,15 @@ class Heartbeat:
             if all(time.time() - beat > 2 * self.interval + 0.5 for beat in beats.values()):
                 return
             time.sleep(self.interval / 2)
+
+
+def _in_collective(frame: FrameType | None) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` waits for other ranks (:data:`WAITING_CODE`)."""
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in WAITING_CODE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _thread_cpu_clock(thread: threading.Thread) -> int | None:
