@@ -3,7 +3,8 @@
 - ``one_thread_env``: the environment of every subprocess (this checkout importable, one torch thread);
 - ``run_python`` / ``run_cli`` / ``cli_command``: a script or ``python -m lightning_app_rlhf ...`` in a subprocess,
   failing the test with the tails of its stdout and stderr unless it exits 0 (``check=False`` to look yourself);
-- ``fit_demo`` / ``metrics_rows``: a demo config fitted from the CLI, and the rows of its metrics.csv;
+- ``fit_demo`` / ``fit_demo_args`` / ``metrics_rows``: a demo config fitted from the CLI (or its arguments, for a
+  launcher of one's own), and the rows of its metrics.csv;
 - ``run_ranks`` / ``free_port``: a function on forked (or spawned) gloo ranks, failing the test with the rank that
   raised or hung;
 - ``make_module``: an ``RLHFModule`` on the tiny GPT-2 and the demo tokenizer.
@@ -91,17 +92,22 @@ def metrics_rows(directory: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(file)]
 
 
+def fit_demo_args(tmp_path: Path, name: str, *args: str | Path, config: Path = DEMO_CONFIG, steps: int = 3,
+                  max_new_tokens: int = 12) -> list[str | Path]:
+    """The ``fit`` arguments of :func:`fit_demo`, for a launch of one's own (torchrun, srun): ``--config CONFIG`` for
+    ``steps`` iterations, checkpointing off, ``max_new_tokens`` new tokens, its CSV log in ``tmp_path / name``, then
+    ``args``."""
+    return ["fit", "--config", config, "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
+            "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.logger.init_args.name", name,
+            "--model.generation.max_new_tokens", str(max_new_tokens), *args]
+
+
 def fit_demo(tmp_path: Path, name: str, *args: str | Path, config: Path = DEMO_CONFIG, steps: int = 3,
              max_new_tokens: int = 12, timeout: float = 300,
              env: dict[str, str] | None = None) -> list[dict[str, float]]:
-    """``fit --config CONFIG`` for ``steps`` iterations, checkpointing off, ``max_new_tokens`` new tokens, its CSV
-    log in ``tmp_path / name``, then ``args``; run in ``tmp_path``, its stdout kept in ``name.out``. Its metrics
-    rows."""
-    result = run_cli(
-        "fit", "--config", config, "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false",
-        "--trainer.logger.init_args.save_dir", tmp_path, "--trainer.logger.init_args.name", name,
-        "--model.generation.max_new_tokens", str(max_new_tokens), *args, cwd=tmp_path, timeout=timeout, env=env,
-    )
+    """:func:`fit_demo_args` run from the CLI in ``tmp_path``, its stdout kept in ``name.out``. Its metrics rows."""
+    result = run_cli(*fit_demo_args(tmp_path, name, *args, config=config, steps=steps, max_new_tokens=max_new_tokens),
+                     cwd=tmp_path, timeout=timeout, env=env)
     (tmp_path / f"{name}.out").write_text(result.stdout)
     return metrics_rows(tmp_path / name)
 

@@ -142,7 +142,8 @@ class PlacementTuner(Callback):
             if self.cluster is not None:
                 cluster = parse_cluster(self.cluster)
             else:
-                cluster = cluster_from_environment(trainer.world_size, device=profile.device if profile else None)
+                cluster = cluster_from_environment(trainer.world_size, device=profile.device if profile else None,
+                                                   nodes=trainer.num_nodes)
             if cluster.world_size != trainer.world_size:
                 raise ValueError(f"cluster={self.cluster!r} has {cluster.world_size} devices but the job runs "
                                  f"{trainer.world_size} processes: describe the job's devices, or leave cluster unset.")

@@ -30,6 +30,28 @@ INFERENCE_CALLS = ("actor.generate", "reference.forward", "reward.forward", "cri
 """Generation and the scoring forwards: with a degree they run on a tensor-parallel copy of the role."""
 
 
+def check_node_boundaries(plan: PlacementPlan, ranks_per_node: int) -> None:
+    """Raise a ``ValueError`` naming the fix when a tensor-parallel replica spans nodes: its every layer's
+    all-reduce would cross the slow link between them (the planner never proposes such a plan). Nodes hold
+    consecutive ranks, ``ranks_per_node`` each, as torchrun and SLURM number them.
+
+    Args:
+        plan: The placement plan, already validated.
+        ranks_per_node: Processes per node (``trainer.devices``).
+    """
+    for call, degree in plan.tp.items():
+        ranks = plan.ranks(call)
+        for start in range(0, len(ranks), degree):
+            replica = ranks[start : start + degree]
+            nodes = sorted({rank // ranks_per_node for rank in replica})
+            if len(nodes) > 1:
+                raise ValueError(
+                    f"Call {call!r}: the tensor-parallel replica on ranks {list(replica)} spans nodes {nodes} "
+                    f"({ranks_per_node} ranks per node). Keep each replica inside a node: a degree that divides "
+                    f"{ranks_per_node}, on ranks that start at a multiple of it (or plan with --cluster NODESx"
+                    f"{ranks_per_node}xDEVICE, which does).")
+
+
 def check_tensor_parallel(plan: PlacementPlan) -> None:
     """Raise a ``ValueError`` naming the fix for a ``tp`` degree the engine cannot run yet.
 

@@ -155,8 +155,10 @@ def cluster_from_environment(
     device: DeviceType | None = None,
     cores: int | None = None,
     compute_shares: tuple[float, ...] | None = None,
+    nodes: int = 1,
 ) -> Cluster:
-    """The cluster this process runs in: one node of ``world_size`` CPU processes sharing this machine's cores.
+    """The cluster this process runs in: ``nodes`` nodes (machines like this one), each of ``world_size / nodes`` CPU
+    processes sharing its cores.
 
     Args:
         world_size: Processes in the job. Default: ``WORLD_SIZE`` from the environment, else 1.
@@ -165,11 +167,16 @@ def cluster_from_environment(
         cores: Cores the processes share. Default: the cores this process may run on.
         compute_shares: Measured share of a core per busy process (:func:`measure_compute_shares`); None: the
             cores are ours alone, shared evenly.
+        nodes: Machines in the job (``trainer.num_nodes``); ``world_size`` must be a multiple.
     """
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if nodes < 1 or world_size % nodes:
+        raise ValueError(f"A job of {world_size} processes on {nodes} nodes: trainer.num_nodes must divide the world "
+                         "size (devices x num_nodes).")
+    per_node = world_size // nodes
     if device is None:
-        device = replace(DEVICE_TYPES["cpu"], memory_bytes=_ram_bytes() // world_size)
-    return Cluster(1, world_size, device, cores_per_node=cores or _cores(), compute_shares=compute_shares)
+        device = replace(DEVICE_TYPES["cpu"], memory_bytes=_ram_bytes() // per_node)
+    return Cluster(nodes, per_node, device, cores_per_node=cores or _cores(), compute_shares=compute_shares)
 
 
 def measure_compute_shares(

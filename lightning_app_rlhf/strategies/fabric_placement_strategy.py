@@ -124,7 +124,7 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         if not hasattr(module, "placed_roles"):
             raise TypeError(f"setup_rlhf takes an RLHFModule; got {type(module).__name__}.")
         module.placed_roles = place(self._plan, module, self.world_size, self.global_rank, self.root_device,
-                                    self._timeout)
+                                    self._timeout, self.num_processes)
         self.placement = module.placed_roles.placement
         module.configure_model()
         wrap_roles(module, self.root_device)  # before the optimizers: FSDP2 replaces parameters

@@ -21,7 +21,7 @@ from lightning_app_rlhf.parallel.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, sta
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
-from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
+from lightning_app_rlhf.parallel.tensor_parallel import check_node_boundaries, check_tensor_parallel
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 
@@ -186,12 +186,14 @@ def place(
     global_rank: int,
     root_device: torch.device,
     timeout: datetime.timedelta,
+    ranks_per_node: int | None = None,
 ) -> PlacedRoles:
     """Build the plan for the module's algorithm, validate it, and create every call's group (collective); the
     module's :class:`PlacedRoles`, wrapped once its models exist.
 
     ``plan`` is a plan, a preset builder ``(world_size, roles=...) -> plan``, or a user's ``(world_size) -> plan``.
-    Bad plans fail here, before any model is built.
+    Bad plans fail here, before any model is built; so do tensor-parallel replicas that span nodes of
+    ``ranks_per_node`` processes (default: one node).
     """
     algorithm = module.algorithm
     plan = plan_for(plan, world_size, algorithm.roles)
@@ -202,6 +204,7 @@ def place(
                          "ranks.")
     plan.check_roles(algorithm.roles, algorithm.name)
     check_tensor_parallel(plan)
+    check_node_boundaries(plan, ranks_per_node or world_size)
     return PlacedRoles(create_placement(plan, global_rank, root_device, timeout))
 
 

@@ -111,7 +111,7 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
             raise TypeError(f"{type(self).__name__} runs an RLHFModule; got {type(module).__name__}.")
         self._start_distributed()
         module.placed_roles = place(self.build_plan, module, self.world_size, self.global_rank, self.root_device,
-                                    self._timeout)
+                                    self._timeout, self.num_processes)
         self.placement_plan = module.placed_roles.placement.plan
 
     def apply_plan(self, plan: PlacementPlan) -> None:
