@@ -68,9 +68,9 @@ def save_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any]) -> None:
     if hparams is not None and str(hparams.get("tokenizer", "")).startswith("<"):
         # A tokenizer object: its files, so load_from_checkpoint rebuilds it without the original.
         checkpoint[module.CHECKPOINT_HYPER_PARAMS_KEY] = {**hparams, "tokenizer": tokenizer_files(module.tokenizer)}
-    pending = module.engine.pending_experience
     checkpoint[RLHF_STATE_KEY] = {
-        "pending_experience": vars(pending) if pending is not None else None,
+        "pending_experiences": [vars(experience) for experience in module.engine.pending_experiences],
+        "policy_version": module.engine.policy_version,
         **module.shaping.state_dict(),
         "seed": module.seed,
         "algorithm": module.algorithm.name,
@@ -101,8 +101,11 @@ def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -
                          f"{module.algorithm.name!r}. Resume with --model.algorithm {saved}, or start a new run.")
     module.shaping.load_state_dict(state)
     module.seed = state["seed"]
-    pending = state.get("pending_experience")
-    module.engine.pending_experience = Experience(**pending).to(module.device) if pending is not None else None
+    pending = state.get("pending_experiences")
+    if pending is None:  # saved before bounded staleness: at most one rollout, under "pending_experience"
+        pending = [state["pending_experience"]] if state.get("pending_experience") is not None else []
+    module.engine.pending_experiences = [Experience(**experience).to(module.device) for experience in pending]
+    module.engine.policy_version = state.get("policy_version", 0)
 
 
 def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:

@@ -681,3 +681,29 @@ def test_rollout_is_needs_the_trainers_logprobs_and_a_threshold_above_one():
         PPOConfig(recompute_old_logprobs=True, rollout_is="mis", rollout_is_threshold=1.0)
     assert algorithm("grpo", num_samples=2, recompute_old_logprobs=True).stat_names("actor")[-5:] == \
         functional.MISMATCH_STATS
+
+
+def test_decoupled_ppo_for_stale_rollouts_by_hand():
+    """AReaL's decoupled objective, as ``ppo.recompute_old_logprobs`` with ``ppo.rollout_is: tis`` computes it on a
+    rollout that older weights generated (``max_staleness``): the clip is around the proximal policy (the trainer's
+    weights before this update), and each token is weighted by proximal over behaviour, capped. Token 0: behaviour
+    p = 0.5, proximal 0.6, now 0.66 (ratio 1.1, inside the clip): -A x 1.1 x 1.2. Token 1: behaviour 0.5, proximal
+    0.4, now 0.2 (ratio 0.5, clipped at 0.8 with A = -1): 0.8 x 0.8. With proximal = behaviour (a fresh rollout)
+    every weight is 1 and the loss is PPO's."""
+    behaviour = torch.log(torch.tensor([[0.5, 0.5]]))
+    proximal = torch.log(torch.tensor([[0.6, 0.4]]))
+    now = torch.log(torch.tensor([[0.66, 0.2]]))
+    advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.long)
+    weights, kept, _ = functional.rollout_correction(proximal, behaviour, mask, "tis", "token", 2.0)
+    built = algorithm("ppo", recompute_old_logprobs=True, rollout_is="tis")
+    batch = _experience(advantages, mask)
+    batch.logprobs, batch.is_weights, batch.response_mask = proximal, weights, kept
+    loss, _ = built.policy_loss(now, None, batch, functional.LossScale(torch.tensor(2.0), 1, 2))
+    assert weights[0].tolist() == pytest.approx([1.2, 0.8])
+    assert loss.item() == pytest.approx((-1.0 * 1.1 * 1.2 + 0.8 * 0.8) / 2)
+    fresh, _, _ = functional.rollout_correction(behaviour, behaviour, mask, "tis", "token", 2.0)
+    batch.logprobs, batch.is_weights = behaviour, fresh
+    corrected, _ = built.policy_loss(now, None, batch, functional.LossScale(torch.tensor(2.0), 1, 2))
+    batch.is_weights = None
+    plain, _ = built.policy_loss(now, None, batch, functional.LossScale(torch.tensor(2.0), 1, 2))
+    assert fresh.tolist() == [[1.0, 1.0]] and corrected.item() == plain.item()

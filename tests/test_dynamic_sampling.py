@@ -136,8 +136,8 @@ def test_dynamic_sampling_refuses_a_plan_with_overlap():
     from lightning_app_rlhf.parallel.plan import separation_plan
 
     check_dynamic_sampling_plan(separation_plan(2))
-    with pytest.raises(ValueError, match="without overlap, or set ppo.dynamic_sampling false"):
-        check_dynamic_sampling_plan(separation_plan(2, overlap=True))
+    with pytest.raises(ValueError, match=r"Use an on-policy plan \(max_staleness 0\), or set ppo.dynamic_sampling"):
+        check_dynamic_sampling_plan(separation_plan(2, max_staleness=1))
 
 
 def _fabric_rank(rank: int, port: int) -> None:

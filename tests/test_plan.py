@@ -15,6 +15,7 @@ from lightning_app_rlhf.parallel.plan import (
     interleaving_plan,
     separation_plan,
 )
+from lightning_app_rlhf.strategies import SeparationStrategy
 
 
 def _calls(**overrides):
@@ -49,8 +50,23 @@ def test_impossible_ratios_and_groups_name_the_fix():
         separation_plan(4, generation_ranks=[0, 1], training_ranks=[1, 2, 3])
     with pytest.raises(ValueError, match=r"Separation needs at least 2 ranks"):
         separation_plan(1)
-    with pytest.raises(ValueError, match=r"overlap=True needs generation and training on disjoint ranks.*separation"):
-        PlacementPlan(2, _calls(), overlap=True)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"max_staleness=.*: give a whole number of weight versions"):
+            PlacementPlan(2, _calls(), max_staleness=bad)
+
+
+def test_a_staleness_bound_and_plans_saved_with_overlap():
+    """``max_staleness`` runs on any ranks (on shared ranks one step after the other: the single-process simulation
+    of a schedule); a plan saved before it, with ``overlap``, reads as staleness 1 or 0."""
+    assert PlacementPlan(2, _calls(), max_staleness=2).overlap  # shared ranks: allowed
+    plan = separation_plan(4, max_staleness=2)
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan and plan.to_dict()["max_staleness"] == 2
+    legacy = {k: v for k, v in separation_plan(4).to_dict().items() if k != "max_staleness"}
+    assert PlacementPlan.from_dict({**legacy, "overlap": True}).max_staleness == 1
+    assert PlacementPlan.from_dict({**legacy, "overlap": False}).max_staleness == 0
+    with pytest.raises(ValueError, match=r"overlap=True trains one step off-policy, max_staleness=0 on-policy"):
+        SeparationStrategy(overlap=True, max_staleness=0)
+    assert SeparationStrategy(overlap=True).build_plan(4).max_staleness == 1
 
 
 def test_wrapper_errors_name_the_fix():

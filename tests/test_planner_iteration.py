@@ -129,7 +129,7 @@ def test_the_description_names_the_engines_forward_order():
 
 
 @pytest.mark.parametrize("plan", [
-    flattening_plan(2), interleaving_plan(2), separation_plan(2), separation_plan(2, overlap=True),
+    flattening_plan(2), interleaving_plan(2), separation_plan(2), separation_plan(2, max_staleness=1),
 ], ids=["flattening", "interleaving", "separation", "separation-overlap"])
 def test_a_traced_iteration_equals_the_description_and_the_cost_model(tmp_path, monkeypatch, tokenizer, plan):
     """Every rank of a real run takes, in every iteration, exactly the steps of ``iteration_steps`` in that order,

@@ -74,7 +74,7 @@ def test_tuner_picks_a_plan_trains_with_it_and_a_resume_keeps_it(tmp_path):
 
 def test_plans_round_trip_through_checkpoint_state():
     for plan in (interleaving_plan(4, reference_ratio=0.25, reward_ratio=0.75),
-                 separation_plan(4, generation_ranks=[0, 1, 2], training_ranks=[3], overlap=True)):
+                 separation_plan(4, generation_ranks=[0, 1, 2], training_ranks=[3], max_staleness=1)):
         assert PlacementPlan.from_dict(plan.to_dict()) == plan
 
 

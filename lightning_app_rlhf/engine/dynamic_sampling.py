@@ -34,11 +34,12 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def check_dynamic_sampling_plan(plan: PlacementPlan) -> None:
     """Raise naming the fix if ``plan`` cannot run dynamic sampling: its rounds come before each update, which a
-    plan with ``overlap`` runs beside the next generation."""
+    plan with a staleness bound runs beside later generations."""
     if plan.overlap:
         raise ValueError("ppo.dynamic_sampling collects groups over generation rounds before each update; the plan "
-                         f"{plan.name!r} overlaps generation with the previous update (overlap=True). Use a plan "
-                         "without overlap, or set ppo.dynamic_sampling false.")
+                         f"{plan.name!r} trains on earlier rollouts beside the next generation (max_staleness="
+                         f"{plan.max_staleness}). Use an on-policy plan (max_staleness 0), or set "
+                         "ppo.dynamic_sampling false.")
 
 
 def round_key(iteration: int, generation_round: int) -> int:

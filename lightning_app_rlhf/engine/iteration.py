@@ -22,8 +22,11 @@ With dynamic sampling (``ppo.dynamic_sampling``) an update may take several gene
 the last runs steps 1-3 only (``iteration_steps(plan, updates=False)``), and the last round the whole iteration on
 the groups the rounds collected.
 
-With ``plan.overlap`` (one-step off-policy) the train calls and their broadcasts run right after generation, on the
-previous iteration's rollout; the first iteration has none, and no reallocation either.
+With a staleness bound (``plan.max_staleness`` k above 0) the train calls and their broadcasts run on the rollout of
+k iterations earlier, right after generation (beside it, on the training group); the first k iterations have none,
+and no reallocation either. Where a trainable role scores on its own train ranks (a critic forward on shared ranks:
+Flattening, Interleaving, one process) they run after the scoring instead, so that the rollout is scored by the
+weights that generated it: every placement then runs the same schedule, and logs the same values.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def iteration_steps(plan: PlacementPlan, first: bool = False, updates: bool = Tr
 
     Args:
         plan: The placement; its roles are the algorithm's (a critic-free plan has no ``critic.*`` calls).
-        first: The run's first iteration: with ``overlap`` it trains nothing and reallocates nothing.
+        first: With a staleness bound, an iteration with nothing to train on yet (one of the first
+            ``max_staleness``): it trains nothing and reallocates nothing.
         updates: False: a generation round of dynamic sampling that only collects groups (``ppo.dynamic_sampling``,
             never with ``overlap``): the steps up to the forward calls' gathers, no train call, reallocation or
             learning rates.
@@ -85,15 +89,15 @@ def iteration_steps(plan: PlacementPlan, first: bool = False, updates: bool = Tr
                     Step("broadcast", call, world, "stats", previous_rollout=previous)]
         return out
 
-    if plan.overlap:
+    beside = plan.overlap and not scores_on_train_ranks(plan)
+    if beside:  # the train group updates on an earlier rollout while the generation group samples and scores
         steps += train(previous=True)
     steps.append(Step("gather", ACTOR.call("generate"), world))
     steps += [Step("call", c, plan.ranks(c)) for c in forwards]
     steps += [Step("gather", c, world) for c in forwards]
     if not updates:
         return steps
-    if not plan.overlap:
-        steps += train(previous=False)
+    steps += train(previous=plan.overlap) if not beside else []
     for role in trainable:
         ranks = reallocation_ranks(plan, role)
         if ranks:
@@ -102,6 +106,17 @@ def iteration_steps(plan: PlacementPlan, first: bool = False, updates: bool = Tr
     if first:
         steps = [s for s in steps if not s.previous_rollout]
     return steps
+
+
+def scores_on_train_ranks(plan: PlacementPlan) -> bool:
+    """Whether a trainable role's scoring forward (the critic's values) runs on ranks that train that role. With a
+    staleness bound such a plan trains after the scoring, not beside the generation: the rollout must be scored by
+    the weights that generated it, which the update would change first."""
+    for role in plan.trainable_roles:
+        train = set(plan.ranks(f"{role}.train"))
+        if any(set(plan.ranks(c)) & train for c in plan.calls if role_of(c) == role and c.endswith(".forward")):
+            return True
+    return False
 
 
 def relayout_calls(plan: PlacementPlan, role: str) -> tuple[str, ...]:

@@ -285,6 +285,9 @@ class Experience:
     is_weights: torch.Tensor | None = None
     """Per-token loss weights of ``ppo.rollout_is: tis`` (the truncated trainer-over-behaviour ratio); None
     otherwise."""
+    policy_version: int = 0
+    """The policy version that generated the rollout: how many updates its weights had had. An update on it is
+    ``current version - policy_version`` versions stale (``PlacementPlan.max_staleness`` bounds it)."""
 
     def minibatch(self, indices: torch.Tensor) -> Experience:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -48,10 +48,12 @@ class PlacementPlan:
     forward in lockstep."""
     name: str = "custom"
     """A label for summaries and logs."""
-    overlap: bool = False
-    """One-step off-policy: each iteration trains on the previous iteration's rollout while the generation group
-    samples the next, so updates use data one weight version old. Needs generation and training on disjoint
-    ranks."""
+    max_staleness: int = 0
+    """Bounded staleness, on a fixed schedule: each iteration trains on the rollout generated ``max_staleness``
+    iterations earlier, while the generation group samples the next, so (after the first ``max_staleness``
+    iterations, which train nothing) every update uses data exactly that many weight versions old. 0: on-policy;
+    1: one-step off-policy (``overlap``). It pays off where generation and training run on disjoint ranks
+    (Separation); on shared ranks the same schedule runs, one step after the other."""
     tp: dict[str, int] = field(default_factory=dict)
     """Call name -> its tensor-parallel degree (1 for a call left out). A call with degree ``t`` on ``n`` ranks runs
     as ``n / t`` data-parallel replicas, each a ``t``-way DTensor tensor-parallel copy of the role (the model
@@ -66,6 +68,12 @@ class PlacementPlan:
         trainable = [r for r in TRAINABLE_ROLES if f"{r}.train" in self.calls]
         object.__setattr__(self, "wrappers", {**{r: "ddp" for r in trainable}, **self.wrappers})
         self.validate()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the train calls work on an earlier iteration's rollout, beside the generation of the next
+        (``max_staleness`` above 0)."""
+        return self.max_staleness > 0
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -101,13 +109,10 @@ class PlacementPlan:
         if idle:
             raise ValueError(f"Ranks {idle} run no call: the plan's ranks must cover the world of "
                              f"{self.world_size}. Give them a call, or launch {self.world_size - len(idle)} devices.")
-        if self.overlap:
-            generating = set(self.calls[ACTOR.call("generate")])
-            training = {r for c, ranks in self.calls.items() if c.endswith(".train") for r in ranks}
-            if generating & training:
-                raise ValueError(f"overlap=True needs generation and training on disjoint ranks, but ranks "
-                                 f"{sorted(generating & training)} do both. Use the separation placement, or "
-                                 "overlap=False.")
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness!r}: give a whole number of weight versions, 0 for "
+                             "on-policy training, 1 for one-step off-policy (overlap), k for a rollout k updates "
+                             "old.")
         for role in self.trainable_roles:
             wrapper = self.wrappers.get(role)
             check_wrapper(wrapper, role)  # unknown, or its package missing: the error names the fix
@@ -189,12 +194,18 @@ class PlacementPlan:
     def to_dict(self) -> dict[str, Any]:
         """Plain fields (lists, not tuples): for checkpoints, JSON, and a strategy's ``plan:`` in a CLI config."""
         return {"world_size": self.world_size, "calls": {c: list(r) for c, r in self.calls.items()},
-                "wrappers": dict(self.wrappers), "name": self.name, "overlap": self.overlap, "tp": dict(self.tp),
+                "wrappers": dict(self.wrappers), "name": self.name, "max_staleness": self.max_staleness,
+                "tp": dict(self.tp),
                 "unshard_for_generation": self.unshard_for_generation}
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> PlacementPlan:
-        """The inverse of :meth:`to_dict`; validates like the constructor."""
+        """The inverse of :meth:`to_dict`; validates like the constructor. Reads the ``overlap`` flag of plans saved
+        before ``max_staleness`` (``overlap: true`` is ``max_staleness: 1``)."""
+        if "overlap" in fields:
+            overlap = fields["overlap"]
+            fields = {k: v for k, v in fields.items() if k != "overlap"}
+            fields.setdefault("max_staleness", 1 if overlap else 0)
         return cls(**fields)
 
     def ranks(self, call: str) -> tuple[int, ...]:
@@ -277,7 +288,7 @@ def separation_plan(
     training_ranks: tuple[int, ...] | list[int] | None = None,
     generation_ratio: float = 0.5,
     wrapper: str = "ddp",
-    overlap: bool = False,
+    max_staleness: int = 0,
     roles: tuple[str, ...] = ROLE_NAMES,
 ) -> PlacementPlan:
     """Generation and the forward calls on one group, the train calls on another.
@@ -288,7 +299,8 @@ def separation_plan(
         training_ranks: Explicit training group. Default: the ranks not generating.
         generation_ratio: Fraction of ranks that generate, when no explicit lists are given.
         wrapper: Parallel wrapper of the trainable roles on the training group.
-        overlap: One-step off-policy: generate iteration k while the rollout of k-1 trains.
+        max_staleness: Train on the rollout of ``max_staleness`` iterations earlier while the next one is generated
+            (:attr:`PlacementPlan.max_staleness`); 0: on-policy.
         roles: The algorithm's roles (a critic-free algorithm has no critic calls).
     """
     if world_size < 2:
@@ -304,4 +316,5 @@ def separation_plan(
                          "needs disjoint groups. Use flattening or a custom PlacementPlan to share ranks.")
     gen, train = tuple(generation_ranks), tuple(training_ranks)
     calls = {c: train if c.endswith(".train") else gen for c in calls_of(roles)}
-    return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="separation", overlap=overlap)
+    return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="separation",
+                         max_staleness=max_staleness)

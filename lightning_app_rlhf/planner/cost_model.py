@@ -60,8 +60,8 @@ class PlanChoice:
 
     @property
     def key(self) -> str:
-        """What the choice decides (call groups, wrappers, overlap, batches), without the plan's name."""
-        return self.label.split(" ", 1)[1] + f" overlap={self.plan.overlap}"
+        """What the choice decides (call groups, wrappers, staleness, batches), without the plan's name."""
+        return self.label.split(" ", 1)[1] + f" max_staleness={self.plan.max_staleness}"
 
     @property
     def label(self) -> str:

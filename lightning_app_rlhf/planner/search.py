@@ -91,7 +91,7 @@ class Candidate:
             "label": self.choice.label,
             "calls": {c: list(plan.ranks(c)) for c in calls_of(plan.roles)},
             "wrappers": dict(plan.wrappers),
-            "overlap": plan.overlap,
+            "max_staleness": plan.max_staleness,
             "tp": dict(plan.tp),
             "unshard_for_generation": plan.unshard_for_generation,
             "generation_batch": self.choice.generation_batch,

@@ -20,8 +20,11 @@ class SeparationStrategy(PlacementStrategy):
         training_ranks: Explicit training group. Default: the other ranks.
         generation_ratio: Fraction of ranks that generate.
         wrapper: Data-parallel wrapper of the trainable roles on the training group.
-        overlap: One-step off-policy: the training group updates on iteration k-1's rollout while the generation
-            group samples iteration k (logged as ``overlap/staleness``). Off by default (on-policy).
+        max_staleness: Bounded staleness on a fixed schedule: the training group updates on the rollout of
+            ``max_staleness`` iterations earlier while the generation group samples the next, so every update (after
+            the first ``max_staleness`` iterations, which train nothing) uses data that many weight versions old
+            (logged as ``rollout/staleness_mean`` and ``rollout/staleness_max``). 0 (default): on-policy.
+        overlap: ``True`` is ``max_staleness=1`` (one-step off-policy).
         **kwargs: See :class:`PlacementStrategy`.
     """
 
@@ -33,6 +36,7 @@ class SeparationStrategy(PlacementStrategy):
         training_ranks: list[int] | None = None,
         generation_ratio: float = 0.5,
         wrapper: str = "ddp",
+        max_staleness: int | None = None,
         overlap: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -41,9 +45,12 @@ class SeparationStrategy(PlacementStrategy):
         self.training_ranks = training_ranks
         self.generation_ratio = generation_ratio
         self.wrapper = wrapper
-        self.overlap = overlap
+        if overlap and max_staleness == 0:
+            raise ValueError("overlap=True trains one step off-policy, max_staleness=0 on-policy: pass one of them "
+                             "(overlap=True is max_staleness=1).")
+        self.max_staleness = max_staleness if max_staleness is not None else int(overlap)
 
     @override
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
         return separation_plan(world_size, self.generation_ranks, self.training_ranks, self.generation_ratio,
-                               self.wrapper, self.overlap, roles=roles)
+                               self.wrapper, self.max_staleness, roles=roles)
