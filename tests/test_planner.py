@@ -816,3 +816,22 @@ def test_workload_from_a_critic_free_module_and_its_profile(tmp_path):
     assert set(profile.ops[workload.actor.key]) == {"forward", "train", "prefill", "decode", "optimizer"}
     result = plan_placement(cluster_from_environment(2, cores=2), workload, profile=profile, mcmc_steps=50)
     assert result.best.plan.roles == ("actor", "reference", "reward")
+
+
+def test_the_search_prices_a_staleness_bound_only_when_allowed():
+    """``max_staleness`` 0: on-policy plans only. Above 0: every plan whose training can run beside its generation
+    (Separation's disjoint groups) is also priced at staleness 1, no slower than on-policy (the train calls leave
+    the critical path); plans sharing ranks between generation and training are not. ``plan`` shows the column."""
+    cluster = parse_cluster("1x4xcpu")
+    on_policy = plan_placement(cluster, demo_workload(), search="presets")
+    assert {c.plan.max_staleness for c in on_policy.candidates} == {0}
+    allowed = plan_placement(cluster, demo_workload(), search="presets", max_staleness=2)
+    stale = [c for c in allowed.candidates if c.plan.max_staleness]
+    assert stale and {c.plan.max_staleness for c in stale} == {1}
+    for candidate in stale:
+        assert candidate.plan.name == "separation"
+        fresh = on_policy.presets["separation"]
+        assert candidate.estimate.iteration_s <= fresh.estimate.iteration_s
+    result = run_cli("plan", "--cluster", "1x4xcpu", "--actor", "gpt2-tiny", "--search", "presets",
+                     "--max_staleness", "1", timeout=120)
+    assert "stale" in result.stdout

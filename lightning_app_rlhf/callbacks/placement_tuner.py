@@ -28,7 +28,7 @@ class PlacementTuner(Callback):
     ``PlacementStrategy``): the tuned plan replaces the strategy's own. It plans the module's algorithm: its roles
     only (no critic calls for a critic-free algorithm such as ``grpo``) and its rollout of ``data.batch_size x
     generation.num_samples`` sequences. The planner keeps training on-policy
-    (it never turns on Separation's ``overlap``) and searches every wrapper this machine can run; the run uses
+    (staleness only with ``max_staleness`` above 0) and searches every wrapper this machine can run; the run uses
     the chosen plan's generation batch and micro-batch (see :attr:`batch_sizes`).
 
     Args:
@@ -44,6 +44,8 @@ class PlacementTuner(Callback):
             count must equal the job's world size.
         ckpt_path: A checkpoint whose saved plan to reuse. Default: ``trainer.ckpt_path`` when it is set before
             ``fit`` (``RLHFCLI`` sets it from ``--ckpt_path``).
+        max_staleness: Let the search train beside generation on the previous rollout (staleness 1) where that is
+            faster; 0 (default): on-policy plans only. Off-policy data changes what is learned: opt in.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class PlacementTuner(Callback):
         profile: bool = True,
         cluster: str | None = None,
         ckpt_path: str | None = None,
+        max_staleness: int = 0,
     ) -> None:
         from lightning_app_rlhf.planner.search import SEARCHES
 
@@ -63,7 +66,7 @@ class PlacementTuner(Callback):
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0, got {time_budget_s}.")
         self.search_options: dict[str, Any] = {"search": search, "seed": seed, "time_budget_s": time_budget_s,
-                                               "mcmc_steps": mcmc_steps}
+                                               "mcmc_steps": mcmc_steps, "max_staleness": max_staleness}
         """The planner's search settings, as :func:`~lightning_app_rlhf.planner.plan_placement` takes them."""
         self.profile = profile
         self.cluster = cluster

@@ -104,6 +104,10 @@ class PlanOptions:
     tables when it does; the answer then depends on the machine's speed). Default: none."""
     top_k: int = 5
     """Searched plans shown besides the presets."""
+    max_staleness: int = 0
+    """The staleness bound the plans may use (SeparationStrategy(max_staleness=...)): above 0, plans whose training
+    can run beside their generation are also priced training on the previous rollout (staleness 1, column
+    "stale"). 0: on-policy plans only."""
     json: bool = False
     """Print JSON instead of tables."""
     realhf_sweep: bool = False
@@ -316,6 +320,7 @@ def search(options: PlanOptions, cluster: Cluster, workload: Workload) -> Planne
         time_budget_s=options.time_budget,
         mcmc_steps=options.mcmc_steps,
         top_k=options.top_k,
+        max_staleness=options.max_staleness,
     )
 
 
@@ -435,8 +440,8 @@ def print_report(report: PlanReport) -> None:
                f"{w.num_minibatches} minibatches ({result.search_s:.1f} s search)")
     plans = Table(title="Plans, fastest first" + (" (the config's own last)" if report.configured else ""))
     right = ("#", "iter s", "samples/s", "vs flattening")
-    for column in ("#", "", "source", "plan", "wrappers", "gen batch", "micro", "iter s", "samples/s", "peak/device",
-                   "vs flattening", "note"):
+    for column in ("#", "", "source", "plan", "wrappers", "stale", "gen batch", "micro", "iter s", "samples/s",
+                   "peak/device", "vs flattening", "note"):
         plans.add_column(column, justify="right" if column in right else "left")
     ranks = Table(title="Ranks of each call")
     for column in ("#", "plan", *w.calls):
@@ -452,6 +457,7 @@ def print_report(report: PlanReport) -> None:
             c.source,
             c.plan.name,
             " ".join(role_wrappers(c.plan.wrappers)) + ("" if c.plan.unshard_for_generation else " gen:gather/step"),
+            str(c.plan.max_staleness),
             str(c.choice.generation_batch or "all"),
             str(c.choice.micro_batch or "all"),
             _seconds_per_iteration(e.iteration_s) if e.fits else "-",

@@ -28,6 +28,7 @@ from lightning_app_rlhf.core.role_table import (
     calls_of,
     role_of,
 )
+from lightning_app_rlhf.engine.iteration import scores_on_train_ranks
 from lightning_app_rlhf.parallel.plan import (
     PlacementPlan,
     flattening_plan,
@@ -176,6 +177,7 @@ def plan_placement(
     top_k: int = 5,
     mcmc_steps: int = 2000,
     beta: float = 10.0,
+    max_staleness: int = 0,
 ) -> PlannerResult:
     """Choose a placement and batch sizes for ``workload`` on ``cluster``.
 
@@ -193,6 +195,9 @@ def plan_placement(
         top_k: Searched plans kept besides the presets.
         mcmc_steps: Proposals the MCMC chain makes: its budget.
         beta: MCMC inverse temperature: a plan ``d`` times slower (relative) is accepted with ``exp(-beta * d)``.
+        max_staleness: The staleness bound the plans may use (``PlacementPlan.max_staleness``; 0: on-policy only).
+            Above 0, every preset and searched plan whose training can run beside its generation is also priced
+            with staleness 1 (:func:`staleness_variants`).
 
     Raises:
         PlannerError: Nothing fits (the message shows the memory breakdown of the closest plan).
@@ -224,6 +229,8 @@ def plan_placement(
             if seeds:
                 raise
             # nothing fits anywhere: the error below names the closest preset
+    if max_staleness > 0:
+        searched += staleness_variants(model, [*presets.values(), *searched])
     fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
     if not fitting:
         closest = min(presets.values(), key=lambda c: c.estimate.peak_bytes)
@@ -245,6 +252,20 @@ def plan_placement(
     result.candidates = sorted(_distinct(result.candidates, 2 * top_k + 3), key=_cost)
     result.search_s = time.perf_counter() - start
     return result
+
+
+def staleness_variants(model: CostModel, candidates: list[Candidate]) -> list[Candidate]:
+    """Each distinct candidate whose train calls can run beside its generation (disjoint ranks, no trainable role
+    scoring on its own train ranks), priced with ``max_staleness`` 1: the engine's schedule is lockstep (the groups
+    meet in every iteration's gathers), so a larger bound would cost the same and only train on older data."""
+    out = []
+    for candidate in _distinct(candidates, len(candidates)):
+        plan = candidate.plan
+        training = {r for c in plan.calls if c.endswith(".train") for r in plan.ranks(c)}
+        if plan.overlap or training & set(plan.ranks(ACTOR.call("generate"))) or scores_on_train_ranks(plan):
+            continue
+        out.append(Candidate(evaluate(model, dataclasses.replace(plan, max_staleness=1)), candidate.source))
+    return out
 
 
 def _cost(candidate: Candidate) -> tuple[float, str]:
