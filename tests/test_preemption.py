@@ -102,6 +102,27 @@ def test_sigterm_saves_and_resume_continues_as_the_uninterrupted_run(tmp_path, s
             assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
+@pytest.mark.slow  # the queue's save and exact resume also run in the default test_placements resume test
+def test_sigterm_mid_queue_saves_the_queue_and_the_resumed_run_trains_on_it(tmp_path):
+    """``max_staleness=2``: SIGTERM during iteration 1, when the queue holds two scored rollouts and nothing has been
+    trained yet. The checkpoint keeps both; the resumed run trains on them at steps 2 and 3 and logs the
+    uninterrupted run's values."""
+    strategy = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.max_staleness", "2")
+    full_result, full = fit(tmp_path, "full", *common(tmp_path, "full_ckpt", strategy[0], 2), *strategy[1:])
+    assert full_result.returncode == 0, full_result.stderr[-4000:]
+    args = [*common(tmp_path, "ckpt", strategy[0], 2), *strategy[1:]]
+    stopped, before = fit(tmp_path, "stopped", *args, "--trainer.callbacks+=sigterm_callback.SendSigterm",
+                          f"--trainer.callbacks.step={SIGNAL_STEP}")
+    assert stopped.returncode == 0, (stopped.stdout + stopped.stderr)[-4000:]
+    assert [r.get("policy/loss") for r in before] == [None, None]  # two rollouts queued, none trained on yet
+    resumed_result, resumed = fit(tmp_path, "resumed", *args, "--ckpt_path", "last")
+    assert resumed_result.returncode == 0, resumed_result.stderr[-4000:]
+    assert [r["step"] for r in resumed] == [2, 3] and [r["rollout/staleness_max"] for r in resumed] == [0, 1]
+    for got, want in zip(resumed, full[SIGNAL_STEP + 1:], strict=True):
+        for metric in (*COMPARED, "kl/coef"):
+            assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
+
+
 class _Signal(Callback):
     def __init__(self, signum: int, step: int) -> None:
         self.signum, self.step = signum, step
