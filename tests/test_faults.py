@@ -287,6 +287,8 @@ def test_a_sigstopped_rank_is_named_within_the_heartbeat_timeout_and_no_process_
     assert match[5].startswith("iteration 2"), match[0]  # its steps of iteration 2, as of its last beat
     assert match[6].startswith("its heartbeats stopped "), match[0]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # Every step logged before the freeze is on disk (rank 0 also has its loggers save before it exits).
+    assert [r["step"] for r in metrics_rows(tmp_path) if "reward/mean" in r] == [0, 1, 2]
 
 
 def test_a_deadlocked_reward_function_is_named_with_its_stack(tmp_path):
@@ -327,6 +329,30 @@ def test_which_ranks_count_as_stuck():
     assert not watcher._is_stuck(beat(age=1, still=600, waiting=True), now)  # waits for another rank
     assert not watcher._is_stuck(beat(age=1, still=59, waiting=False), now)  # within the timeout
     assert not watcher._is_stuck(beat(age=59, still=0, waiting=False), now)
+
+
+def test_time_inside_a_placement_collective_counts_as_waiting_even_while_the_thread_computes():
+    """NCCL waits on the GPU while the main thread spins at a synchronisation: neither still nor in a
+    torch.distributed frame. The placement's collectives mark the wait, and its length counts from their start."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_app_rlhf.parallel.heartbeat import Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    beat = Heartbeat(store, 1, 2, interval=0.2, heartbeat_timeout=None)
+    try:
+        assert not beat._observe().waiting
+        with beat.waiting():
+            spin_until = time.monotonic() + 0.5
+            while time.monotonic() < spin_until:  # computing: the frame moves and CPU time grows
+                pass
+            seen = beat._observe()
+    finally:
+        beat.stop()
+    assert seen.waiting and seen.waited_s >= 0.5 and seen.still_s < 0.5, seen
 
 
 def test_a_heartbeat_timeout_below_a_few_beats_is_refused():

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from types import FrameType
 
@@ -38,6 +39,8 @@ STUCK_EXIT_CODE = 75
 """Exit status of every rank that ends on a stuck-rank verdict (EX_TEMPFAIL: a restart may succeed)."""
 DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 """Seconds a rank may wait in a collective for a stuck rank before the job stops naming it."""
+FLUSH_TIMEOUT = 5.0
+"""Seconds a flush before a stuck-rank exit may take (:meth:`Heartbeat.before_exit`)."""
 NEWS_DELAY = 0.2
 """A new step is told at the next poll at least this many seconds after the last beat (not only at the next beat):
 a rank frozen right after it entered a step is named with it."""
@@ -63,6 +66,9 @@ class Beat:
         where: Its main thread's innermost Python frame, ``file:line in function``.
         still_s: Seconds its main thread's frame has not moved.
         waiting: Whether its main thread is inside a collective (or the backward pass): waiting for other ranks.
+        waited_s: Seconds it has waited so far: since it entered the placement's collective it is in (which counts
+            where NCCL waits on the GPU, the main thread spinning, not standing still), else as long as it has
+            stood still inside a collective.
     """
 
     time: float
@@ -73,6 +79,7 @@ class Beat:
     where: str
     still_s: float
     waiting: bool
+    waited_s: float = 0.0
 
     def age(self, now: float) -> float:
         return now - self.time
@@ -105,6 +112,8 @@ class Heartbeat:
             connection.set_timeout(datetime.timedelta(seconds=store_timeout))
         self._host, self._main = socket.gethostname(), threading.main_thread()
         self._call = self._published_call = ""
+        self._collective_since: float | None = None
+        self._before_exit: dict[str, Callable[[], object]] = {}
         self._beaten = time.monotonic()
         self._frame_seen: tuple[int, int] | None = None
         self._still_since = self._observed_at = time.monotonic()
@@ -130,6 +139,24 @@ class Heartbeat:
         """Note that the main thread starts ``call`` (named in a stuck-rank verdict as the call it was last in)."""
         self._call = call
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a collective of the placement: the main thread waits for other ranks (nested: the outermost)."""
+        outermost = self._collective_since is None
+        if outermost:
+            self._collective_since = time.monotonic()
+        try:
+            yield
+        finally:
+            if outermost:
+                self._collective_since = None
+
+    def before_exit(self, name: str, flush: Callable[[], object]) -> None:
+        """Run ``flush`` (e.g. the loggers' save; ``name`` replaces an earlier one of that name) before this process
+        exits on a stuck-rank verdict: in a thread of its own, for at most :data:`FLUSH_TIMEOUT` seconds (a stalled
+        file system must not keep the job up)."""
+        self._before_exit[name] = flush
+
     # ---- the thread ----
 
     def _main_frame(self) -> FrameType | None:
@@ -149,9 +176,11 @@ class Heartbeat:
             self._frame_seen, self._still_since = seen, now
         self._observed_at, self._main_cpu = now, cpu
         where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame is not None else ""
-        waiting = _in_collective(frame)
-        return Beat(time.time(), self._host, os.getpid(), os.getppid(), self._call, where,
-                    round(now - self._still_since, 3), waiting)
+        since, still = self._collective_since, now - self._still_since
+        in_stack = _in_collective(frame)
+        waited = now - since if since is not None else (still if in_stack else 0.0)
+        return Beat(time.time(), self._host, os.getpid(), os.getppid(), self._call, where, round(still, 3),
+                    in_stack or since is not None, round(waited, 3))
 
     def _beat(self) -> Beat:
         beat = self._observe()
@@ -186,14 +215,15 @@ class Heartbeat:
         while not self._stopped.wait(self.interval) and self._main.is_alive():
             since = self._in_store_call_since
             silent = time.monotonic() - since if since is not None else 0.0
-            if silent > self.heartbeat_timeout and _in_collective(self._main_frame()):
+            if silent > self.heartbeat_timeout and (self._collective_since is not None
+                                                    or _in_collective(self._main_frame())):
                 self._stop_job(f"this rank (host {self._host}) waits in a collective, last in {self._call!r}, and "
                                f"the store that carries the heartbeats has not answered for {silent:.0f} s: rank 0, "
                                "which hosts it, is frozen (SIGSTOP, a stalled node) or died. Look at rank 0's host "
                                "and log.", stuck=[])
 
     def _waiting_too_long(self, beat: Beat) -> bool:
-        return self.heartbeat_timeout is not None and beat.waiting and beat.still_s > self.heartbeat_timeout
+        return self.heartbeat_timeout is not None and beat.waiting and beat.waited_s > self.heartbeat_timeout
 
     def _watch(self, beat: Beat) -> None:
         """Stop this process on a posted verdict; post one when this rank has waited too long for a stuck rank."""
@@ -223,7 +253,7 @@ class Heartbeat:
                    f"its main thread has not moved for {other.still_s:.0f} s outside any collective, at {other.where}")
             last = f"last in {other.call!r}" if other.call else "before its first call"
             lines.append(f"rank {rank} (host {other.host}, pid {other.pid}) is stuck, {last}: {how}")
-        return (f"Stuck rank: {'; '.join(lines)}. Rank {self.rank} (host {self._host}) waited {beat.still_s:.0f} s "
+        return (f"Stuck rank: {'; '.join(lines)}. Rank {self.rank} (host {self._host}) waited {beat.waited_s:.0f} s "
                 f"for it in a collective, last in {beat.call!r}, longer than heartbeat_timeout={self.heartbeat_timeout}"
                 " s, so every rank stops now. A living stuck rank prints its main thread's stack in its log. If one "
                 "step of a rank legitimately runs longer without a collective, raise PlacementStrategy("
@@ -238,6 +268,10 @@ class Heartbeat:
             text += "This is the stuck rank. Its main thread:\n" + "".join(traceback.format_stack(frame))
         sys.stderr.write(text)
         sys.stderr.flush()
+        for flush in self._before_exit.values():
+            thread = threading.Thread(target=flush, name="rlhf-heartbeat-flush", daemon=True)
+            thread.start()
+            thread.join(timeout=FLUSH_TIMEOUT)
         if self.rank == 0:
             self.keep_store_up(max_wait=3 * self.interval + 2)
             self._kill_stuck_children(stuck)
@@ -354,6 +388,19 @@ def start_heartbeat(rank: int, world_size: int, interval: float = 1.0,
         _heartbeat = Heartbeat(store, rank, world_size, interval, heartbeat_timeout=heartbeat_timeout)
         atexit.register(_heartbeat.stop)
     return _heartbeat
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around a collective of the placement: this rank waits for others (:meth:`Heartbeat.waiting`)."""
+    with _heartbeat.waiting() if _heartbeat is not None else contextlib.nullcontext():
+        yield
+
+
+def before_exit(name: str, flush: Callable[[], object]) -> None:
+    """Run ``flush`` before this process exits on a stuck-rank verdict (:meth:`Heartbeat.before_exit`)."""
+    if _heartbeat is not None:
+        _heartbeat.before_exit(name, flush)
 
 
 def entering(call: str) -> None:

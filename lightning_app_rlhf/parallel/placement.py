@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_app_rlhf.core.wrapper_names import SHARDED_WRAPPERS
-from lightning_app_rlhf.parallel.heartbeat import keep_store_up, stopped_ranks
+from lightning_app_rlhf.parallel.heartbeat import keep_store_up, stopped_ranks, waiting
 from lightning_app_rlhf.parallel.plan import CALLS, PlacementPlan, flattening_plan
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -131,9 +131,11 @@ class Placement:
 
     @contextlib.contextmanager
     def _collective(self, call: str, what: str) -> Iterator[None]:
-        """Turn a failed collective into an error that names this rank, the call, its role and its ranks."""
+        """Turn a failed collective into an error that names this rank, the call, its role and its ranks; the heartbeat
+        counts the time inside it as waiting (a stuck peer is named after ``heartbeat_timeout``)."""
         try:
-            yield
+            with waiting():
+                yield
         except (RuntimeError, dist.DistError) as err:
             heard = stopped_ranks()  # which rank stopped, from the heartbeats ("" without them)
             message = (

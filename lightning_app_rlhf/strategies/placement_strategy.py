@@ -34,6 +34,7 @@ from lightning_app_rlhf.checkpoint.format import (
     verify,
 )
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
+from lightning_app_rlhf.parallel.heartbeat import before_exit
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import create_placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -137,6 +138,9 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
         # collective on the other ranks (a hang): see PlacementSignalConnector. setup() runs before the Trainer
         # registers its handlers.
         use_placement_signal_connector(trainer)
+        # A stuck rank ends every process from the heartbeat's thread: the loggers save what they buffer first
+        # (Lightning saves a CSV log at every step; TensorBoard's and others' writers buffer).
+        before_exit("loggers", lambda: [logger.save() for logger in trainer.loggers])
         self.accelerator.setup(trainer)
         self.model_to_device()
         module = self.lightning_module
