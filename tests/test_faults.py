@@ -225,7 +225,7 @@ def test_a_process_exits_cleanly_while_its_heartbeats_beat():
 
 HEARTBEAT_TIMEOUT_S = 5
 """The heartbeat timeout the stuck-rank runs use (``--trainer.strategy.heartbeat_timeout``)."""
-STUCK_MARGIN_S = 10
+STUCK_MARGIN_S = 15
 """Allowed on top of it: a beat's interval, the verdict's round through the store, rank 0's wait for the others."""
 STUCK_EXITS = (STUCK_EXIT_CODE, -signal.SIGKILL)
 """The launcher's exit: its own verdict's status, or SIGKILL from Lightning's observer of the ranks it launched,
@@ -284,7 +284,7 @@ def test_a_sigstopped_rank_is_named_within_the_heartbeat_timeout_and_no_process_
     match = VERDICT.search(result.stderr)
     assert match, output_tail(result)
     assert match.groups()[:4] == ("0", "1", socket.gethostname(), str(pid)), match[0]
-    assert match[5].startswith("iteration 2"), match[0]  # its steps of iteration 2, as of its last beat
+    assert match[5] == "iteration 2 done: outside the engine (the training loop, callbacks, checkpoints)", match[0]
     assert match[6].startswith("its heartbeats stopped "), match[0]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     # Every step logged before the freeze is on disk (rank 0 also has its loggers save before it exits).

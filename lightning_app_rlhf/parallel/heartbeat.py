@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -41,9 +42,10 @@ DEFAULT_HEARTBEAT_TIMEOUT = 60.0
 """Seconds a rank may wait in a collective for a stuck rank before the job stops naming it."""
 FLUSH_TIMEOUT = 5.0
 """Seconds a flush before a stuck-rank exit may take (:meth:`Heartbeat.before_exit`)."""
-NEWS_DELAY = 0.2
-"""A new step is told at the next poll at least this many seconds after the last beat (not only at the next beat):
-a rank frozen right after it entered a step is named with it."""
+CALL_KEY = "rlhf_call/"
+"""Store key prefix of the step each rank's main thread entered last: ``rlhf_call/{rank}``, written by the main
+thread itself as it enters the step (a store ``set`` does not wait for an answer: a few microseconds), so that a rank
+frozen right after is named with it."""
 STILL_CPU_SHARE = 0.01
 """A main thread that used less than this share of a CPU since the last beat, in the same frame, stands still."""
 WAITING_CODE = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}",
@@ -107,14 +109,15 @@ class Heartbeat:
                  store_timeout: float = 5.0, heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
         self.store, self.rank, self.world_size, self.interval = store, rank, world_size, interval
         self.heartbeat_timeout = heartbeat_timeout
-        self._writer, self._reader = store.clone(), store.clone()  # own connections: thread-safe, own timeout
-        for connection in (self._writer, self._reader):
+        # Own connections (a store client is not thread-safe), each with its own timeout: the thread's writer and
+        # reader, and the main thread's writer of the step it enters.
+        self._writer, self._reader, self._call_writer = store.clone(), store.clone(), store.clone()
+        for connection in (self._writer, self._reader, self._call_writer):
             connection.set_timeout(datetime.timedelta(seconds=store_timeout))
         self._host, self._main = socket.gethostname(), threading.main_thread()
-        self._call = self._published_call = ""
+        self._call = ""
         self._collective_since: float | None = None
         self._before_exit: dict[str, Callable[[], object]] = {}
-        self._beaten = time.monotonic()
         self._frame_seen: tuple[int, int] | None = None
         self._still_since = self._observed_at = time.monotonic()
         self._main_cpu_clock = _thread_cpu_clock(self._main)
@@ -138,6 +141,9 @@ class Heartbeat:
     def enter(self, call: str) -> None:
         """Note that the main thread starts ``call`` (named in a stuck-rank verdict as the call it was last in)."""
         self._call = call
+        if self._call_writer is not None:
+            with contextlib.suppress(RuntimeError):  # the store is gone: the job is ending
+                self._call_writer.set(f"{CALL_KEY}{self.rank}", call)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -185,7 +191,6 @@ class Heartbeat:
     def _beat(self) -> Beat:
         beat = self._observe()
         self._writer.set(f"{HEARTBEAT_KEY}{self.rank}", json.dumps(asdict(beat)))
-        self._published_call, self._beaten = beat.call, time.monotonic()
         return beat
 
     def _run(self) -> None:
@@ -195,10 +200,9 @@ class Heartbeat:
         while not self._stopped.wait(min(EXIT_POLL, max(0.0, next_beat - time.monotonic()))):
             if not self._main.is_alive():
                 return
-            now = time.monotonic()
-            if now < next_beat and not (self._call != self._published_call and now > self._beaten + NEWS_DELAY):
-                continue  # no beat due, and no new step to tell (soon after the last beat)
-            next_beat = now + self.interval
+            if time.monotonic() < next_beat:
+                continue
+            next_beat += self.interval
             self._in_store_call_since = time.monotonic()
             try:
                 self._watch(self._beat())
@@ -293,6 +297,7 @@ class Heartbeat:
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self._join_timeout)
+        self._call_writer = None  # the main thread's own: it calls stop, so nothing else uses it now
         if not self._thread.is_alive():  # close the store connections now, not during interpreter teardown
             self._writer = self._reader = None
 
@@ -306,7 +311,11 @@ class Heartbeat:
         for rank in range(self.world_size):
             key = f"{HEARTBEAT_KEY}{rank}"
             if rank != self.rank and self._reader.check([key]):
-                beats[rank] = Beat(**json.loads(self._reader.get(key)))
+                beat = Beat(**json.loads(self._reader.get(key)))
+                call = f"{CALL_KEY}{rank}"
+                if self._reader.check([call]):  # the main thread's own word: newer than its last beat
+                    beat = dataclasses.replace(beat, call=self._reader.get(call).decode())
+                beats[rank] = beat
         return beats
 
     def last_beats(self) -> dict[int, float]:
