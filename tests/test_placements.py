@@ -274,7 +274,8 @@ STALENESS_2 = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.st
     *(pytest.param((s,), 2, marks=pytest.mark.slow) for s in STRATEGIES[:2]),  # Separation restores the most
     (("rlhf_separation",), 2),
     pytest.param(OVERLAP, 2, marks=pytest.mark.slow),  # overlap: test_separation_overlap_trains_one_step_behind
-    (STALENESS_2, 2),  # the step-2 checkpoint holds a queue of two rollouts, the first trained on at step 2
+    # The step-2 checkpoint holds a queue of two rollouts, the first trained on at step 2 (SIGTERM mid-queue: slow too).
+    pytest.param(STALENESS_2, 2, marks=pytest.mark.slow),
 ])
 def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, devices):
     """Kill-and-resume: a run resumed from its step-2 checkpoint logs the same values at steps 2 and 3 as the

@@ -4,7 +4,8 @@ stalling the job for the collective timeout. Plain torch.distributed.
 
 A rank is *stuck* when its process is frozen (SIGSTOP, a node that stopped answering: its beats stop), or when its
 main thread has stood still outside any collective (a deadlocked reward function, a read from a stalled file system:
-its beats go on, but its main thread's frame does not move). A rank waiting in a collective for longer than
+its beats go on, but its main thread's frame does not move and it uses no CPU). A rank waiting in a collective (one
+of the placement's, which it marks, or any frame of torch.distributed, DDP or DeepSpeed) for longer than
 ``heartbeat_timeout`` reads the others' beats; if one of them is stuck it posts the verdict to the store, and every
 rank (the stuck one too, where it can, with its main thread's stack) prints it and ends its process, as NCCL's own
 watchdog does: a thread cannot raise into a main thread blocked inside a C++ collective.
