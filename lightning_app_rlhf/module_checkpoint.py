@@ -104,6 +104,12 @@ def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -
     pending = state.get("pending_experiences")
     if pending is None:  # saved before bounded staleness: at most one rollout, under "pending_experience"
         pending = [state["pending_experience"]] if state.get("pending_experience") is not None else []
+    bound = module.placed_roles.placement.plan.max_staleness
+    if len(pending) > bound:  # they would never be trained on, or be trained on beyond the bound
+        raise CheckpointError(f"Checkpoint {path} holds {len(pending)} scored rollouts not trained on yet (saved with "
+                              f"max_staleness {len(pending)}), more than this run's plan allows ({bound}). Resume "
+                              f"with SeparationStrategy(max_staleness={len(pending)}) (--trainer.strategy."
+                              f"max_staleness {len(pending)}), or from a checkpoint saved without a staleness bound.")
     module.engine.pending_experiences = [Experience(**experience).to(module.device) for experience in pending]
     module.engine.policy_version = state.get("policy_version", 0)
 

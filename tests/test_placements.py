@@ -358,3 +358,18 @@ def test_a_staleness_bound_of_2_on_4_processes_logs_the_single_process_simulatio
         want = on_policy[0][metric]
         got = separation[0 if metric == "reward/mean" else 2][metric]  # rollout 0, and the update on it
         assert got == pytest.approx(want, rel=1e-5), metric
+
+
+def test_a_queue_of_stale_rollouts_longer_than_the_bound_is_refused_on_resume():
+    """A checkpoint saved with ``max_staleness`` 2 holds two rollouts not trained on yet: resumed on-policy they
+    would be dropped (or trained on beyond the bound), so the resume stops naming the setting that fits."""
+    from lightning_app_rlhf.checkpoint.format import CheckpointError
+    from lightning_app_rlhf.module_checkpoint import RLHF_STATE_KEY, load_rlhf_state
+
+    module = make_module()
+    module.configure_model()
+    state = {"pending_experiences": [{}, {}], "policy_version": 0, **module.shaping.state_dict(),
+             "seed": module.seed, "algorithm": module.algorithm.name}
+    with pytest.raises(CheckpointError, match=r"holds 2 scored rollouts not trained on yet .* this run's plan allows "
+                                              r"\(0\)\. Resume with SeparationStrategy\(max_staleness=2\)"):
+        load_rlhf_state(module, {RLHF_STATE_KEY: state}, "step=2.ckpt")
