@@ -23,6 +23,7 @@ from torch.testing import assert_close
 from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.data import collate_left_padded
 from lightning_app_rlhf.generation import Rollout, generate, get_backend, sample_keys
+from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
 PAD, EOS = 0, 2
@@ -310,3 +311,21 @@ def test_cuda_bf16_static_decode_runs(batch):
     assert torch.isfinite(static.logprobs).all() and (static.logprobs <= 0).all()
     assert static.logprobs.dtype == torch.float32
     assert torch.equal(static.responses[:, 0], eager.responses[:, 0])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_compiled_sampling_over_a_real_vocabulary_gives_eager_tokens():
+    """The sampling arithmetic compiled on CUDA over a SmolLM2-sized vocabulary (49152: Inductor splits the float64
+    CDF scan there, which its Triton code could not compile) picks eager's tokens for the same uniforms."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 49152, generator=generator).cuda()
+    uniforms = keyed_uniforms(torch.arange(8), 4).cuda()
+    done = torch.zeros(8, dtype=torch.bool, device="cuda")
+    config = GenerationConfig(top_k=50, top_p=0.9)
+    compiled = torch.compile(next_token, dynamic=False)
+    for step in range(2):
+        got = compiled(logits, config, uniforms, step, done, 0)
+        want = next_token(logits, config, uniforms, step, done, 0)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])

@@ -48,6 +48,17 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     return tokens.clamp(max=probs.shape[-1] - 1)
 
 
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    return inverse_cdf_sample(filter_probs(probs, top_k, top_p), uniforms)
+
+
+# Inductor's Triton code fails to compile the draw over a real vocabulary (tens of thousands of columns): the float64
+# cumsum it splits, and the top-p scatter (InductorError "list indices must be integers or slices, not NoneType",
+# torch 2.11 on an H200). So on CUDA the draw runs eagerly: one graph break in the compiled decode step, the same
+# arithmetic, the same tokens as eager. On the CPU Inductor compiles it.
+_draw_eager = torch.compiler.disable(_draw)
+
+
 def next_token(
     logits: torch.Tensor,
     config: GenerationConfig,
@@ -72,8 +83,10 @@ def next_token(
     """
     log_probs = F.log_softmax(logits.float() / config.temperature, dim=-1)
     if config.do_sample:
-        token = inverse_cdf_sample(filter_probs(log_probs.exp(), config.top_k, config.top_p), uniforms[:, step])
+        draw = _draw_eager if logits.is_cuda else _draw
+        token = draw(log_probs.exp(), uniforms[:, step], config.top_k, config.top_p)
     else:
         token = log_probs.argmax(-1)
     token = torch.where(done, torch.full_like(token, pad_token_id), token)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done)
+
