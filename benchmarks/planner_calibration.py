@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,14 @@ from lightning_app_rlhf.planner.profiler import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/configs/demo_cpu.yaml"
-PRESETS = {"flattening": flattening_plan, "interleaving": interleaving_plan, "separation": separation_plan}
+PRESETS = {
+    "flattening": flattening_plan,
+    "interleaving": interleaving_plan,
+    "separation": separation_plan,
+    # Bounded staleness on the fixed schedule (SeparationStrategy(max_staleness=k)): k=1 is overlap=True.
+    **{f"separation_k{k}": partial(separation_plan, max_staleness=k) for k in (1, 2, 4)},
+}
+DEFAULT_PRESETS = ("flattening", "interleaving", "separation")
 MODELS = {
     "tiny": {},  # the demo config's own model
     "small": {
@@ -211,7 +219,10 @@ def measure_case(
     steps = [r for r in rows if "perf/samples_per_sec" in r][args.skip :]
     seconds = [32 / r["perf/samples_per_sec"] for r in steps]  # the demo's rollout batch is 32 prompts
     memory = next(r for r in rows if "memory/param_bytes_rank0" in r)
+    trained = [r for r in rows if "perf/samples_per_sec" in r]
     return {
+        # Every iteration's reward against the training_step seconds so far (the reward-vs-time curves).
+        "curve": [[int(r["step"]), r["reward/mean"], 32 / r["perf/samples_per_sec"]] for r in trained],
         "measured_s": statistics.median(seconds),  # robust to spikes of the other jobs
         "measured_phases_s": {p: statistics.median(r[f"time/{p}_s"] for r in steps) for p in PHASES},
         "measured_spread_s": statistics.stdev(seconds) if len(seconds) > 1 else 0.0,
@@ -244,7 +255,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         top = 1.15 * max(max(r["measured_s"], r["predicted_s"]) for r in rows)
         ax.fill_between([0, top], [0, 0.8 * top], [0, 1.2 * top], color="0.9", label="within 20%")
         ax.plot([0, top], [0, top], color="0.5", linewidth=0.8)
-        colors = {"flattening": "C0", "interleaving": "C1", "separation": "C2", "chosen": "C3"}
+        colors = {"flattening": "C0", "interleaving": "C1", "separation": "C2", "chosen": "C3",
+                  "separation_k1": "C5", "separation_k2": "C6", "separation_k4": "C7"}
         for row in rows:
             marker = "o" if row["processes"] == 2 else "s"
             ax.scatter(
@@ -272,6 +284,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["tiny", "small"])
+    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=list(DEFAULT_PRESETS),
+                        help="the plans measured beside the planner's choice (separation_kN: max_staleness=N)")
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=5, help="first iterations left out of the measured mean")
@@ -305,7 +319,7 @@ def main() -> None:
                 profiles[f"{model_name} x{devices}"] = profile.ops
                 device = measure_collectives_in_processes(profile.device, devices)
                 profiled = type(profile)(profile.hardware, device, profile.ops)
-                cases = {name: preset(devices) for name, preset in PRESETS.items()}
+                cases = {name: PRESETS[name](devices) for name in args.presets}
                 # The planner decides with the machine's shares as they are now; its choice is measured too.
                 cluster = cluster_from_environment(
                     devices, device, compute_shares=settled_shares(devices, args, work)

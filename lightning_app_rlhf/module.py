@@ -25,7 +25,7 @@ from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig, as_config
 from lightning_app_rlhf.core.role_table import CRITIC, ROLES
-from lightning_app_rlhf.engine import export
+from lightning_app_rlhf.engine import export, free_running
 from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
@@ -231,6 +231,20 @@ class RLHFModule(pl.LightningModule):
     def on_train_start(self) -> None:
         self._wrap_whole_roles()  # also when the batch-size tuner runs the fit loop without on_fit_start
         self.learning_rates = self.engine.learning_rates()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._settle_free_running()  # validation samples with the newest weights
+
+    @override
+    def on_train_end(self) -> None:
+        self._settle_free_running()  # the shadows hold the final weights; no transfer left in flight
+
+    def _settle_free_running(self) -> None:
+        """Under a free-running plan, where both sides of the world meet: the generation side takes every published
+        weight version (:func:`~lightning_app_rlhf.engine.free_running.settle`)."""
+        if self._placed().placement.plan.free_running:
+            free_running.settle(self.engine)
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

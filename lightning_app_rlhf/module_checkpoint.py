@@ -24,6 +24,7 @@ from lightning_app_rlhf.checkpoint.format import (
     verify,
 )
 from lightning_app_rlhf.core.role_table import REFERENCE, ROLES
+from lightning_app_rlhf.engine import free_running
 from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.models.roles import resolve_import, tokenizer_files
 
@@ -68,9 +69,16 @@ def save_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any]) -> None:
     if hparams is not None and str(hparams.get("tokenizer", "")).startswith("<"):
         # A tokenizer object: its files, so load_from_checkpoint rebuilds it without the original.
         checkpoint[module.CHECKPOINT_HYPER_PARAMS_KEY] = {**hparams, "tokenizer": tokenizer_files(module.tokenizer)}
+    plan = module.placed_roles.placement.plan
+    train_stats = {}
+    if plan.free_running and module.placed_roles.placement.rank in plan.generation_ranks:
+        # The update that made the saved weights, which the generation side logs with its next rollout.
+        train_stats = free_running.stats_of_version(module.engine, module.iteration)
     checkpoint[RLHF_STATE_KEY] = {
         "pending_experiences": [vars(experience) for experience in module.engine.pending_experiences],
-        "policy_version": module.engine.policy_version,
+        # Free-running: the version is the iterations done (the training side's count; rank 0 generates).
+        "policy_version": module.iteration if plan.free_running else module.engine.policy_version,
+        "train_stats": train_stats,
         **module.shaping.state_dict(),
         "seed": module.seed,
         "algorithm": module.algorithm.name,
@@ -112,6 +120,8 @@ def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -
                               f"max_staleness {len(pending)}), or from a checkpoint saved without a staleness bound.")
     module.engine.pending_experiences = [Experience(**experience).to(module.device) for experience in pending]
     module.engine.policy_version = state.get("policy_version", 0)
+    module.engine.free_running.train_stats = dict(state.get("train_stats", {}))
+    module.engine.free_running.first_announced = module.engine.policy_version + 1
 
 
 def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:

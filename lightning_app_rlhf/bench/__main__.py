@@ -166,7 +166,7 @@ def _profile_grpo(settings: RunSettings, python: Path) -> dict[str, Any]:
 def compare_placements(
     processes: list[int] = [2, 4],  # noqa: B006
     workloads: list[str] = ["generation-heavy", "training-heavy"],  # noqa: B006
-    placements: list[str] = list(PLACEMENTS),  # noqa: B006
+    placements: list[str] = ["flattening", "interleaving", "separation", "separation_overlap"],  # noqa: B006
     run: RunSettings = RunSettings(preset="small", warmup=1, iterations=3),  # noqa: B008
     out: str = "bench_results/placements.json",
 ) -> list[dict[str, Any]]:
@@ -176,7 +176,9 @@ def compare_placements(
         processes: Process counts to measure; each replaces ``run.processes``.
         workloads: Names from ``PLACEMENT_SETTINGS`` (generation-heavy, training-heavy): each replaces the response
             length, the epochs and the minibatches of ``run``.
-        placements: Which placements to measure (flattening, interleaving, separation, separation_overlap).
+        placements: Which placements to measure (flattening, interleaving, separation, separation_overlap, and
+            the staleness bounds separation_k2, separation_k4: give ``--run.warmup`` at least k, since the first k
+            iterations train nothing).
         run: The settings of every run (:class:`~lightning_app_rlhf.bench.presets.RunSettings`: ``--run.preset``
             for all four roles, ``--run.batch_size`` (global), ``--run.warmup``, ``--run.iterations``).
         out: Where the JSON results go.

@@ -48,7 +48,8 @@ class RunSettings:
     processes: int = 1
     """Processes (ranks). Ours only: the peer runs single-process here."""
     placement: str = "flattening"
-    """``flattening``, ``interleaving``, ``separation`` or ``separation_overlap``."""
+    """``flattening``, ``interleaving``, ``separation``, ``separation_overlap`` (max_staleness 1),
+    ``separation_k2`` or ``separation_k4`` (:data:`PLACEMENTS`)."""
     decoder: str = "eager"
     """Our generation backend (:data:`DECODERS`): ``eager`` (the default), ``static``, or ``static_compiled`` (the
     static decode step through ``torch.compile``; its compilation falls in the warm-up). Ours only."""
@@ -106,5 +107,7 @@ PLACEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "interleaving": ("lightning_app_rlhf.strategies.InterleavingStrategy", {}),
     "separation": ("lightning_app_rlhf.strategies.SeparationStrategy", {}),
     "separation_overlap": ("lightning_app_rlhf.strategies.SeparationStrategy", {"overlap": True}),
+    "separation_k2": ("lightning_app_rlhf.strategies.SeparationStrategy", {"max_staleness": 2}),
+    "separation_k4": ("lightning_app_rlhf.strategies.SeparationStrategy", {"max_staleness": 4}),
 }
 """Placement name -> (strategy class path, extra strategy arguments)."""

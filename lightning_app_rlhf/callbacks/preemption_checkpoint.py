@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -66,6 +67,8 @@ class PreemptionCheckpoint(Callback):
         self._forwarded = False
         self._trainer: pl.Trainer | None = None
         self._fixed_directories: set[Path] = set()
+        self._agreements: collections.deque[tuple[dist.Work, torch.Tensor]] = collections.deque()
+        """Free-running plans: the flags' all-reduces posted and not yet waited for (:meth:`_agree`)."""
 
     # ---- signals ----
 
@@ -103,6 +106,7 @@ class PreemptionCheckpoint(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer, self._flags, self._forwarded = trainer, [False, False], False
+        self._agreements.clear()
         environment = trainer._accelerator_connector.cluster_environment
         auto_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue and not _IS_WINDOWS
         self._requeue_signal = environment.requeue_signal if auto_requeue else None
@@ -122,6 +126,7 @@ class PreemptionCheckpoint(Callback):
         if not (term or requeue):
             return
         self._flags = [False, False]
+        self._finish_agreements()  # every rank posted the same ones: none is left in flight past the fit
         path = self._save(trainer)
         trainer.should_stop = True
         what = "SIGTERM" if term else f"SLURM requeue signal {signal.Signals(self._requeue_signal).name}"
@@ -136,18 +141,35 @@ class PreemptionCheckpoint(Callback):
         rank_zero_info(f"{what} received at iteration {trainer.global_step}: saved {path}; resume with {resume}")
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_agreements()
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = None  # (Lightning has restored the signal handlers by now)
 
     # ---- helpers ----
 
     def _agree(self, trainer: pl.Trainer) -> tuple[bool, bool]:
-        """Every rank's flags, reduced with MAX over the world group: the same answer on every rank."""
+        """Every rank's flags, reduced with MAX over the world group: the same answer on every rank.
+
+        Under a free-running plan (``plan.run_ahead`` iterations of lead for the generation side) the all-reduce of
+        iteration ``i`` is posted without waiting and waited for at iteration ``i + run_ahead + 1``, which every
+        rank has reached by then without waiting: the answer is the same on every rank, that many iterations late
+        (the generation side is never held back to the training side's pace)."""
         flags = torch.tensor([int(f) for f in self._flags], dtype=torch.int32)
+        lag = getattr(getattr(trainer.strategy, "placement_plan", None), "run_ahead", 0)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             flags = flags.to(trainer.strategy.root_device)
             try:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                if lag:
+                    self._agreements.append((dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags))
+                    if len(self._agreements) <= lag + 1:
+                        return False, False
+                    work, flags = self._agreements.popleft()
+                    work.wait()
+                else:
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             except (RuntimeError, dist.DistError):
                 # Another rank is gone (it died, or did not answer within the timeout), and no checkpoint can be
                 # saved without it. Not this check's to report: training goes on into the next iteration, whose
@@ -157,6 +179,13 @@ class PreemptionCheckpoint(Callback):
                 return False, False
         term, requeue = (bool(v) for v in flags.tolist())
         return term, requeue
+
+    def _finish_agreements(self) -> None:
+        """Wait for the lagged all-reduces still in flight (free-running plans; every rank posted the same ones)."""
+        while self._agreements:
+            work, _ = self._agreements.popleft()
+            with contextlib.suppress(RuntimeError, dist.DistError):  # a rank is gone: the fit's own error says so
+                work.wait()
 
     def _save(self, trainer: pl.Trainer) -> str:
         """Save ``last.ckpt``, or under SLURM auto-requeue the next ``hpc_ckpt_N.ckpt`` (collective: every rank

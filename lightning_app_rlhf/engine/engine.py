@@ -30,6 +30,7 @@ from lightning_app_rlhf.algorithms import Algorithm, LossScale
 from lightning_app_rlhf.algorithms.functional import rollout_correction
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
+from lightning_app_rlhf.engine import free_running
 from lightning_app_rlhf.engine.batch_split import check_batch_split, micro_batch_count
 from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dynamic_sampling_plan, round_key
 from lightning_app_rlhf.engine.experience import RewardShaping, make_experience, rollout_stats
@@ -107,7 +108,11 @@ class RLHFEngine:
     """With ``plan.max_staleness`` k above 0: the last k scored rollouts, oldest first; the oldest is trained on
     in the next iteration (checkpointed)."""
     policy_version: int = field(default=0, init=False)
-    """Updates the policy has had: the version of the weights that generate the next rollout (checkpointed)."""
+    """Updates the policy has had: the version of the weights that generate the next rollout (checkpointed). Free-
+    running: the training side's iterations done there, the version its shadows hold on the generation side."""
+    free_running: free_running.FreeRunningState = field(default_factory=free_running.FreeRunningState, init=False)
+    """With ``plan.free_running``: the sends in flight and the newest update's statistics
+    (:mod:`~lightning_app_rlhf.engine.free_running`)."""
     _checked_prompts: int | None = field(default=None, init=False, repr=False)
     """The batch size :func:`check_batch_split` last passed (checked again only when it changes)."""
     _batch_rows: int = field(default=0, init=False, repr=False)
@@ -166,6 +171,8 @@ class RLHFEngine:
         prompts = batch["input_ids"].shape[0]
         if prompts != self._checked_prompts:
             self.check_batch(prompts)
+        if self.placement.plan.free_running:
+            return free_running.run_iteration(self, batch, iteration, schedulers)
         if self.collector is not None and more_prompts is None:
             raise ValueError("ppo.dynamic_sampling generates on more prompts when a batch has too few informative "
                              "groups: pass more_prompts (e.g. PromptDataModule.refill_batch).")
@@ -236,14 +243,14 @@ class RLHFEngine:
         if step.kind == "call" and step.name == ACTOR.call("generate"):
             state.generated = self.generate_shard(state.batch, state.sampling_key)
         elif step.kind == "gather" and step.name == ACTOR.call("generate"):
-            state.rollout = self.gather_rollout(state.batch, state.generated)
+            state.rollout = self.gather_rollout(state.batch, state.generated, state.among)
             self._batch_rows = len(state.rollout.sequences)
         elif step.kind == "call" and step.name.endswith(".forward"):
             state.forwards[role] = self.forward_shard(role, state.rollout, state.batch.get("fields"), state.iteration)
         elif step.kind == "gather":
             name, ndim = FORWARD_OUTPUTS[role]
             spec = {name: TensorSpec(torch.float32, ndim)}
-            out = self.placement.gather_to_world(step.name, state.forwards.get(role), spec)
+            out = self.placement.gather_to_world(step.name, state.forwards.get(role), spec, state.among)
             state.gathered[role] = out[name][:, : state.rollout.response_mask.shape[1]] if ndim == 2 else out[name]
             if len(state.gathered) == sum(r in self.placement.plan.roles for r in FORWARD_ROLES):
                 self._make_experience(state)
@@ -304,8 +311,9 @@ class RLHFEngine:
             rates.update(self.role_learning_rates(role))
         return rates
 
-    def role_learning_rates(self, role: str) -> dict[str, float]:
-        """:meth:`learning_rates` of one role: a broadcast from its train call's leader."""
+    def role_learning_rates(self, role: str, among_call_ranks: bool = False) -> dict[str, float]:
+        """:meth:`learning_rates` of one role: a broadcast from its train call's leader (to its train ranks only with
+        ``among_call_ranks``)."""
         names = [f"lr-{role}", f"lr-{role}-momentum", f"lr-{role}-weight_decay"]
         mine = None
         if self.placement.runs(f"{role}.train"):
@@ -313,7 +321,7 @@ class RLHFEngine:
             momentum = group.get("momentum", group.get("betas", (0.0,))[0])
             values = (group.get("lr", 0.0), momentum, group.get("weight_decay", 0.0))
             mine = {name: torch.tensor(float(v), device=self.placement.device) for name, v in zip(names, values)}
-        stats = self.placement.broadcast_stats(f"{role}.train", mine, names)
+        stats = self.placement.broadcast_stats(f"{role}.train", mine, names, among_call_ranks)
         return {name: float(value) for name, value in stats.items()}
 
     def _now(self) -> float:
@@ -362,15 +370,17 @@ class RLHFEngine:
                 tokenizer=self.tokenizer,
             )
 
-    def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None) -> Rollout:
-        """Every rank receives the whole rollout from the shards of ``actor.generate``'s ranks."""
+    def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None,
+                       among: str | None = None) -> Rollout:
+        """Every rank (or every rank of the call ``among``) receives the whole rollout from the shards of
+        ``actor.generate``'s ranks."""
         specs = {
             "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
             "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
             "logprobs": TensorSpec(torch.float32, 2),
             "stopped": TensorSpec(torch.uint8, 1),
         }
-        out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs)
+        out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs, among)
         return Rollout.from_responses(batch["input_ids"], batch["attention_mask"], out["responses"],
                                       out["response_mask"], out["logprobs"], out["stopped"].bool())
 
@@ -520,7 +530,8 @@ class RLHFEngine:
         diverged."""
         call = role + ".train"
         names = (*self.algorithm.stat_names(role), SKIPPED_UPDATES, _DIVERGED)
-        stats = self.placement.broadcast_stats(call, stats, names)
+        # Free-running: among the train ranks only (the generation side reads them from the version's announcement).
+        stats = self.placement.broadcast_stats(call, stats, names, self.placement.plan.free_running)
         if stats.pop(_DIVERGED) > 0:
             wrapper = self.wrappers.get(role)
             raise DivergenceError(self._leader_message(call, wrapper.skipped.diverged if wrapper else None))
@@ -656,7 +667,8 @@ class RLHFEngine:
         """The message of ``call``'s leader, on every rank (an object broadcast, on the error path only)."""
         if self.placement.distributed:
             box = [message]
-            torch.distributed.broadcast_object_list(box, src=self.placement.leader(call))
+            group = self.placement.groups.get(call) if self.placement.plan.free_running else None
+            torch.distributed.broadcast_object_list(box, src=self.placement.leader(call), group=group)
             message = box[0]
         return message or f"{call} diverged."
 
@@ -733,6 +745,8 @@ class IterationState:
     """Generation and scoring seconds of the iteration's earlier generation rounds (dynamic sampling)."""
     earlier_rounds_tokens: float = 0.0
     """Tokens those rounds generated."""
+    among: str | None = None
+    """The call whose ranks the gathers deliver to (a free-running plan's generation side); None: the world."""
 
     def next_round(self, batch: dict[str, Any], sampling_key: int, now: float) -> IterationState:
         """A fresh state for the next generation round of dynamic sampling, on ``batch``, carrying this round's

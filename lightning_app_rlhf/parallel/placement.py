@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,8 @@ class Placement:
             that this rank runs.
         dp_groups: Train call name -> the group of the ranks that hold this rank's tensor slice in every replica (the
             data dimension of its 2-D mesh), for the train calls with a tensor-parallel degree that this rank runs.
+        namespace: The same string on every rank, different for every placement created: a free-running plan's keys
+            in the job's store start with it, so that a later fit in the same processes reads none of this one's.
     """
 
     def __init__(
@@ -60,8 +65,10 @@ class Placement:
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         tp_groups: dict[str, dist.ProcessGroup] | None = None,
         dp_groups: dict[str, dist.ProcessGroup] | None = None,
+        namespace: str = "",
     ) -> None:
         self.plan = plan
+        self.namespace = namespace
         self.timeout = timeout
         self.rank = rank
         self.device = device or torch.device("cpu")
@@ -150,9 +157,10 @@ class Placement:
     # ---- data movement ----
 
     def gather_to_world(
-        self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]
+        self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec], among: str | None = None
     ) -> dict[str, torch.Tensor]:
-        """Concatenate the shards that ``call``'s ranks computed, in rank order, on every rank of the world.
+        """Concatenate the shards that ``call``'s ranks computed, in rank order, on every rank of the world (or of
+        the group of the call ``among``, which holds ``call``'s ranks: a free-running plan's generation side).
 
         Dimensions after the first are padded to the largest shard with each spec's ``pad_value``. Ranks
         outside the call's group pass ``local=None``.
@@ -161,37 +169,42 @@ class Placement:
             assert local is not None
             return local
         with self._collective(call, "gather of results"):
-            return self._gather_to_world(call, local, specs)
+            return self._gather_to_world(call, local, specs, among)
 
     def _gather_to_world(
-        self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]
+        self, call: str, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec], among: str | None
     ) -> dict[str, torch.Tensor]:
-        members = self.replica_leaders(call)  # a replica's ranks computed the same rows: take them once
-        shapes = self._all_gather_shapes(local, specs)
+        group = self.groups[among] if among is not None else None
+        ranks = list(self.plan.ranks(among)) if among is not None else list(range(self.plan.world_size))
+        members = [ranks.index(r) for r in self.replica_leaders(call)]  # a replica's rows are taken once
+        shapes = self._all_gather_shapes(local, specs, group, len(ranks))
         out = {}
         for i, (name, spec) in enumerate(specs.items()):
             rank_shapes = shapes[:, i, : spec.ndim]
             max_shape = rank_shapes.amax(0).tolist()
             mine = local[name] if local is not None else torch.empty(0, device=self.device, dtype=spec.dtype)
             padded = _pad_to(mine.to(spec.dtype), max_shape, spec.pad_value, self.device)
-            parts = [torch.empty_like(padded) for _ in range(self.plan.world_size)]
-            dist.all_gather(parts, padded)
+            parts = [torch.empty_like(padded) for _ in ranks]
+            dist.all_gather(parts, padded, group=group)
             rows = [parts[r][: int(rank_shapes[r, 0])] for r in members]
             out[name] = torch.cat(rows)
         return out
 
-    def _all_gather_shapes(self, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec]) -> torch.Tensor:
+    def _all_gather_shapes(self, local: dict[str, torch.Tensor] | None, specs: dict[str, TensorSpec],
+                           group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
         max_ndim = max(s.ndim for s in specs.values())
         mine = torch.zeros(len(specs), max_ndim, dtype=torch.long, device=self.device)
         if local is not None:
             for i, name in enumerate(specs):
                 mine[i, : local[name].dim()] = torch.tensor(local[name].shape)
-        parts = [torch.empty_like(mine) for _ in range(self.plan.world_size)]
-        dist.all_gather(parts, mine)
+        parts = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(parts, mine, group=group)
         return torch.stack(parts).cpu()
 
-    def broadcast_stats(self, call: str, stats: dict[str, torch.Tensor] | None, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Scalar statistics computed on ``call``'s leader, delivered to every rank (for the rank-0 logger)."""
+    def broadcast_stats(self, call: str, stats: dict[str, torch.Tensor] | None, names: Iterable[str],
+                        among_call_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """Scalar statistics computed on ``call``'s leader, delivered to every rank (for the rank-0 logger), or with
+        ``among_call_ranks`` to the call's ranks only (a free-running plan's training side)."""
         names = list(names)
         if not self.distributed:
             assert stats is not None
@@ -199,9 +212,57 @@ class Placement:
         values = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         if self.rank == self.leader(call):
             values = torch.stack([stats[n].detach().double().to(self.device) for n in names])
-        with self._collective(call, "broadcast of statistics"):
-            dist.broadcast(values, src=self.leader(call))
+        group = self.groups[call] if among_call_ranks else None
+        if group is not None or not among_call_ranks:
+            with self._collective(call, "broadcast of statistics"):
+                dist.broadcast(values, src=self.leader(call), group=group)
         return dict(zip(names, values.float().cpu()))
+
+    # ---- free-running: the generation side and the training side apart (PlacementPlan.free_running) ----
+
+    def send_payload(self, payload: dict[str, Any], dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
+        """Start sending ``payload`` (tensors, numbers, strings, in dicts and lists) to rank ``dst``, point to point:
+        its size, then its bytes (``torch.save``). Returns the sends in flight with their buffers, which must stay
+        alive until :meth:`finish_sends`; ``dst`` receives it with :meth:`receive_payload` and the same ``tag``."""
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        return [(dist.isend(size, dst, tag=2 * tag), size), (dist.isend(data, dst, tag=2 * tag + 1), data)]
+
+    def receive_payload(self, src: int, tag: int, what: str, call: str) -> dict[str, Any]:
+        """Receive what rank ``src`` sent with :meth:`send_payload` and ``tag``, waiting at most the placement's
+        timeout (a :class:`PlacementError` naming ``what`` after it)."""
+        size = torch.zeros(1, dtype=torch.long)
+        with self._collective(call, f"receipt of {what} from rank {src}"):
+            dist.irecv(size, src, tag=2 * tag).wait(self.timeout)
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.irecv(data, src, tag=2 * tag + 1).wait(self.timeout)
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+    def finish_sends(self, sends: list[tuple[dist.Work, torch.Tensor]], what: str, call: str,
+                     wait: bool = True) -> list[tuple[dist.Work, torch.Tensor]]:
+        """The sends (or weight broadcasts) still in flight; with ``wait``, none: each is waited for, at most the
+        placement's timeout."""
+        if not wait:
+            return [(work, buffer) for work, buffer in sends if not work.is_completed()]
+        with self._collective(call, what):
+            for work, _ in sends:
+                work.wait(self.timeout)
+        return []
+
+    def publish_weights(self, role: str, buckets: Iterable[list[torch.Tensor]]) -> list[tuple[dist.Work, torch.Tensor]]:
+        """Start broadcasting ``role``'s trained weights from its train leader to its shadows, without waiting for
+        them: each shadow rank joins with :meth:`reallocate_weights` when it takes the version. Returns the
+        broadcasts in flight (none off the leader, whose sharded group members still draw every bucket)."""
+        sends = []
+        for bucket in buckets:
+            if self.rank != self.leader(f"{role}.train"):
+                continue  # it took part in the bucket's gather; the leader sends
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+            work = dist.broadcast(flat, src=self.rank, group=self.reallocation_groups[role], async_op=True)
+            sends.append((work, flat))
+        return sends
 
     def all_reduce_sum(self, call: str, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over ``call``'s group (only members call this); with a tensor-parallel degree, over its
@@ -272,8 +333,11 @@ def create_placement(
         if shadows:
             ranks = sorted({plan.ranks(f"{role}.train")[0], *shadows})
             reallocation_groups[role] = dist.new_group(ranks, timeout=timeout)
+    namespace = [f"rlhf_free_running/{uuid.uuid4().hex}" if rank == 0 else None]
+    if plan.free_running:
+        dist.broadcast_object_list(namespace, src=0)
     return Placement(plan, rank, device, groups, reallocation_groups, timeout, _tp_groups(plan, rank, timeout),
-                     _dp_groups(plan, rank, timeout))
+                     _dp_groups(plan, rank, timeout), namespace[0] or "")
 
 
 def _tp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:

@@ -61,6 +61,13 @@ class PlacementPlan:
     unshard_for_generation: bool = True
     """A sharded actor (FSDP2, ZeRO-3) that generates on its own train group gathers its weights once per rollout
     and frees them after (the hybrid engine); False gathers them for every decoding step (less memory)."""
+    free_running: bool = False
+    """Bounded staleness, free-running: the generation group does not wait for the training group's iteration. It
+    generates and scores rollout ``i`` as soon as it holds policy version ``i - max_staleness`` or newer (it takes
+    the newest weights the training group has published), sends it to the training group point to point, and goes
+    on; the training group trains on rollout ``i`` at its iteration ``i``. Staleness is between 0 and
+    ``max_staleness``, as the two groups' speeds decide (not reproducible run to run beyond ``max_staleness=0``).
+    Needs disjoint groups: every generate and forward call on the generation ranks, every train call on others."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
@@ -125,6 +132,8 @@ class PlacementPlan:
                             f"of '{role}.train': a sharded role can only run a call on all of its train ranks or on "
                             "ranks outside them (shadow copies). Change the call's ranks, or use wrapper 'ddp'.")
         self._validate_tp()
+        if self.free_running:
+            self._validate_free_running()
         unknown = sorted(set(self.wrappers) - set(self.roles))
         if unknown:
             raise ValueError(f"Wrappers name unknown roles {unknown}, which the plan does not place: give wrappers "
@@ -147,6 +156,41 @@ class PlacementPlan:
             if degree < 1 or size % degree:
                 raise ValueError(f"Call {call!r} has tensor-parallel degree {degree} on {size} ranks: the degree must "
                                  f"divide the call's group size ({[d for d in range(1, size + 1) if size % d == 0]}).")
+
+    def _validate_free_running(self) -> None:
+        """A free-running plan splits the world in two: the generation side (generate and every forward call, on the
+        same ranks) and the training side (the train calls, on the other ranks)."""
+        fix = ("use SeparationStrategy(max_staleness=k, free_running=True), or free_running=False for the fixed "
+               "schedule, which runs on any plan")
+        generation = set(self.generation_ranks)
+        for call, ranks in self.calls.items():
+            if call.endswith(".train") and set(ranks) & generation:
+                raise ValueError(f"free_running: {call!r} runs on ranks {sorted(set(ranks) & generation)}, which also "
+                                 f"generate; the training side must be disjoint from the generation side: {fix}.")
+            if not call.endswith(".train") and set(ranks) != generation:
+                raise ValueError(f"free_running: {call!r} runs on ranks {list(ranks)}, not on the generation ranks "
+                                 f"{sorted(generation)}; every generate and forward call runs on the generation side "
+                                 f"(it scores each rollout before sending it): {fix}.")
+            if not call.endswith(".train") and self.tp_degree(call) > 1:
+                raise ValueError(f"free_running: {call!r} has tensor-parallel degree {self.tp_degree(call)}; the "
+                                 f"generation side holds whole shadow copies: drop its 'tp' entry, or {fix}.")
+
+    @property
+    def generation_ranks(self) -> tuple[int, ...]:
+        """The ranks of ``actor.generate``."""
+        return self.calls[ACTOR.call("generate")]
+
+    @property
+    def training_ranks(self) -> tuple[int, ...]:
+        """The ranks of any train call."""
+        return tuple(sorted({r for c, ranks in self.calls.items() if c.endswith(".train") for r in ranks}))
+
+    @property
+    def run_ahead(self) -> int:
+        """How many iterations the generation side may run ahead of the training side's: ``max_staleness + 1``
+        when free-running (rollout ``i`` needs version ``i - k``, which training iteration ``i - k - 1`` makes),
+        else 0 (every iteration is a collective step of the whole world)."""
+        return self.max_staleness + 1 if self.free_running else 0
 
     def tp_degree(self, call: str) -> int:
         """The tensor-parallel degree of ``call`` (1 unless :attr:`tp` names it)."""
@@ -196,7 +240,7 @@ class PlacementPlan:
         return {"world_size": self.world_size, "calls": {c: list(r) for c, r in self.calls.items()},
                 "wrappers": dict(self.wrappers), "name": self.name, "max_staleness": self.max_staleness,
                 "tp": dict(self.tp),
-                "unshard_for_generation": self.unshard_for_generation}
+                "unshard_for_generation": self.unshard_for_generation, "free_running": self.free_running}
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> PlacementPlan:
@@ -290,6 +334,7 @@ def separation_plan(
     wrapper: str = "ddp",
     max_staleness: int = 0,
     roles: tuple[str, ...] = ROLE_NAMES,
+    free_running: bool = False,
 ) -> PlacementPlan:
     """Generation and the forward calls on one group, the train calls on another.
 
@@ -302,6 +347,8 @@ def separation_plan(
         max_staleness: Train on the rollout of ``max_staleness`` iterations earlier while the next one is generated
             (:attr:`PlacementPlan.max_staleness`); 0: on-policy.
         roles: The algorithm's roles (a critic-free algorithm has no critic calls).
+        free_running: The generation group runs ahead of the training group within ``max_staleness`` versions,
+            instead of the fixed schedule (:attr:`PlacementPlan.free_running`).
     """
     if world_size < 2:
         raise ValueError("Separation needs at least 2 ranks (one generating, one training); use flattening on "
@@ -317,4 +364,4 @@ def separation_plan(
     gen, train = tuple(generation_ranks), tuple(training_ranks)
     calls = {c: train if c.endswith(".train") else gen for c in calls_of(roles)}
     return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="separation",
-                         max_staleness=max_staleness)
+                         max_staleness=max_staleness, free_running=free_running)

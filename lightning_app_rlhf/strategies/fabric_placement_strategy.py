@@ -126,6 +126,10 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
         module.placed_roles = place(self._plan, module, self.world_size, self.global_rank, self.root_device,
                                     self._timeout, self.num_processes)
         self.placement = module.placed_roles.placement
+        if self.placement.plan.free_running:
+            # Its two sides meet only at the Trainer's hooks (validation, the end of the fit; lagged SIGTERM checks).
+            raise ValueError("free_running runs under the Trainer (rlhf_separation with free_running=True); under "
+                             "Fabric use the fixed schedule: free_running=False, with the same max_staleness.")
         module.configure_model()
         wrap_roles(module, self.root_device)  # before the optimizers: FSDP2 replaces parameters
         optimizers, schedulers = module.configure_optimizers()

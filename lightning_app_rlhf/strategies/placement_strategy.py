@@ -57,7 +57,11 @@ from lightning_app_rlhf.strategies.sharded_checkpoint import (
     save_shards,
     staging_directory,
 )
-from lightning_app_rlhf.strategies.signal_connector import use_placement_signal_connector
+from lightning_app_rlhf.strategies.signal_connector import (
+    LaggedSigtermCheck,
+    lag_sigterm_check,
+    use_placement_signal_connector,
+)
 
 
 class PlacementStrategy(PlacementProcesses, ParallelStrategy):
@@ -89,6 +93,7 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
     multiprocessing_launcher = PlacementMultiProcessingLauncher
     subprocess_launcher = _SubprocessScriptLauncher
     placement_plan: PlacementPlan | None = None
+    _sigterm_check: LaggedSigtermCheck | None = None
     """The plan in force (set in ``setup_environment``, or by :meth:`apply_plan`)."""
     _pending_restore: PendingRestore | None = None
 
@@ -138,6 +143,9 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
         # collective on the other ranks (a hang): see PlacementSignalConnector. setup() runs before the Trainer
         # registers its handlers.
         use_placement_signal_connector(trainer)
+        if self.placement_plan is not None and self.placement_plan.free_running:
+            # Lightning's per-iteration SIGTERM broadcast would hold the generation side to the training side's pace.
+            self._sigterm_check = lag_sigterm_check(trainer, self.placement_plan.run_ahead + 1)
         # A stuck rank ends every process from the heartbeat's thread: the loggers save what they buffer first
         # (Lightning saves a CSV log at every step; TensorBoard's and others' writers buffer).
         before_exit("loggers", lambda: [logger.save() for logger in trainer.loggers])
@@ -149,6 +157,12 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
             self.setup_optimizers(trainer)
             module.attach_optimizers(self.optimizers)
         self.setup_precision_plugin()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._sigterm_check is not None:
+            self._sigterm_check.finish()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
