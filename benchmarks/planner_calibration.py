@@ -74,6 +74,8 @@ PRESETS = {
     "separation": separation_plan,
     # Bounded staleness on the fixed schedule (SeparationStrategy(max_staleness=k)): k=1 is overlap=True.
     **{f"separation_k{k}": partial(separation_plan, max_staleness=k) for k in (1, 2, 4)},
+    # Free-running (SeparationStrategy(max_staleness=k, free_running=True)), priced as the fixed schedule.
+    **{f"separation_free_k{k}": partial(separation_plan, max_staleness=k, free_running=True) for k in (0, 1, 2, 4)},
 }
 DEFAULT_PRESETS = ("flattening", "interleaving", "separation")
 MODELS = {
@@ -256,7 +258,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.fill_between([0, top], [0, 0.8 * top], [0, 1.2 * top], color="0.9", label="within 20%")
         ax.plot([0, top], [0, top], color="0.5", linewidth=0.8)
         colors = {"flattening": "C0", "interleaving": "C1", "separation": "C2", "chosen": "C3",
-                  "separation_k1": "C5", "separation_k2": "C6", "separation_k4": "C7"}
+                  "separation_k1": "C5", "separation_k2": "C6", "separation_k4": "C7",
+                  "separation_free_k0": "C8", "separation_free_k1": "C9", "separation_free_k2": "C8",
+                  "separation_free_k4": "C9"}
         for row in rows:
             marker = "o" if row["processes"] == 2 else "s"
             ax.scatter(
@@ -272,6 +276,38 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("measured s / iteration")
         ax.set_ylabel("predicted s / iteration")
         ax.set_title(f"{model} (o: 2 processes, s: 4 processes)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(results: dict[str, Any], path: Path, window: int = 50) -> None:
+    """Reward against the seconds spent in ``training_step`` (rank 0), one line per plan of each model and process
+    count: the mean reward of the last ``window`` iterations, from each plan's first round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(row["model"], row["processes"]) for row in results["rows"]})
+    fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4.5), squeeze=False)
+    for ax, (model, processes) in zip(axes[0], cases):
+        for row in (r for r in results["rows"] if (r["model"], r["processes"]) == (model, processes)):
+            curve = row["runs"][0].get("curve")
+            if not curve:
+                continue
+            seconds, rewards, elapsed = [], [], 0.0
+            for i, (_, reward, iteration_s) in enumerate(curve):
+                elapsed += iteration_s
+                seconds.append(elapsed)
+                recent = curve[max(0, i + 1 - window) : i + 1]
+                rewards.append(statistics.mean(r for _, r, _ in recent))
+            ax.plot(seconds, rewards, label=row["plan"], linewidth=1.2)
+        ax.set_xlabel("seconds in training_step (rank 0)")
+        ax.set_ylabel(f"reward/mean, last {window} iterations")
+        ax.set_title(f"{model}, {processes} processes")
         ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,9 +334,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("--plot", type=Path, default=None, help="draw predicted vs measured here (a .png)")
     parser.add_argument("--plot-from", type=Path, default=None, help="only draw --plot from this --json file")
+    parser.add_argument("--curves", type=Path, default=None,
+                        help="draw reward against training time per plan here (a .png)")
     args = parser.parse_args()
     if args.plot_from is not None:
-        plot(json.loads(args.plot_from.read_text()), args.plot or args.plot_from.with_suffix(".png"))
+        figures = json.loads(args.plot_from.read_text())
+        plot(figures, args.plot or args.plot_from.with_suffix(".png"))
+        if args.curves is not None:
+            plot_curves(figures, args.curves)
         return
     results = []
     profiles: dict[str, Any] = {}
@@ -399,6 +440,8 @@ def main() -> None:
         args.json.write_text(json.dumps(figures, indent=1))
     if args.plot is not None:
         plot(figures, args.plot)
+    if args.curves is not None:
+        plot_curves(figures, args.curves)
 
 
 if __name__ == "__main__":

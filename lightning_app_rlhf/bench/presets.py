@@ -49,7 +49,7 @@ class RunSettings:
     """Processes (ranks). Ours only: the peer runs single-process here."""
     placement: str = "flattening"
     """``flattening``, ``interleaving``, ``separation``, ``separation_overlap`` (max_staleness 1),
-    ``separation_k2`` or ``separation_k4`` (:data:`PLACEMENTS`)."""
+    ``separation_k2``, ``separation_k4``, or free-running ``separation_free_k{0,1,2,4}`` (:data:`PLACEMENTS`)."""
     decoder: str = "eager"
     """Our generation backend (:data:`DECODERS`): ``eager`` (the default), ``static``, or ``static_compiled`` (the
     static decode step through ``torch.compile``; its compilation falls in the warm-up). Ours only."""
@@ -109,5 +109,7 @@ PLACEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "separation_overlap": ("lightning_app_rlhf.strategies.SeparationStrategy", {"overlap": True}),
     "separation_k2": ("lightning_app_rlhf.strategies.SeparationStrategy", {"max_staleness": 2}),
     "separation_k4": ("lightning_app_rlhf.strategies.SeparationStrategy", {"max_staleness": 4}),
+    **{f"separation_free_k{k}": ("lightning_app_rlhf.strategies.SeparationStrategy",
+                                 {"max_staleness": k, "free_running": True}) for k in (0, 1, 2, 4)},
 }
 """Placement name -> (strategy class path, extra strategy arguments)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lightning_app_rlhf.bench.presets import RunSettings
+from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 """Dense bf16 tensor-core peaks (TFLOP/s) by GPU name, for model-FLOPs utilisation."""
@@ -23,9 +23,12 @@ def summarize(ranks: list[dict[str, Any]], settings: RunSettings, params: int) -
     """Median/min/max over the measured iterations (warm-up dropped) of rank 0's view of each iteration.
 
     Every rank meets every iteration in a collective, so rank 0's wall time is the iteration's time. Phase times
-    are each rank's own; we report rank 0's (a generating rank under every placement).
+    are each rank's own; we report rank 0's (a generating rank under every placement). A free-running placement's
+    sides meet in no iteration: its pace is the training side's (the last rank's), whose iterations consume the
+    rollouts one by one, so its times (train and publish; no generation there) are reported.
     """
-    measured = ranks[0]["iterations"][settings.warmup :]
+    free_running = PLACEMENTS[settings.placement][1].get("free_running", False)
+    measured = ranks[-1 if free_running else 0]["iterations"][settings.warmup :]
     if len(measured) < settings.iterations:
         raise RuntimeError(f"Only {len(measured)} measured iterations recorded; expected {settings.iterations}.")
     wall = [row["wall_s"] for row in measured]

@@ -35,6 +35,10 @@ def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 def check_dynamic_sampling_plan(plan: PlacementPlan) -> None:
     """Raise naming the fix if ``plan`` cannot run dynamic sampling: its rounds come before each update, which a
     plan with a staleness bound runs beside later generations."""
+    if plan.free_running:
+        raise ValueError("ppo.dynamic_sampling collects groups over generation rounds before each update; a "
+                         "free-running plan generates ahead of the updates. Use the fixed schedule with "
+                         "max_staleness 0 (free_running false), or set ppo.dynamic_sampling false.")
     if plan.overlap:
         raise ValueError("ppo.dynamic_sampling collects groups over generation rounds before each update; the plan "
                          f"{plan.name!r} trains on earlier rollouts beside the next generation (max_staleness="
