@@ -120,8 +120,8 @@ def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -
                               f"max_staleness {len(pending)}), or from a checkpoint saved without a staleness bound.")
     module.engine.pending_experiences = [Experience(**experience).to(module.device) for experience in pending]
     module.engine.policy_version = state.get("policy_version", 0)
-    module.engine.free_running.train_stats = dict(state.get("train_stats", {}))
-    module.engine.free_running.first_announced = module.engine.policy_version + 1
+    module.engine.free_running_state.train_stats = dict(state.get("train_stats", {}))
+    module.engine.free_running_state.first_announced = module.engine.policy_version + 1
 
 
 def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:

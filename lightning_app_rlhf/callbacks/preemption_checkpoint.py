@@ -21,6 +21,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_app_rlhf.parallel.heartbeat import waiting
+
 _TERM, _REQUEUE = 0, 1
 
 
@@ -167,7 +169,8 @@ class PreemptionCheckpoint(Callback):
                     if len(self._agreements) <= lag + 1:
                         return False, False
                     work, flags = self._agreements.popleft()
-                    work.wait()
+                    with waiting():  # the heartbeat counts it as a wait for other ranks, not as a stuck rank
+                        work.wait()
                 else:
                     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             except (RuntimeError, dist.DistError):
@@ -184,7 +187,7 @@ class PreemptionCheckpoint(Callback):
         """Wait for the lagged all-reduces still in flight (free-running plans; every rank posted the same ones)."""
         while self._agreements:
             work, _ = self._agreements.popleft()
-            with contextlib.suppress(RuntimeError, dist.DistError):  # a rank is gone: the fit's own error says so
+            with contextlib.suppress(RuntimeError, dist.DistError), waiting():  # a rank gone: the fit's error says so
                 work.wait()
 
     def _save(self, trainer: pl.Trainer) -> str:

@@ -110,7 +110,8 @@ class RLHFEngine:
     policy_version: int = field(default=0, init=False)
     """Updates the policy has had: the version of the weights that generate the next rollout (checkpointed). Free-
     running: the training side's iterations done there, the version its shadows hold on the generation side."""
-    free_running: free_running.FreeRunningState = field(default_factory=free_running.FreeRunningState, init=False)
+    free_running_state: free_running.FreeRunningState = field(default_factory=free_running.FreeRunningState,
+                                                              init=False)
     """With ``plan.free_running``: the sends in flight and the newest update's statistics
     (:mod:`~lightning_app_rlhf.engine.free_running`)."""
     _checked_prompts: int | None = field(default=None, init=False, repr=False)

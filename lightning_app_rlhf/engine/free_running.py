@@ -77,7 +77,7 @@ def _generation_side(engine: RLHFEngine, batch: dict[str, Any], iteration: int) 
     from lightning_app_rlhf.engine.engine import IterationResult, IterationState
 
     placement, plan = engine.placement, engine.placement.plan
-    state_of_run = engine.free_running
+    state_of_run = engine.free_running_state
     start = engine._now()
     take_published_weights(engine, oldest=iteration - plan.max_staleness)
     ready = engine._now()
@@ -99,7 +99,7 @@ def _generation_side(engine: RLHFEngine, batch: dict[str, Any], iteration: int) 
                    "scores": state.scores}
         for rank in plan.training_ranks:
             state_of_run.in_flight += placement.send_payload(payload, rank, iteration)
-    state_of_run.in_flight = placement.finish_sends(state_of_run.in_flight, "", generate, wait=False)
+    state_of_run.in_flight = placement.pending_sends(state_of_run.in_flight)
     stats = state.stats
     if "kl/mean" in stats:  # the shaping (and its KL controller) lives where the experience is made
         engine.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=len(state.experience.sequences))
@@ -138,7 +138,7 @@ def take_published_weights(engine: RLHFEngine, oldest: int) -> int:
                 raise DivergenceError(announcement["diverged"])
             placement.reallocate_weights(role, shadow_buckets(engine.modules(role)))
             if version == newest:
-                engine.free_running.train_stats.update(announcement["stats"])
+                engine.free_running_state.train_stats.update(announcement["stats"])
     engine.policy_version = newest
     return newest
 
@@ -148,8 +148,8 @@ def stats_of_version(engine: RLHFEngine, version: int) -> dict[str, float]:
     the placement's timeout), or the ones this rank holds where the version comes from a checkpoint: what a
     checkpoint saved after ``version`` iterations keeps, so that a resumed run logs them as the uninterrupted one."""
     placement = engine.placement
-    if version < engine.free_running.first_announced:
-        return dict(engine.free_running.train_stats)
+    if version < engine.free_running_state.first_announced:
+        return dict(engine.free_running_state.train_stats)
     roles, store = _published_roles(engine), _store()
     keys = [_key(placement.namespace, role, version) for role in roles]
     with placement._collective(ACTOR.call("train"), f"wait for policy version {version} (a checkpoint)"):
@@ -167,7 +167,7 @@ def _training_side(engine: RLHFEngine, batch: dict[str, Any], iteration: int,
     from lightning_app_rlhf.engine.engine import SKIPPED_UPDATES, IterationResult
 
     placement, plan = engine.placement, engine.placement.plan
-    state_of_run = engine.free_running
+    state_of_run = engine.free_running_state
     start = engine._now()
     entering(f"iteration {iteration}: receive the rollout")
     source = placement.leader(ACTOR.call("generate"))
@@ -222,7 +222,7 @@ def _training_side(engine: RLHFEngine, batch: dict[str, Any], iteration: int,
     for role, announcement in announced.items():
         if announcement["diverged"] is not None:
             raise DivergenceError(announcement["diverged"])
-    state_of_run.in_flight = placement.finish_sends(state_of_run.in_flight, "", ACTOR.call("train"), wait=False)
+    state_of_run.in_flight = placement.pending_sends(state_of_run.in_flight)
     published = engine._now()
     stats.update({"rollout/staleness_mean": float(staleness), "rollout/staleness_max": float(staleness),
                   "rollout/policy_version": float(experience.policy_version),
@@ -239,10 +239,11 @@ def settle(engine: RLHFEngine) -> None:
     """A collective of the whole world, where both sides meet (validation, the end of the fit): the generation side
     takes every published version (its shadows then hold the newest weights), and no send stays in flight."""
     placement = engine.placement
-    dist.barrier()  # every iteration before this point ran on both sides, and every version is announced
+    with placement._collective(ACTOR.call("train"), "meeting of the generation and training sides"):
+        dist.barrier()  # every iteration before this point ran on both sides, and every version is announced
     if placement.rank in placement.plan.generation_ranks:
         take_published_weights(engine, oldest=engine.policy_version)
-    engine.free_running.in_flight = placement.finish_sends(engine.free_running.in_flight,
+    engine.free_running_state.in_flight = placement.finish_sends(engine.free_running_state.in_flight,
                                                            "completion of the sends in flight", ACTOR.call("train"))
 
 

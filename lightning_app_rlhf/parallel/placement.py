@@ -223,7 +223,8 @@ class Placement:
     def send_payload(self, payload: dict[str, Any], dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
         """Start sending ``payload`` (tensors, numbers, strings, in dicts and lists) to rank ``dst``, point to point:
         its size, then its bytes (``torch.save``). Returns the sends in flight with their buffers, which must stay
-        alive until :meth:`finish_sends`; ``dst`` receives it with :meth:`receive_payload` and the same ``tag``."""
+        alive until they complete (:meth:`pending_sends`, :meth:`finish_sends`); ``dst`` receives it with
+        :meth:`receive_payload` and the same ``tag``."""
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
@@ -240,12 +241,15 @@ class Placement:
             dist.irecv(data, src, tag=2 * tag + 1).wait(self.timeout)
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
-    def finish_sends(self, sends: list[tuple[dist.Work, torch.Tensor]], what: str, call: str,
-                     wait: bool = True) -> list[tuple[dist.Work, torch.Tensor]]:
-        """The sends (or weight broadcasts) still in flight; with ``wait``, none: each is waited for, at most the
-        placement's timeout."""
-        if not wait:
-            return [(work, buffer) for work, buffer in sends if not work.is_completed()]
+    @staticmethod
+    def pending_sends(sends: list[tuple[dist.Work, torch.Tensor]]) -> list[tuple[dist.Work, torch.Tensor]]:
+        """The sends (or weight broadcasts) of ``sends`` still in flight, with their buffers."""
+        return [(work, buffer) for work, buffer in sends if not work.is_completed()]
+
+    def finish_sends(self, sends: list[tuple[dist.Work, torch.Tensor]], what: str,
+                     call: str) -> list[tuple[dist.Work, torch.Tensor]]:
+        """Wait for every send (or weight broadcast) of ``sends``, at most the placement's timeout each (an error
+        naming ``what`` and ``call`` after it); returns the empty list of those still in flight."""
         with self._collective(call, what):
             for work, _ in sends:
                 work.wait(self.timeout)

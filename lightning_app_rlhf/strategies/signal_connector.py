@@ -16,6 +16,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 from typing_extensions import override
 
+from lightning_app_rlhf.parallel.heartbeat import waiting
+
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +89,8 @@ class LaggedSigtermCheck:
             if len(self.pending) <= self.lag:
                 return
             work, flag = self.pending.popleft()
-            work.wait()
+            with waiting():  # the heartbeat counts it as a wait for other ranks, not as a stuck rank
+                work.wait()
         except (RuntimeError, dist.DistError):  # as Lightning's check: a rank is gone, and the next collective says so
             return
         if flag.item() == 1:
@@ -100,7 +103,7 @@ class LaggedSigtermCheck:
         """Wait for the broadcasts still in flight (every rank posted the same ones)."""
         while self.pending:
             work, _ = self.pending.popleft()
-            with contextlib.suppress(RuntimeError, dist.DistError):
+            with contextlib.suppress(RuntimeError, dist.DistError), waiting():
                 work.wait()
 
 
