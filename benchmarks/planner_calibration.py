@@ -277,6 +277,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("predicted s / iteration")
         ax.set_title(f"{model} (o: 2 processes, s: 4 processes)")
         ax.legend(fontsize=7)
+    _save_figure(fig, path)
+
+
+def _save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -309,10 +315,7 @@ def plot_curves(results: dict[str, Any], path: Path, window: int = 50) -> None:
         ax.set_ylabel(f"reward/mean, last {window} iterations")
         ax.set_title(f"{model}, {processes} processes")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_figure(fig, path)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Free-running bounded staleness (``SeparationStrategy(max_staleness=k, free_running=True)``): the generation side
 runs ahead of the training side by at most k policy versions, each at its own pace. Launched from the CLI as a user
 would, on 2 and 4 processes: the bound under load, the on-policy case against the fixed schedule, a run that learns,
-and clean stops (SIGTERM) that resume."""
+and clean stops (SIGTERM) that resume. The exact resume without staleness runs in
+``tests/test_placements.py::test_resumed_run_logs_what_the_uninterrupted_run_logged``."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import sys
 import pytest
 from helpers import fit_demo, one_thread_env
 from test_placements import COMPARED
+from test_placements import FREE_RUNNING as FREE
 from test_preemption import common
 from test_preemption import fit as fit_with_signals
 
 from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, separation_plan
 from lightning_app_rlhf.strategies import SeparationStrategy
-
-FREE = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.free_running", "true")
 
 
 def free(k: int) -> tuple[str, ...]:
@@ -116,19 +116,3 @@ def test_sigterm_stops_a_free_running_run_cleanly_and_it_resumes(tmp_path):
     for metric in COMPARED:
         assert metric in resumed[-1], metric
 
-
-def test_resumed_free_running_run_without_staleness_logs_the_uninterrupted_run(tmp_path):
-    """``max_staleness=0`` free-running is deterministic: resumed from its step-2 checkpoint it logs the
-    uninterrupted run's values at steps 2 and 3, the update statistics it logs with each rollout included."""
-    common_args = ["--trainer.devices", "2", *free(0), "--trainer.enable_checkpointing", "true",
-                   "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                   f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
-                   "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
-    full = [r for r in fit_demo(tmp_path, "full", *common_args, steps=4) if "reward/mean" in r]
-    (checkpoint,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
-    resumed = [r for r in fit_demo(tmp_path, "resumed", *common_args, "--ckpt_path", str(checkpoint), steps=4)
-               if "reward/mean" in r]
-    assert [r["step"] for r in resumed] == [2, 3]
-    for got, want in zip(resumed, full[2:], strict=True):
-        for metric in (*COMPARED, "kl/coef", "rollout/policy_version"):
-            assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])

@@ -267,6 +267,7 @@ def test_separation_shadows_equal_trained_weights_bit_for_bit(tmp_path, wrapper)
 
 OVERLAP = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.overlap", "true")
 STALENESS_2 = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.max_staleness", "2")
+FREE_RUNNING = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.free_running", "true")
 
 
 @pytest.mark.parametrize("strategy,devices", [
@@ -276,11 +277,14 @@ STALENESS_2 = ("lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.st
     pytest.param(OVERLAP, 2, marks=pytest.mark.slow),  # overlap: test_separation_overlap_trains_one_step_behind
     # The step-2 checkpoint holds a queue of two rollouts, the first trained on at step 2 (SIGTERM mid-queue: slow too).
     pytest.param(STALENESS_2, 2, marks=pytest.mark.slow),
+    # Free-running without staleness is deterministic: the version and the update it logs with the next rollout.
+    (FREE_RUNNING, 2),
 ])
 def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, devices):
     """Kill-and-resume: a run resumed from its step-2 checkpoint logs the same values at steps 2 and 3 as the
     uninterrupted run (weights, optimizers, adaptive KL, reward statistics, data position and, with a staleness
-    bound, the queue of pending rollouts and the policy version all restored)."""
+    bound, the queue of pending rollouts and the policy version all restored; free-running, the version and the
+    statistics of the update that made the saved weights)."""
     common = ["--trainer.devices", str(devices), "--trainer.strategy", *strategy, "--trainer.enable_checkpointing", "true",
               "--model.ppo.kl_target", "1.0", "--model.ppo.kl_horizon", "100", "--model.ppo.reward_norm", "true",
               "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -292,7 +296,7 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
                if "reward/mean" in r]
     assert [r["step"] for r in resumed] == [2, 3]
     for got, want in zip(resumed, full[2:], strict=True):
-        for metric in (*COMPARED, "kl/coef", "rollout/staleness_max"):
+        for metric in (*COMPARED, "kl/coef", "rollout/staleness_max", "rollout/policy_version"):
             assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
