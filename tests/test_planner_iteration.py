@@ -63,7 +63,8 @@ def _record_iterations(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
     wrap(RLHFEngine, "_update", lambda self, role, *a, **k: ("call", f"{role}.train"))
     wrap(Placement, "gather_to_world", lambda self, call, *a, **k: ("gather", call))
     wrap(Placement, "broadcast_stats",
-         lambda self, call, stats, names: ("broadcast", call, "lr" if next(iter(names)).startswith("lr-") else "stats"))
+         lambda self, call, stats, names, *a, **k: ("broadcast", call,
+                                                    "lr" if next(iter(names)).startswith("lr-") else "stats"))
     wrap(Placement, "reallocate_weights", lambda self, role, *a, **k: ("reallocate", role))
 
     original_iteration = RLHFEngine.run_iteration

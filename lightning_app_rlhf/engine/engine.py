@@ -322,7 +322,7 @@ class RLHFEngine:
             momentum = group.get("momentum", group.get("betas", (0.0,))[0])
             values = (group.get("lr", 0.0), momentum, group.get("weight_decay", 0.0))
             mine = {name: torch.tensor(float(v), device=self.placement.device) for name, v in zip(names, values)}
-        stats = self.placement.broadcast_stats(f"{role}.train", mine, names, among_call_ranks)
+        stats = self.placement.broadcast_stats(f"{role}.train", mine, names, among_call_ranks=among_call_ranks)
         return {name: float(value) for name, value in stats.items()}
 
     def _now(self) -> float:
@@ -532,7 +532,7 @@ class RLHFEngine:
         call = role + ".train"
         names = (*self.algorithm.stat_names(role), SKIPPED_UPDATES, _DIVERGED)
         # Free-running: among the train ranks only (the generation side reads them from the version's announcement).
-        stats = self.placement.broadcast_stats(call, stats, names, self.placement.plan.free_running)
+        stats = self.placement.broadcast_stats(call, stats, names, among_call_ranks=self.placement.plan.free_running)
         if stats.pop(_DIVERGED) > 0:
             wrapper = self.wrappers.get(role)
             raise DivergenceError(self._leader_message(call, wrapper.skipped.diverged if wrapper else None))
