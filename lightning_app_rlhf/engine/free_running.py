@@ -243,8 +243,8 @@ def settle(engine: RLHFEngine) -> None:
         dist.barrier()  # every iteration before this point ran on both sides, and every version is announced
     if placement.rank in placement.plan.generation_ranks:
         take_published_weights(engine, oldest=engine.policy_version)
-    engine.free_running_state.in_flight = placement.finish_sends(engine.free_running_state.in_flight,
-                                                           "completion of the sends in flight", ACTOR.call("train"))
+    state = engine.free_running_state
+    state.in_flight = placement.finish_sends(state.in_flight, "completion of the sends in flight", ACTOR.call("train"))
 
 
 def _published_roles(engine: RLHFEngine) -> list[str]:
