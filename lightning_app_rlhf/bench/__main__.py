@@ -67,21 +67,24 @@ def compare_trl(
 
 
 def _alternate(
-    settings: RunSettings, repeats: int, peer: str, python: Path, decoders: list[str] | None = None
+    settings: RunSettings, repeats: int, peer: str, python: Path, decoders: list[str] | None = None,
+    padding_free: list[bool] | None = None,
 ) -> list[dict[str, Any]]:
-    """``repeats`` rounds of: one run of ours per decoder (``decoders``; None: ``settings.decoder`` alone), then one
-    of the peer (the module ``bench.{peer}`` under ``python``). One row of the comparison per decoder: both sides'
-    medians over all measured iterations, and their ratio (the peer's runs are shared by the rows)."""
+    """``repeats`` rounds of: one run of ours per variant (each of ``decoders`` with each of ``padding_free``; None:
+    the settings' own), then one of the peer (the module ``bench.{peer}`` under ``python``). One row of the
+    comparison per variant: both sides' medians over all measured iterations, and their ratio (the peer's runs are
+    shared by the rows)."""
     params = count_parameters(settings)
-    variants = [replace(settings, decoder=decoder) for decoder in (decoders or [settings.decoder])]
+    variants = [replace(settings, decoder=decoder, padding_free=free) for decoder in (decoders or [settings.decoder])
+                for free in (padding_free or [settings.padding_free])]
     ours_runs: list[list[Any]] = [[] for _ in variants]
     peer_runs = []
     for repeat in range(repeats):
         console.print(f"[bold]{settings.preset} {settings.algorithm} beta {settings.beta:g} {settings.precision}[/] "
-                      f"repeat {repeat + 1}/{repeats}: ours ({', '.join(v.decoder for v in variants)}), then the peer")
+                      f"repeat {repeat + 1}/{repeats}: ours ({', '.join(v.variant for v in variants)}), then the peer")
         with tempfile.TemporaryDirectory() as work:
             for variant, runs in zip(variants, ours_runs):
-                runs.append(run_ours(variant, Path(work) / variant.decoder)["ranks"])
+                runs.append(run_ours(variant, Path(work) / variant.variant)["ranks"])
             peer_runs.append([_run_peer(settings, Path(work), peer, python)])
     measured = replace(settings, iterations=settings.iterations * repeats)
     theirs = summarize(_merge_repeats(peer_runs, settings), measured, params)
@@ -89,7 +92,7 @@ def _alternate(
     for variant, runs in zip(variants, ours_runs):
         ours = summarize(_merge_repeats(runs, settings), measured, params)
         ratio = ours["samples_per_s"]["median"] / theirs["samples_per_s"]["median"]
-        console.print(f"  ours ({variant.decoder}) {ours['samples_per_s']['median']:.1f} completions/s, the peer "
+        console.print(f"  ours ({variant.variant}) {ours['samples_per_s']['median']:.1f} completions/s, the peer "
                       f"{theirs['samples_per_s']['median']:.1f}: {ratio:.2f}x")
         rows.append({"settings": variant.as_dict(), "params": params, "ours": ours, "trl": theirs,
                      "samples_per_s_ratio": ratio, "versions": peer_runs[0][0].get("versions", {})})
@@ -101,6 +104,7 @@ def compare_grpo(
     betas: list[float] = [0.0, 0.04],  # noqa: B006
     precisions: list[str] = ["32-true"],  # noqa: B006
     decoders: list[str] = ["eager", "static_compiled"],  # noqa: B006
+    padding_free: list[bool] = [False],  # noqa: B006
     repeats: int = 2,
     run: RunSettings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4),  # noqa: B008
     profile_preset: str | None = "small",
@@ -118,6 +122,9 @@ def compare_grpo(
         precisions: Precisions, each the same on both sides (``32-true``, ``bf16-mixed``).
         decoders: Our generation backends to measure, each a row against the same peer runs: ``eager`` (the
             default), ``static``, ``static_compiled`` (opt-in: ``generation.backend: static``, ``compile: true``).
+        padding_free: With each decoder, ours with the default padded forwards (false) and/or with the opt-in
+            ``ppo.padding_free: true`` (packed real tokens in the actor's training and the reference's forwards;
+            the presets' random-init responses mostly run to ``new_tokens``, so it packs little here).
         repeats: Runs per framework and cell, alternating ours / TRL; medians are over all measured iterations.
         run: The settings of every run (``--run.batch_size`` prompts x ``--run.num_samples`` completions,
             ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
@@ -133,10 +140,11 @@ def compare_grpo(
     python = peer_python(GRPO_PEER_NAME, GRPO_PEER)
     rows = [row for precision in precisions for preset in presets for beta in betas
             for row in _alternate(replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision),
-                                  repeats, "trl_grpo_peer", python, decoders)]
+                                  repeats, "trl_grpo_peer", python, decoders, padding_free)]
     _save(out, "grpo", rows)
     if profile_preset is not None:
-        settings = replace(run, algorithm="grpo", preset=profile_preset, beta=max(betas), precision=precisions[0])
+        settings = replace(run, algorithm="grpo", preset=profile_preset, beta=max(betas), precision=precisions[0],
+                           padding_free=any(padding_free))
         results = json.loads(Path(out).read_text())
         results["grpo_profile"] = _profile_grpo(settings, python)
         Path(out).write_text(json.dumps(results, indent=2))
@@ -156,7 +164,7 @@ def _profile_grpo(settings: RunSettings, python: Path) -> dict[str, Any]:
         _profile_in_subprocess(str(ours_out), "--presets", f"[{settings.preset}]", "--batch_size",
                                str(settings.batch_size), "--new_tokens", str(settings.new_tokens), "--algorithm",
                                "grpo", "--num_samples", str(settings.num_samples), "--beta", str(settings.beta),
-                               "--precision", settings.precision)
+                               "--precision", settings.precision, "--padding_free", str(settings.padding_free))
         trl_out = Path(work) / "trl_profile.json"
         _run_peer(settings, Path(work), "trl_grpo_peer", python, trl_out)
         ours = json.loads(ours_out.read_text())["profile"][0]["phases"]
@@ -209,6 +217,7 @@ def profile(
     algorithm: str = "ppo",
     num_samples: int = 1,
     beta: float = 0.0,
+    padding_free: bool = False,
     out: str = "bench_results/profile.json",
 ) -> list[dict[str, Any]]:
     """Profile one of our iterations per preset (after two warm-up iterations): per phase, op by op.
@@ -222,13 +231,14 @@ def profile(
         algorithm: ``ppo`` (the TRL 1.12 comparison's run) or ``grpo`` (the TRL 1.16 comparison's).
         num_samples: GRPO's completions per prompt (G).
         beta: GRPO's KL coefficient in the loss (0: no reference).
+        padding_free: ``ppo.padding_free`` (packed real tokens in the actor's training and the reference's forwards).
         out: Where the JSON results go.
     """
     records = []
     for preset in presets:
         settings = RunSettings(preset=preset, batch_size=batch_size, new_tokens=new_tokens, threads=threads,
                                precision=precision, algorithm=algorithm, num_samples=num_samples, beta=beta,
-                               warmup=2, iterations=1)
+                               padding_free=padding_free, warmup=2, iterations=1)
         records.append({"settings": settings.as_dict(), "phases": profile_iteration(settings)})
         print(profile_table(records[-1]), file=sys.stderr)
     _save(out, "profile", records)

@@ -26,6 +26,8 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
     if settings.algorithm == "grpo":
         roles = {"algorithm": "grpo", "reward_fn": "lightning_app_rlhf.demo.topic_reward"}
         ppo.update(kl_coef=0.0, kl_loss_coef=settings.beta, kl_loss_estimator="k3")
+    if settings.padding_free:
+        ppo["padding_free"] = True
     return {
         "seed_everything": 0,
         "trainer": {

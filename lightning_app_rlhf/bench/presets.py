@@ -53,6 +53,9 @@ class RunSettings:
     decoder: str = "eager"
     """Our generation backend (:data:`DECODERS`): ``eager`` (the default), ``static``, or ``static_compiled`` (the
     static decode step through ``torch.compile``; its compilation falls in the warm-up). Ours only."""
+    padding_free: bool = False
+    """Ours only: ``ppo.padding_free`` (the actor's training forward and the reference's scoring forward on packed
+    real tokens; the same numbers within float rounding). False: the default padded forwards."""
     warmup: int = 2
     """Iterations run before measuring (allocator, caches)."""
     iterations: int = 6
@@ -93,6 +96,11 @@ class RunSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def variant(self) -> str:
+        """Our side's options in a name: the decoder, then ``+padding_free`` where it is on."""
+        return self.decoder + ("+padding_free" if self.padding_free else "")
 
 
 DECODERS: dict[str, dict[str, Any]] = {

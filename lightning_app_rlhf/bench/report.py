@@ -92,7 +92,7 @@ def trl_table(rows: list[dict[str, Any]]) -> str:
 
 
 GRPO_COLUMNS = (
-    "| preset | beta | precision | our decoder | params | ours completions/s | TRL completions/s | ours / TRL "
+    "| preset | beta | precision | ours: decoder, forwards | params | ours completions/s | TRL completions/s | ours / TRL "
     "| ours generate / score / train ms | TRL generate ms | peak RSS ours / TRL MiB |",
     "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 )
@@ -107,7 +107,8 @@ def grpo_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         ours, peer, cell = row["ours"], row["trl"], row["settings"]
         body.append(
-            f"| {cell['preset']} | {cell['beta']:g} | {cell['precision']} | `{cell.get('decoder', 'eager')}` "
+            f"| {cell['preset']} | {cell['beta']:g} | {cell['precision']} | `{cell.get('decoder', 'eager')}`, "
+            f"{'padding-free' if cell.get('padding_free') else 'padded'} "
             f"| {row['params'] / 1e6:.2f}M | {_spread(ours['samples_per_s'])} | {_spread(peer['samples_per_s'])} "
             f"| **{row['samples_per_s_ratio']:.2f}x** "
             f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} "
@@ -117,8 +118,10 @@ def grpo_table(rows: list[dict[str, Any]]) -> str:
                f"{s['threads']} thread, one update per batch (TRL `num_iterations=1`; ours 1 epoch, 1 minibatch), one "
                "process, the same random-init policy and string reward function; beta is the k3 KL term in the loss "
                "(0: no reference model on either side). Our decoder: `eager` is the default; `static_compiled` is "
-               "the opt-in `generation.backend: static` with `compile: true` (its compilation falls in the warm-up); "
-               "the rows of a cell share the peer's runs. Medians over all measured steps of alternating runs "
+               "the opt-in `generation.backend: static` with `compile: true` (its compilation falls in the warm-up). "
+               "Our forwards: padded is the default; padding-free is the opt-in `ppo.padding_free: true` (the "
+               "actor's training and the reference's forwards on packed real tokens, the same numbers within float "
+               "rounding). The rows of a cell share the peer's runs. Medians over all measured steps of alternating runs "
                f"(min-max in brackets). Peer: TRL {versions.get('trl', '?')} with transformers "
                f"{versions.get('transformers', '?')} in its own environment.")
     return _section(f"Ours vs TRL {versions.get('trl', '1.16')} GRPOTrainer", caption, GRPO_COLUMNS, body)
@@ -141,7 +144,8 @@ def grpo_profile_table(record: dict[str, Any] | None) -> str:
             for side, phase, summary in rows]
     body.append(f"| ours | total | {sum(v['wall_s'] for v in record['ours'].values()) * 1000:.0f} | | |")
     caption = (f"One step after warm-up, `{s['preset']}` preset, {s['batch_size']} prompts x G={s['num_samples']}, "
-               f"beta {s['beta']:g}, {s['new_tokens']} new tokens, 1 thread, {s['precision']}, torch.profiler "
+               f"beta {s['beta']:g}, {s['new_tokens']} new tokens, 1 thread, {s['precision']}"
+               f"{', ours padding-free' if s.get('padding_free') else ''}, torch.profiler "
                f"(`python -m lightning_app_rlhf.bench grpo --profile_preset {s['preset']}`): the arithmetic both "
                "sides do (matmuls), and what else each spends.")
     columns = ("| side | phase | wall ms | matmul share of op time | heaviest ops (self ms, calls) |",
@@ -243,7 +247,7 @@ def draw_plot(results: dict[str, Any], path: Path) -> None:
     trl_rows, grpo_rows = results.get("trl", []), results.get("grpo", [])
     placement_rows = results.get("placements", [])
     panels = [p for p in (trl_rows, grpo_rows, placement_rows) if p]
-    widths = [2 if p is placement_rows else 1 for p in panels]
+    widths = [2 if p is placement_rows or len(p) > 8 else 1 for p in panels]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * sum(widths), 4), squeeze=False,
                              gridspec_kw={"width_ratios": widths})
     axes = list(axes[0])
@@ -254,8 +258,9 @@ def draw_plot(results: dict[str, Any], path: Path) -> None:
         names = []
         for row in grpo_rows:
             cell = row["settings"]
-            decoder = "" if cell.get("decoder", "eager") == "eager" else f"\n{cell['decoder']}"
-            names.append(f"{cell['preset']}\nbeta {cell['beta']:g}{decoder}")
+            decoder = "" if cell.get("decoder", "eager") == "eager" else "\ncompiled"
+            free = "\npad-free" if cell.get("padding_free") else ""
+            names.append(f"{cell['preset']}\nbeta {cell['beta']:g}{decoder}{free}")
         peer = f"TRL {grpo_rows[0].get('versions', {}).get('trl', '1.16')}"
         _peer_panel(axes.pop(0), grpo_rows, names, peer, "GRPO, 1 process, 1 thread", "completions/s (log)")
     if placement_rows:

@@ -415,7 +415,8 @@ class RLHFEngine:
     ) -> torch.Tensor:
         chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self._lockstep_group(role)}
         if role == REFERENCE.name:
-            return reference_forward(self._call_module(role), shard, self.generation.temperature, **chunks)
+            return reference_forward(self._call_module(role), shard, self.generation.temperature, **chunks,
+                                     padding_free=self.config.padding_free)
         if role == REWARD.name:
             fields = {name: values[rows] for name, values in (row_fields or {}).items()}
             return reward_forward(self._call_module(role) or self.reward_fn, shard, self.tokenizer, fields,
@@ -589,7 +590,8 @@ class RLHFEngine:
         with torch.no_grad(), self._precision(ACTOR.name):
             for part in share.tensor_split(micro_batch_count(len(rows), ranks, self.config.micro_batch_size)):
                 logprobs, _ = policy_logprobs(wrapper.train_module, experience.minibatch(part),
-                                              self.generation.temperature, entropy_grad=False)
+                                              self.generation.temperature, entropy_grad=False,
+                                              padding_free=self.config.padding_free)
                 trainer[part] = logprobs.float()
         trainer = self.placement.all_reduce_sum(call, trainer) * experience.response_mask
         config = self.config
@@ -636,7 +638,8 @@ class RLHFEngine:
                         # No entropy term in the loss: the entropy is only logged, so no graph for it (backward
                         # skips a vocabulary pass).
                         logprobs, entropy = policy_logprobs(wrapper.train_module, batch, self.generation.temperature,
-                                                            entropy_grad=self.config.entropy_coef != 0)
+                                                            entropy_grad=self.config.entropy_coef != 0,
+                                                            padding_free=self.config.padding_free)
                         loss, stats = self.algorithm.policy_loss(logprobs, entropy, batch, scale)
                 wrapper.backward(loss * ranks)
             zero = loss.new_zeros(())

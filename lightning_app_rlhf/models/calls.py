@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.generation import Rollout, position_ids_from_mask, row_chunks
+from lightning_app_rlhf.models.packing import pack_rows, padding_free_logprobs, padding_free_logprobs_and_entropy
 from lightning_app_rlhf.models.roles import RewardFunction
 
 
@@ -83,15 +84,19 @@ def reference_forward(
     temperature: float,
     batch_size: int | None = None,
     lockstep_group: dist.ProcessGroup | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Reference log-probabilities [B, T] of the sampled response tokens.
 
     ``batch_size``: rows per forward (``generation.batch_size``; None: all at once). ``lockstep_group``: the ranks
     over which ``reference`` is sharded (FSDP2 / ZeRO-3), which must then run the same number of chunks; None when it
-    is not sharded.
+    is not sharded. ``padding_free``: each forward on the chunk's real tokens only (:mod:`.packing`).
     """
 
     def forward(part: Rollout) -> torch.Tensor:
+        packed = pack_rows(part.sequences, part.attention_mask, part.prompt_length) if padding_free else None
+        if packed is not None:
+            return padding_free_logprobs(reference, packed, temperature) * part.response_mask
         logits = response_logits(reference, part.sequences, part.attention_mask, part.prompt_length)
         return functional.logprobs_from_logits(logits[:, :-1], part.responses, temperature) * part.response_mask
 
@@ -299,7 +304,7 @@ class Experience:
 
 
 def policy_logprobs(
-    actor: nn.Module, batch: Experience, temperature: float, entropy_grad: bool = True
+    actor: nn.Module, batch: Experience, temperature: float, entropy_grad: bool = True, padding_free: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The actor's log-probabilities [B, T] of the sampled response tokens (with gradients) and its entropies
     [B, T], at the sampling temperature: the forward of the ``actor.train`` call.
@@ -307,7 +312,11 @@ def policy_logprobs(
     One float32 ``log_softmax`` over the vocabulary serves both, with a closed-form backward
     (:func:`~lightning_app_rlhf.algorithms.functional.token_logprobs_and_entropy`: the numbers of
     ``logprobs_from_logits`` and ``entropy_from_logits``). ``entropy_grad=False`` (no entropy term in the loss):
-    the entropy is a statistic, computed without a graph, so backward skips it."""
+    the entropy is a statistic, computed without a graph, so backward skips it. ``padding_free``: the forward runs on
+    the batch's real tokens only (:mod:`.packing`; 0 at positions without a response token)."""
+    packed = pack_rows(batch.sequences, batch.attention_mask, batch.prompt_length) if padding_free else None
+    if packed is not None:
+        return padding_free_logprobs_and_entropy(actor, packed, temperature, entropy_grad)
     logits = response_logits(actor, batch.sequences, batch.attention_mask, batch.prompt_length)
     responses = batch.sequences[:, batch.prompt_length :]
     return functional.token_logprobs_and_entropy(logits, responses, temperature, entropy_grad)
