@@ -76,16 +76,18 @@ def test_trl_comparison_placements_and_report(tmp_path):
 @pytest.mark.slow  # builds (once, about a minute, cached) and runs TRL 1.16 in its own environment
 def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     bench(tmp_path, "grpo", "--presets", "[tiny]", "--betas", "[0.0, 0.04]", "--decoders", "[eager, static]",
-          "--repeats", "1", "--run.new_tokens", "8", "--run.warmup", "1", "--run.iterations", "2",
+          "--padding_free", "[false, true]", "--repeats", "1", "--run.new_tokens", "8", "--run.warmup", "1",
+          "--run.iterations", "2",
           "--profile_preset", "tiny", "--out", "grpo.json", "--docs", "page.md")
-    assert "| tiny | 0.04 | 32-true | `static` |" in (tmp_path / "page.md").read_text()  # its section, written
+    assert "| tiny | 0.04 | 32-true | `static`, padding-free |" in (tmp_path / "page.md").read_text()  # written
     results = json.loads((tmp_path / "grpo.json").read_text())
     rows, profiled = results["grpo"], results["grpo_profile"]
     assert set(profiled["ours"]) == {"generate", "score", "train"} and profiled["trl"]["step"]["wall_s"] > 0
     assert "aten::addmm" in profiled["trl"]["step"]["ops"]
-    cells = [(r["settings"]["beta"], r["settings"]["decoder"]) for r in rows]
-    assert cells == [(0.0, "eager"), (0.0, "static"), (0.04, "eager"), (0.04, "static")]
-    assert rows[0]["trl"] == rows[1]["trl"] and rows[0]["versions"]["trl"] == "1.16.0"  # one peer run per cell
+    cells = [(r["settings"]["beta"], r["settings"]["decoder"], r["settings"]["padding_free"]) for r in rows]
+    assert cells == [(beta, decoder, free) for beta in (0.0, 0.04) for decoder in ("eager", "static")
+                     for free in (False, True)]
+    assert rows[0]["trl"] == rows[3]["trl"] and rows[0]["versions"]["trl"] == "1.16.0"  # one peer run per cell
     for row in rows:
         completions = row["settings"]["batch_size"] * row["settings"]["num_samples"]
         for side in ("ours", "trl"):
@@ -95,7 +97,7 @@ def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     docs = tmp_path / "benchmarks.md"
     bench(tmp_path, "report", "--results", "[grpo.json]", "--docs", str(docs))
     text = docs.read_text()
-    assert "GRPOTrainer" in text and "| tiny | 0.04 | 32-true | `static` |" in text
+    assert "GRPOTrainer" in text and "| tiny | 0.04 | 32-true | `static`, padded |" in text
     assert "| TRL | whole step |" in text and "| ours | train |" in text
     assert "The model arithmetic both sides run" in text
 
@@ -114,6 +116,8 @@ def test_grpo_runs_the_same_update_on_both_sides(tmp_path):
     assert settings.completions == 32 and RunSettings().completions == 32  # PPO: one completion per prompt
     assert "reward_model" in fit_config(RunSettings(), tmp_path)["model"]
     assert "backend" not in model["generation"]  # the default decoder
+    free = fit_config(RunSettings(algorithm="grpo", num_samples=4, padding_free=True), tmp_path)["model"]
+    assert free["ppo"] == {**model["ppo"], "padding_free": True}
     compiled = fit_config(RunSettings(algorithm="grpo", num_samples=4, decoder="static_compiled"), tmp_path)
     assert compiled["model"]["generation"] | {"max_new_tokens": 0} == {
         "max_new_tokens": 0, "temperature": 1.0, "num_samples": 4, "backend": "static", "compile": True}
