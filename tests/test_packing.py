@@ -14,9 +14,9 @@ from torch.testing import assert_close
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, demo
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.generation import Rollout
-from lightning_app_rlhf.models import calls, packing
+from lightning_app_rlhf.models import calls
 from lightning_app_rlhf.models.calls import Experience, policy_logprobs, reference_forward, response_logits
-from lightning_app_rlhf.models.packing import pack_rows
+from lightning_app_rlhf.models.packing import PACKING_PAYS_BELOW, pack_rows
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
 FAMILIES = {
@@ -71,6 +71,7 @@ def test_padding_free_gives_the_padded_numbers_and_gradients(family):
     forward too, in chunks of 3 rows."""
     model = build_causal_lm(ModelSpec(config=FAMILIES[family], init_seed=0))
     sequences, mask = batch_of([5, 2, 7, 1, 4, 7], [3, 9, 0, 1, 9, 5], prompt_width=7, response_width=9)
+    assert pack_rows(sequences, mask, prompt_length=7) is not None  # 5 x 13 packed positions of 6 x 16
     experience = Experience(sequences=sequences, attention_mask=mask, response_mask=mask[:, 7:],
                             logprobs=torch.zeros(6, 9), values=torch.zeros(6, 9), advantages=torch.zeros(6, 9),
                             returns=torch.zeros(6, 9), prompt_length=7, iteration=0)
@@ -121,13 +122,12 @@ def test_a_run_with_padding_free_logs_the_padded_runs_values(tmp_path, monkeypat
     packed_batches = []
 
     def counting_pack_rows(*args):
-        packed = pack_rows(*args)
+        packed = pack_rows(*args, only_where_it_pays=False)
         packed_batches.append(packed is not None)
         return packed
 
     padded = run_grpo(tmp_path, "padded", padding_free=False)
     assert not packed_batches
-    monkeypatch.setattr(packing, "PACKING_PAYS_BELOW", 1.0)
     monkeypatch.setattr(calls, "pack_rows", counting_pack_rows)
     free = run_grpo(tmp_path, "padding_free", padding_free=True)
     # Per iteration: one reference forward, then 2 epochs x 2 minibatches of the actor.
@@ -140,8 +140,13 @@ def test_a_run_with_padding_free_logs_the_padded_runs_values(tmp_path, monkeypat
                 assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
 
 
-def test_pack_rows_keeps_a_batch_with_little_padding_padded():
-    """Packing that would keep more than PACKING_PAYS_BELOW of the positions is not worth its mask and gathers."""
+def test_pack_rows_keeps_a_batch_padded_where_packing_would_not_pay():
+    """Packing that would keep more than PACKING_PAYS_BELOW of the positions is not worth its mask and gathers; nor
+    is one that runs the LM head at more positions than the padded forward (long, uneven prompts before one-token
+    answers: the padded head runs at 2 positions per row, the packed one at every column that predicts an answer)."""
     sequences, mask = batch_of([5, 6, 7, 7], [9, 9, 8, 9], prompt_width=7, response_width=9)  # 60 of 64 real
     assert pack_rows(sequences, mask, prompt_length=7) is None
+    sequences, mask = batch_of([2, 9, 3, 8, 12, 1, 11, 4], [1] * 8, prompt_width=12, response_width=1)
+    assert mask.sum() <= PACKING_PAYS_BELOW * mask.numel()
+    assert pack_rows(sequences, mask, prompt_length=12) is None
     assert pack_rows(*batch_of([5, 3, 3, 3], [9, 1, 1, 2], prompt_width=7, response_width=9), prompt_length=7)

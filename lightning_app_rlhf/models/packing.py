@@ -52,15 +52,20 @@ that, the block-diagonal mask and the gathers cost more than the positions saved
 responses all of full length, 91% of the positions real, made a step 4-6% slower packed)."""
 
 
-def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> PackedRows | None:
+def pack_rows(
+    sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, only_where_it_pays: bool = True
+) -> PackedRows | None:
     """The packed layout of a rollout batch, or None where the padded forward runs instead: packing would keep more
-    than :data:`PACKING_PAYS_BELOW` of the positions, a row's real tokens are not one contiguous span, or a response
-    token has no prompt token before it.
+    than :data:`PACKING_PAYS_BELOW` of the positions, or run the LM head at more positions than the padded forward
+    (which runs it on the ``T + 1`` response positions of every row; packed, it runs on every column where some
+    packed row predicts a response token, so long prompts before short responses can cost more there), a row's real
+    tokens are not one contiguous span, or a response token has no prompt token before it.
 
     Args:
         sequences: [B, P + T] left-padded prompts followed by their responses.
         attention_mask: [B, P + T] 1 for real tokens.
         prompt_length: ``P``.
+        only_where_it_pays: False: pack whenever the rows allow it (tests, measurements).
     """
     batch, width = sequences.shape
     response_length = width - prompt_length
@@ -86,7 +91,7 @@ def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_leng
         bin_of[row], offset_of[row] = slot, capacity - room[slot]
         room[slot] -= need
     num_rows = max(len(room), 1)
-    if num_rows * capacity > PACKING_PAYS_BELOW * batch * width:
+    if only_where_it_pays and num_rows * capacity > PACKING_PAYS_BELOW * batch * width:
         return None
     device = sequences.device
     bins = torch.tensor(bin_of, device=device)
@@ -105,6 +110,8 @@ def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_leng
     response_rows, response_cols = mask[:, prompt_length:].nonzero(as_tuple=True)
     columns = offsets[response_rows] + (response_cols + prompt_length - 1 - starts[response_rows])
     logits_columns = torch.unique(columns)  # sorted
+    if only_where_it_pays and num_rows * len(logits_columns) > batch * (response_length + 1):
+        return None  # the LM head would run at more positions than the padded forward's (long prompts, short answers)
     index = bins[response_rows] * len(logits_columns) + torch.searchsorted(logits_columns, columns)
     return PackedRows(
         input_ids=input_ids.view(num_rows, capacity),
