@@ -6,6 +6,7 @@ Speed is never asserted here; the harness measures it side by side (docs/benchma
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,7 +117,7 @@ def test_grpo_runs_the_same_update_on_both_sides(tmp_path):
     assert settings.completions == 32 and RunSettings().completions == 32  # PPO: one completion per prompt
     assert "reward_model" in fit_config(RunSettings(), tmp_path)["model"]
     assert "backend" not in model["generation"]  # the default decoder
-    free = fit_config(RunSettings(algorithm="grpo", num_samples=4, padding_free=True), tmp_path)["model"]
+    free = fit_config(replace(settings, padding_free=True), tmp_path)["model"]
     assert free["ppo"] == {**model["ppo"], "padding_free": True}
     compiled = fit_config(RunSettings(algorithm="grpo", num_samples=4, decoder="static_compiled"), tmp_path)
     assert compiled["model"]["generation"] | {"max_new_tokens": 0} == {
