@@ -77,12 +77,14 @@ def pack_rows(
     if bool(((ends - starts != lengths) & real).any()) or bool((real & (starts >= prompt_length)).any()):
         return None
 
-    # First-fit decreasing into rows of the longest span: deterministic, and no longer than the padded row.
-    capacity = max(int(lengths.max()), 1) if batch else 1
+    # First-fit decreasing into rows of the longest span: deterministic, and no longer than the padded row. One
+    # host copy of the lengths (not a device sync per row).
+    sizes = lengths.tolist()
+    capacity = max(max(sizes, default=0), 1)
     room: list[int] = []
     bin_of, offset_of = [0] * batch, [0] * batch
-    for row in sorted(range(batch), key=lambda r: -int(lengths[r])):
-        need = int(lengths[row])
+    for row in sorted(range(batch), key=lambda r: -sizes[r]):
+        need = sizes[row]
         if need == 0:
             continue
         slot = next((b for b, free in enumerate(room) if free >= need), len(room))
