@@ -150,3 +150,32 @@ def test_pack_rows_keeps_a_batch_padded_where_packing_would_not_pay():
     assert mask.sum() <= PACKING_PAYS_BELOW * mask.numel()
     assert pack_rows(sequences, mask, prompt_length=12) is None
     assert pack_rows(*batch_of([5, 3, 3, 3], [9, 1, 1, 2], prompt_width=7, response_width=9), prompt_length=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_padding_free_on_cuda_gives_the_padded_numbers(family):
+    """On a GPU (sdpa's CUDA kernels with the packed block-diagonal mask): the padded log-probabilities, entropies
+    and gradients, in float32, and under bf16 autocast within bf16's rounding."""
+    model = build_causal_lm(ModelSpec(config=FAMILIES[family], init_seed=0)).cuda()
+    sequences, mask = (t.cuda() for t in batch_of([5, 2, 7, 1, 4, 7], [3, 9, 0, 1, 9, 5], 7, 9))
+    zeros = torch.zeros(6, 9, device="cuda")
+    experience = Experience(sequences=sequences, attention_mask=mask, response_mask=mask[:, 7:], logprobs=zeros,
+                            values=None, advantages=zeros, returns=None, prompt_length=7, iteration=0)
+    valid = mask[:, 7:].bool()
+    for dtype, atol in ((None, 1e-4), (torch.bfloat16, 0.1)):
+        results = []
+        for padding_free in (False, True):
+            model.zero_grad()
+            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+                logprobs, entropy = policy_logprobs(model, experience, 1.0, padding_free=padding_free)
+            (logprobs * valid).sum().backward()
+            results.append((logprobs.detach() * valid, entropy.detach() * valid,
+                            [p.grad.float().clone() for p in model.parameters()]))
+        (padded_lp, padded_entropy, padded_grads), (free_lp, free_entropy, free_grads) = results
+        assert_close(free_lp, padded_lp, rtol=0, atol=atol)
+        assert_close(free_entropy, padded_entropy, rtol=0, atol=atol)
+        if dtype is None:
+            for free, padded in zip(free_grads, padded_grads, strict=True):
+                assert_close(free, padded, rtol=1e-3, atol=1e-5)
