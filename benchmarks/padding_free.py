@@ -102,8 +102,9 @@ def main() -> None:
                                        args.repeats) for free in (False, True)}
             packed = pack_rows(sequences, mask, PROMPT)
             layout = "not packed" if packed is None else "{} x {}".format(*packed.input_ids.shape)
-            print(f"| {preset} | {kind} | {int(mask.sum())} / {mask.numel()} | {layout} | {step[False]:.1f} | {step[True]:.1f} | "
-                  f"{step[False] / step[True]:.2f}x | {scoring[False]:.1f} | {scoring[True]:.1f} |", flush=True)
+            print(f"| {preset} | {kind} | {int(mask.sum())} / {mask.numel()} | {layout} | {step[False]:.1f} "
+                  f"| {step[True]:.1f} | {step[False] / step[True]:.2f}x | {scoring[False]:.1f} "
+                  f"| {scoring[True]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

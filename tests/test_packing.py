@@ -40,8 +40,9 @@ def batch_of(prompt_lengths: list[int], response_lengths: list[int], prompt_widt
 
 
 def test_pack_rows_lays_each_rows_real_tokens_end_to_end():
-    """Rows of 5, 2 and 3 real tokens (10 of 15 positions) go into rows of 5 (the longest), first fit decreasing: [row 0], [row 2, row 1].
-    Positions restart per sequence; a response token at padded column c is predicted from column c - 1's slot."""
+    """Rows of 5, 2 and 3 real tokens (10 of 15 positions) go into rows of 5 (the longest), first fit decreasing:
+    [row 0], [row 2, row 1]. Positions restart per sequence; a response token at padded column c is predicted from
+    column c - 1's slot."""
     sequences = torch.tensor([[11, 12, 13, 14, 15],   # prompt 11 12 13, response 14 15
                               [0, 0, 21, 22, 0],      # prompt 21, response 22, then a pad
                               [0, 31, 32, 33, 0]])    # prompt 31 32, response 33

@@ -92,7 +92,8 @@ def trl_table(rows: list[dict[str, Any]]) -> str:
 
 
 GRPO_COLUMNS = (
-    "| preset | beta | precision | ours: decoder, forwards | params | ours completions/s | TRL completions/s | ours / TRL "
+    "| preset | beta | precision | ours: decoder, forwards | params | ours completions/s | TRL completions/s "
+    "| ours / TRL "
     "| ours generate / score / train ms | TRL generate ms | peak RSS ours / TRL MiB |",
     "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
 )
@@ -121,8 +122,8 @@ def grpo_table(rows: list[dict[str, Any]]) -> str:
                "the opt-in `generation.backend: static` with `compile: true` (its compilation falls in the warm-up). "
                "Our forwards: padded is the default; padding-free is the opt-in `ppo.padding_free: true` (the "
                "actor's training and the reference's forwards on packed real tokens, the same numbers within float "
-               "rounding). The rows of a cell share the peer's runs. Medians over all measured steps of alternating runs "
-               f"(min-max in brackets). Peer: TRL {versions.get('trl', '?')} with transformers "
+               "rounding). The rows of a cell share the peer's runs. Medians over all measured steps of alternating "
+               f"runs (min-max in brackets). Peer: TRL {versions.get('trl', '?')} with transformers "
                f"{versions.get('transformers', '?')} in its own environment.")
     return _section(f"Ours vs TRL {versions.get('trl', '1.16')} GRPOTrainer", caption, GRPO_COLUMNS, body)
 

@@ -8,9 +8,10 @@ Here each row's real tokens (one contiguous span) are laid end to end in rows of
 (first-fit decreasing), with position ids restarting at 0 for every sequence and no attention mask: Hugging Face
 then builds the block-diagonal causal mask of packed sequences from the position ids (its padding-free path, for
 every attention implementation), so no token attends to another sequence's. The LM head runs only on the packed
-columns that predict a response token (``logits_to_keep`` as an index tensor). A batch with little padding keeps
-the padded forward (:data:`PACKING_PAYS_BELOW`). Numbers equal the padded forward's within float rounding; positions with no real token get log-probability and entropy 0 (the padded forward's values
-there are masked out by every consumer).
+columns that predict a response token (``logits_to_keep`` as an index tensor). A batch where packing would not pay
+keeps the padded forward (:func:`pack_rows`). Numbers equal the padded forward's within float rounding; positions
+with no real token get log-probability and entropy 0 (the padded forward's values there are masked out by every
+consumer).
 
 Plain PyTorch, no Lightning.
 """
