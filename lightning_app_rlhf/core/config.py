@@ -233,8 +233,9 @@ class PPOConfig:
     sequence's), and the LM head runs only where a response token is predicted. The same numbers within float
     rounding. It pays when responses are short and uneven (most of a padded batch is then padding: a training step
     2.1-2.6x faster in docs/benchmarks.md, "Padding-free forwards"); a batch stays padded where packing would shrink
-    it by less than a fifth, or run the LM head at more positions (long prompts before short answers). TRL's
-    ``padding_free``. The critic and reward model keep their padded forwards; the planner profiles padded
+    it by less than a fifth, or run the LM head at more positions (long prompts before short answers). As TRL's
+    ``padding_free`` (SFT, DPO; its GRPOTrainer has none), OpenRLHF's ``--packing_samples``, veRL's
+    ``use_remove_padding``. The critic and reward model keep their padded forwards; the planner profiles padded
     forwards."""
     rollout_is: Literal["none", "tis", "mis"] = "none"
     """Correct the loss for the rollout engine's log-probabilities differing from the trainer's (needs
