@@ -188,11 +188,17 @@ def test_eager_is_the_default_backend():
 
 @pytest.mark.slow  # torch.compile on the CPU: ~20-70 s of compilation
 def test_compiled_static_decode_gives_the_tokens_of_eager(batch):
-    """``generation.compile: true`` on the CPU (inductor; the cache length rounded up to 64): eager's tokens."""
+    """``generation.compile: true`` on the CPU (inductor; the cache length rounded up to 64): eager's tokens, also
+    when calls alternate between batch sizes (each call's first step checks every guard and picks the graph of its
+    shape; the later steps skip the guards that cannot fail), and the compiler's stance is the user's again after."""
     model = build("llama")
     config = GenerationConfig(max_new_tokens=12)
-    eager = run(model, batch, config)
-    assert_same_rollout(run(model, batch, replace(config, backend="static", compile=True)), eager)
+    four = {key: batch[key][:4] for key in ("input_ids", "attention_mask", "index")}
+    for rows in (batch, four, batch):
+        assert_same_rollout(run(model, rows, replace(config, backend="static", compile=True)), run(model, rows, config))
+    doubled = torch.compile(lambda x: x * 2)
+    assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
+    assert torch.equal(doubled(torch.ones(3)), torch.full((3,), 2.0))  # guards run again: a graph for 3 elements
 
 
 def test_decode_harness_times_every_decoder_on_full_length_rows():

@@ -26,6 +26,7 @@ refused with an error that names the fix (``generation.backend: eager``). The ba
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,6 +95,20 @@ def _decode_step(
     out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kwargs(cache))
     column = None if uniforms is None else uniforms.unsqueeze(-1)
     return next_token(out.logits[:, -1, :], config, column, 0, done, pad_token_id)
+
+
+def _guards_checked_by_the_first_step() -> contextlib.AbstractContextManager[None]:
+    """Dynamo's guards, evaluated only where they tell cached graphs apart, for a decode's steps after its first.
+
+    Every step of a decode calls the compiled step with the same model, cache, mask and config and with inputs of the
+    same shapes, dtypes and devices; only tensor values change. The first step ran every guard (and compiled, or
+    chose among the graphs of earlier batch sizes), so the later steps' guards can only pass again. Evaluating them
+    anyway costs about 15% of a ``tiny`` decode on the CPU (``benchmarks/decode_guards.py``).
+    ``torch.compiler.set_stance``'s ``skip_guard_eval_unsafe`` is the public
+    switch for that case: it still runs the guards that tell cached graphs apart, a recompilation under it raises
+    instead of running a wrong graph, and the previous stance comes back on exit. Unmeasured on CUDA (no GPU where this was added), so the decode uses it on the CPU only.
+    """
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
 
 def _compile_on(config: GenerationConfig, device: torch.device) -> bool:
@@ -188,20 +203,23 @@ class StaticBackend(GenerationBackend):
         done = torch.full((batch,), not request.active, dtype=torch.bool, device=device)
         stops, lockstep_group = request.stops, request.lockstep_group
         token, logprob = next_token(out.logits[:, -1, :], config, uniforms, 0, done, pad_token_id)
-        for step in range(steps):
-            if step > 0:
-                position.add_(1)
-                if state.compiled and device.type == "cuda":
-                    torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-                token, logprob = state.step(model, cache, token.unsqueeze(-1), position, mask, config,
-                                            None if uniforms is None else uniforms[:, step], done, pad_token_id)
-                token = token.clone()  # a CUDA graph's output is overwritten by its next replay; it is that input
-            logprobs[:, step] = logprob
-            masks[:, step] = ~done
-            tokens[:, step] = token
-            done = done | stops.ended_window(tokens[:, max(0, step + 1 - stops.window) : step + 1])
-            if step == steps - 1 or ((step + 1) % config.sync_every == 0 and all_done(done, lockstep_group)):
-                break
+        with contextlib.ExitStack() as later_steps:
+            for step in range(steps):
+                if step > 0:
+                    position.add_(1)
+                    if state.compiled and device.type == "cuda":
+                        torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+                    token, logprob = state.step(model, cache, token.unsqueeze(-1), position, mask, config,
+                                                None if uniforms is None else uniforms[:, step], done, pad_token_id)
+                    token = token.clone()  # a CUDA graph's output is overwritten by its next replay; it is that input
+                    if step == 1 and state.compiled and device.type == "cpu":
+                        later_steps.enter_context(_guards_checked_by_the_first_step())
+                logprobs[:, step] = logprob
+                masks[:, step] = ~done
+                tokens[:, step] = token
+                done = done | stops.ended_window(tokens[:, max(0, step + 1 - stops.window) : step + 1])
+                if step == steps - 1 or ((step + 1) % config.sync_every == 0 and all_done(done, lockstep_group)):
+                    break
         width = self._width(masks, lockstep_group)
         response_mask = masks[:, :width].to(attention_mask.dtype)
         return Rollout.from_responses(input_ids, attention_mask, tokens[:, :width], response_mask,
