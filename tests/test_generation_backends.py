@@ -201,6 +201,24 @@ def test_compiled_static_decode_gives_the_tokens_of_eager(batch):
     assert torch.equal(doubled(torch.ones(3)), torch.full((3,), 2.0))  # guards run again: a graph for 3 elements
 
 
+@pytest.mark.slow  # torch.compile on the CPU
+def test_compiled_static_decode_refuses_a_forward_that_recompiles_at_every_token(batch):
+    """A forward that breaks the graph and then depends on a per-token Python value would need a graph per token;
+    the decode steps after the first skip the guards, so that is an error naming the fix, not a wrong graph."""
+    model = build("llama")
+
+    class BreaksOnPosition(type(model)):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            last = int(kwargs["position_ids"].max())  # a graph break, then a guard on this token's position
+            out.logits = out.logits + (last - last)
+            return out
+
+    model.__class__ = BreaksOnPosition
+    with pytest.raises(RuntimeError, match="needs a new graph at every token.*generation.compile: false"):
+        run(model, batch, GenerationConfig(max_new_tokens=4, backend="static", compile=True))
+
+
 def test_decode_harness_times_every_decoder_on_full_length_rows():
     """``bench decode``: each decoder generates batch x new_tokens tokens (no stop), speed-ups are relative to
     eager, and static samples eager's tokens on the harness's prompts."""

@@ -102,11 +102,13 @@ def _guards_checked_by_the_first_step() -> contextlib.AbstractContextManager[Non
 
     Every step of a decode calls the compiled step with the same model, cache, mask and config and with inputs of the
     same shapes, dtypes and devices; only tensor values change. The first step ran every guard (and compiled, or
-    chose among the graphs of earlier batch sizes), so the later steps' guards can only pass again. Evaluating them
-    anyway costs about 15% of a ``tiny`` decode on the CPU (``benchmarks/decode_guards.py``).
-    ``torch.compiler.set_stance``'s ``skip_guard_eval_unsafe`` is the public
-    switch for that case: it still runs the guards that tell cached graphs apart, a recompilation under it raises
-    instead of running a wrong graph, and the previous stance comes back on exit. Unmeasured on CUDA (no GPU where this was added), so the decode uses it on the CPU only.
+    chose among the graphs of earlier batch sizes), so the later steps' guards pass again, and evaluating them costs
+    7-19% of a ``tiny`` decode on the CPU (``benchmarks/decode_guards.py``). ``torch.compiler.set_stance``'s
+    ``skip_guard_eval_unsafe`` is the public switch for that case; it still runs the guards that tell cached graphs
+    apart, and the previous stance comes back on exit. The one model it cannot serve is one whose forward breaks the
+    graph and then depends on a Python value that changes per token (it would recompile at every token): Dynamo
+    raises instead of running a wrong graph, and :meth:`StaticBackend.decode` turns that into an error naming the fix.
+    Unmeasured on CUDA (no GPU where this was added), so the decode uses it on the CPU only.
     """
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
@@ -209,8 +211,20 @@ class StaticBackend(GenerationBackend):
                     position.add_(1)
                     if state.compiled and device.type == "cuda":
                         torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-                    token, logprob = state.step(model, cache, token.unsqueeze(-1), position, mask, config,
-                                                None if uniforms is None else uniforms[:, step], done, pad_token_id)
+                    inputs = (model, cache, token.unsqueeze(-1), position, mask, config,
+                              None if uniforms is None else uniforms[:, step], done, pad_token_id)
+                    try:
+                        token, logprob = state.step(*inputs)
+                    except RuntimeError as error:
+                        if "skip_guard_eval_unsafe" not in str(error):
+                            raise
+                        # Part of the step may have run (a graph break before the failing guard): not retried.
+                        raise RuntimeError(
+                            f"The compiled decode step of {type(model).__name__} needs a new graph at every token: "
+                            "its forward breaks the graph and then depends on a value that changes per token, so "
+                            "each token would recompile. Use generation.compile: false (the static backend "
+                            "uncompiled) or generation.backend: eager, or remove the graph break from the forward."
+                        ) from error
                     token = token.clone()  # a CUDA graph's output is overwritten by its next replay; it is that input
                     if step == 1 and state.compiled and device.type == "cpu":
                         later_steps.enter_context(_guards_checked_by_the_first_step())
