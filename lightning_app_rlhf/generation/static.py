@@ -10,7 +10,7 @@ The approach of gpt-fast and litgpt, on the model family's own Hugging Face modu
   runs there; the tokens, masks and log-probs go into preallocated buffers;
 - the host learns whether every row has stopped only every ``generation.sync_every`` tokens;
 - the decode step can run through ``torch.compile`` (``generation.compile``; ``reduce-overhead``, i.e. CUDA graphs,
-  on CUDA).
+  on CUDA; on the CPU, Dynamo's guards are checked on a decode's first step only).
 
 The uniforms are eager's own (:func:`~lightning_app_rlhf.generation.sampling.keyed_uniforms`: one CPU generator per
 key, float64), drawn once per call and copied to the device: a device generator (CUDA's Philox) would draw another
