@@ -216,6 +216,8 @@ class StaticBackend(GenerationBackend):
                     try:
                         token, logprob = state.step(*inputs)
                     except RuntimeError as error:
+                        # torch raises a plain RuntimeError that names the stance; if its wording changes, the
+                        # user sees torch's own error instead of this one (still an error, never a wrong graph).
                         if "skip_guard_eval_unsafe" not in str(error):
                             raise
                         # Part of the step may have run (a graph break before the failing guard): not retried.
