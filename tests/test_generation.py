@@ -543,6 +543,32 @@ def test_chunked_forwards_equal_whole(scored, tokenizer, batch_size):
         assert_close(chunked, whole, rtol=0, atol=1e-5)
 
 
+def test_inference_mode_gives_the_same_numbers_as_tensors_a_loss_can_save(gpt2, chunk_batch, scored, tokenizer):
+    """``inference_mode=True`` (the engine's choice for an unwrapped model): generate's rollout and the scoring
+    forwards are bit for bit those of ``no_grad``, and come back as ordinary tensors, which a loss may save for
+    backward (an inference tensor may not be)."""
+    model, config = EOSBiased(gpt2, bias=4.5), GenerationConfig(max_new_tokens=8, batch_size=3)
+    keys = sample_keys(1, 0, chunk_batch["index"])
+    ids, mask = chunk_batch["input_ids"], chunk_batch["attention_mask"]
+    plain = generate(model, ids, mask, config, keys, EOS, PAD)
+    fast = generate(model, ids, mask, config, keys, EOS, PAD, inference_mode=True)
+    for field in ("sequences", "attention_mask", "response_mask", "logprobs", "stopped"):
+        got, expected = getattr(fast, field), getattr(plain, field)
+        assert torch.equal(got, expected) and got.dtype == expected.dtype, field
+        assert not got.is_inference(), field
+    rollout, reference, critic, reward = scored
+    for forward in (
+        lambda **kw: reference_forward(reference, rollout, 0.7, batch_size=3, **kw),
+        lambda **kw: critic_forward(critic, rollout, **kw),
+        lambda **kw: reward_forward(reward, rollout, tokenizer, **kw),
+    ):
+        got = forward(inference_mode=True)
+        assert torch.equal(got, forward()) and not got.is_inference()
+    weight = torch.ones((), requires_grad=True)
+    (weight * fast.logprobs).sum().backward()  # mul saves the log-probs for backward
+    assert_close(weight.grad, fast.logprobs.sum())
+
+
 def test_reward_function_called_once_whatever_batch_size(scored, tokenizer):
     """A reward function on decoded text sees the whole rollout in one call, with its row fields."""
     rollout, *_ = scored

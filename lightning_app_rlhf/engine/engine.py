@@ -369,6 +369,7 @@ class RLHFEngine:
                 pad_token_id=self.tokenizer.pad_token_id,
                 lockstep_group=lockstep,
                 tokenizer=self.tokenizer,
+                inference_mode=self._inference_mode(ACTOR.name),
             )
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None,
@@ -413,7 +414,8 @@ class RLHFEngine:
     def _forward(
         self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None, iteration: int | None
     ) -> torch.Tensor:
-        chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self._lockstep_group(role)}
+        chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self._lockstep_group(role),
+                  "inference_mode": self._inference_mode(role)}
         if role == REFERENCE.name:
             return reference_forward(self._call_module(role), shard, self.generation.temperature, **chunks,
                                      padding_free=self.config.padding_free)
@@ -474,6 +476,16 @@ class RLHFEngine:
         precision here."""
         precision = self.precisions.get(role)
         return precision_context(precision, self.placement.device) if precision else contextlib.nullcontext()
+
+    def _inference_mode(self, role: str) -> bool:
+        """Whether ``role``'s generate / forward calls here run under ``torch.inference_mode`` (less per-op work than
+        ``torch.no_grad``, the same numbers): on its own module, where its wrapper allows it
+        (:attr:`~lightning_app_rlhf.parallel.wrappers.base.RoleWrapper.forwards_in_inference_mode`); a
+        tensor-parallel copy's calls stay under ``torch.no_grad``."""
+        if self._tp_copy(role) is not None:
+            return False
+        wrapper = self._wrapper_of(role)
+        return wrapper is None or wrapper.forwards_in_inference_mode
 
     def _lockstep_group(self, role: str) -> torch.distributed.ProcessGroup | None:
         """The group over which ``role``'s weights are sharded here, whose ranks must run the same number of

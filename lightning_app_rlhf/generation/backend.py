@@ -118,6 +118,7 @@ def generate(
     lockstep_group: dist.ProcessGroup | None = None,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    inference_mode: bool = False,
 ) -> Rollout:
     """Sample responses for left-padded prompts with a KV cache, stopping each row at its first stop.
 
@@ -146,10 +147,38 @@ def generate(
             generation stops only when every rank of the group is done with it. A rank without rows in a chunk
             runs its forwards on a stand-in row that is done from the start.
         tokenizer: Needed only for ``config.stop_strings``, to match text.
+        inference_mode: Decode under ``torch.inference_mode`` instead of ``torch.no_grad``: less bookkeeping per
+            op (a tenth of a small model's decode on the CPU), the same tokens; the rollout is cloned out of it, so
+            that a loss may save its tensors for backward. Only for a model that keeps no state past its forward:
+            not FSDP2 or ZeRO-3, whose gathered parameters would become inference tensors that their next
+            training step may not write.
 
     The loop is ``config.backend``'s :class:`GenerationBackend` (``eager`` or ``static``); both give the same tokens
     for the same keys.
     """
+    if not inference_mode:
+        return _generate(model, input_ids, attention_mask, config, keys, eos_token_id, pad_token_id, lockstep_group,
+                         tokenizer)
+    with torch.inference_mode():
+        rollout = _generate(model, input_ids, attention_mask, config, keys, eos_token_id, pad_token_id,
+                            lockstep_group, tokenizer)
+    return Rollout(*(t.clone() for t in (rollout.sequences, rollout.attention_mask, rollout.response_mask,
+                                         rollout.logprobs)),
+                   prompt_length=rollout.prompt_length,
+                   stopped=rollout.stopped.clone() if rollout.stopped is not None else None)
+
+
+def _generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    keys: torch.Tensor,
+    eos_token_id: int | Sequence[int],
+    pad_token_id: int,
+    lockstep_group: dist.ProcessGroup | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> Rollout:
     backend = get_backend(config.backend)
     num_rows, prompt_length = input_ids.shape
     check_context_length(model, prompt_length, config.max_new_tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_app_rlhf.algorithms.functional import tempered_float
 from lightning_app_rlhf.core.config import GenerationConfig
 
 
@@ -81,12 +82,12 @@ def next_token(
         done: [B] True for rows that already ended.
         pad_token_id: The token of rows already done.
     """
-    log_probs = F.log_softmax(logits.float() / config.temperature, dim=-1)
+    log_probs = F.log_softmax(tempered_float(logits, config.temperature), dim=-1)
     if config.do_sample:
         draw = _draw_eager if logits.is_cuda else _draw
         token = draw(log_probs.exp(), uniforms[:, step], config.top_k, config.top_p)
     else:
         token = log_probs.argmax(-1)
-    token = torch.where(done, torch.full_like(token, pad_token_id), token)
-    return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1) * (~done)
+    token = token.masked_fill(done, pad_token_id)
+    return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(done, 0.0)
 

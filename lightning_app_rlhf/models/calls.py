@@ -46,10 +46,27 @@ def _in_chunks(
     rollout: Rollout,
     batch_size: int | None,
     lockstep_group: dist.ProcessGroup | None,
+    inference_mode: bool = False,
 ) -> torch.Tensor:
     """``forward`` on consecutive row chunks of ``rollout`` (see :func:`~lightning_app_rlhf.generation.row_chunks`),
     its outputs concatenated along dim 0. With a lockstep group, a rank without rows in a chunk runs ``forward`` on a
-    stand-in row and drops the output, so that a sharded model's forwards stay paired across the group."""
+    stand-in row and drops the output, so that a sharded model's forwards stay paired across the group.
+
+    ``inference_mode``: the forwards run under ``torch.inference_mode`` (less per-op bookkeeping than ``no_grad``),
+    and the output is cloned out of it, so that a loss may save it for backward."""
+    if not inference_mode:
+        return _chunked(forward, rollout, batch_size, lockstep_group)
+    with torch.inference_mode():
+        out = _chunked(forward, rollout, batch_size, lockstep_group)
+    return out.clone()
+
+
+def _chunked(
+    forward: Callable[[Rollout], torch.Tensor],
+    rollout: Rollout,
+    batch_size: int | None,
+    lockstep_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     if batch_size is None and lockstep_group is None:
         return forward(rollout)
     num_rows = len(rollout.sequences)
@@ -85,12 +102,16 @@ def reference_forward(
     batch_size: int | None = None,
     lockstep_group: dist.ProcessGroup | None = None,
     padding_free: bool = False,
+    inference_mode: bool = False,
 ) -> torch.Tensor:
     """Reference log-probabilities [B, T] of the sampled response tokens.
 
     ``batch_size``: rows per forward (``generation.batch_size``; None: all at once). ``lockstep_group``: the ranks
     over which ``reference`` is sharded (FSDP2 / ZeRO-3), which must then run the same number of chunks; None when it
     is not sharded. ``padding_free``: each forward on the chunk's real tokens only (:mod:`.packing`).
+    ``inference_mode``: the forwards under ``torch.inference_mode`` instead of ``torch.no_grad``, the same numbers
+    (only for a module that keeps no state past its forward: not FSDP2 or ZeRO-3, whose gathered parameters would
+    become inference tensors).
     """
 
     def forward(part: Rollout) -> torch.Tensor:
@@ -100,7 +121,7 @@ def reference_forward(
         logits = response_logits(reference, part.sequences, part.attention_mask, part.prompt_length)
         return functional.logprobs_from_logits(logits[:, :-1], part.responses, temperature) * part.response_mask
 
-    return _in_chunks(forward, rollout, batch_size, lockstep_group)
+    return _in_chunks(forward, rollout, batch_size, lockstep_group, inference_mode)
 
 
 @torch.no_grad()
@@ -109,14 +130,15 @@ def critic_forward(
     rollout: Rollout,
     batch_size: int | None = None,
     lockstep_group: dist.ProcessGroup | None = None,
+    inference_mode: bool = False,
 ) -> torch.Tensor:
     """Critic values [B, T] of the states before each response token, ``batch_size`` rows per forward (see
-    :func:`reference_forward`)."""
+    :func:`reference_forward`, also for ``lockstep_group`` and ``inference_mode``)."""
 
     def forward(part: Rollout) -> torch.Tensor:
         return critic_values(critic, part) * part.response_mask
 
-    return _in_chunks(forward, rollout, batch_size, lockstep_group)
+    return _in_chunks(forward, rollout, batch_size, lockstep_group, inference_mode)
 
 
 class RewardFunctionError(RuntimeError):
@@ -133,10 +155,12 @@ def reward_forward(
     batch_size: int | None = None,
     lockstep_group: dist.ProcessGroup | None = None,
     iteration: int | None = None,
+    inference_mode: bool = False,
 ) -> torch.Tensor:
     """Scores [B] in float32: a reward model's output, or a reward function's on decoded text.
 
-    A reward model runs ``batch_size`` rows per forward (see :func:`reference_forward`). A reward function is
+    A reward model runs ``batch_size`` rows per forward (see :func:`reference_forward`, also for ``inference_mode``,
+    which a reward function ignores: it runs the user's code as it is). A reward function is
     called once on the whole rollout whatever ``batch_size``: decoded text is small, and the function sees every
     response of the shard (and its row fields) at once, as without chunks.
 
@@ -162,7 +186,7 @@ def reward_forward(
             ).logits
             return logits[:, 0].float()
 
-        return _in_chunks(forward, rollout, batch_size, lockstep_group)
+        return _in_chunks(forward, rollout, batch_size, lockstep_group, inference_mode)
     prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
     responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
     try:

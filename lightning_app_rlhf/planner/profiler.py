@@ -590,9 +590,9 @@ def measure_shape(
         for n in lengths:
             rollout, experience = batch_of(b, n)
             if shape.kind == "causal_lm":
-                forward = lambda r=rollout: reference_forward(model, r, 1.0)
+                forward = lambda r=rollout: reference_forward(model, r, 1.0, inference_mode=True)
             elif shape.kind == "value":
-                forward = lambda r=rollout: critic_forward(model, r)
+                forward = lambda r=rollout: critic_forward(model, r, inference_mode=True)
             else:
                 forward = lambda r=rollout: model(input_ids=r.sequences, attention_mask=r.attention_mask)
             ops["forward"].append([b, n, _best_of(forward, repeats, statistic)])
@@ -602,23 +602,21 @@ def measure_shape(
             prompts, prompt_mask = torch.randint(3, shape.vocab, (b, p)), left_padded_mask(b, p, p)
             config = GenerationConfig(max_new_tokens=g)
             keys = torch.arange(b)
+            # As the engine runs an unwrapped model's generate: under inference mode.
             gen = _best_of(
-                lambda x=prompts, m=prompt_mask, c=config, k=keys: generate(model, x, m, c, k, -1, 0),
+                lambda x=prompts, m=prompt_mask, c=config, k=keys: generate(model, x, m, c, k, -1, 0,
+                                                                            inference_mode=True),
                 repeats,
                 statistic,
             )
-            # The prefill as generate() runs it: positions that skip the padding, last position's logits only.
-            prefill = _best_of(
-                lambda x=prompts, m=prompt_mask: model(
-                    input_ids=x,
-                    attention_mask=m,
-                    position_ids=position_ids_from_mask(m),
-                    use_cache=True,
-                    logits_to_keep=1,
-                ),
-                repeats,
-                statistic,
-            )
+
+            @torch.inference_mode()
+            def prefill_of(x: torch.Tensor = prompts, m: torch.Tensor = prompt_mask) -> Any:
+                # The prefill as generate() runs it: positions that skip the padding, last position's logits only.
+                return model(input_ids=x, attention_mask=m, position_ids=position_ids_from_mask(m), use_cache=True,
+                             logits_to_keep=1)
+
+            prefill = _best_of(prefill_of, repeats, statistic)
             ops["prefill"].append([b, p, prefill])
             ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
     if shape.kind == "classifier":

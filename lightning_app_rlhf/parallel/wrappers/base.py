@@ -88,6 +88,10 @@ class RoleWrapper(ABC):
     lockstep_when_unsharded: ClassVar[bool] = False
     """Inside :meth:`unsharded`, a forward may still run a collective over the group, so its ranks must still run
     the same number of forwards (generation in lockstep)."""
+    forwards_in_inference_mode: ClassVar[bool] = True
+    """Its module's gradient-free calls (generate, the scoring forwards) may run under ``torch.inference_mode``: no
+    forward leaves a tensor behind that training later writes in place. False where a forward gathers parameters
+    into buffers kept for the next one (FSDP2, DeepSpeed): those calls run under ``torch.no_grad``."""
     package: ClassVar[str | None] = None
     """The package it needs beyond torch; absent, the planner does not search it and a plan asking for it fails."""
     extra: ClassVar[str | None] = None

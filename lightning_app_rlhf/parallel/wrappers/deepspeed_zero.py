@@ -54,6 +54,9 @@ class ZeroWrapper(RoleWrapper):
     # checking it against the other ranks with broadcasts at the start of a forward, gathered weights or not.
     lockstep_when_unsharded = True
     checkpoint_format = "deepspeed"
+    # ZeRO-3's forward gathers parameters into the module's own tensors, and the engine keeps state across
+    # forwards: kept on no_grad, as inference tensors there are untested.
+    forwards_in_inference_mode = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

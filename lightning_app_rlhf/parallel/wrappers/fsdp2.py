@@ -26,6 +26,9 @@ class FSDP2Wrapper(RoleWrapper):
     name = "fsdp2"
     shards_grads = True
     shards_optimizer = True
+    # A forward's all-gather fills unsharded parameters that FSDP2 keeps and refills for training: made under
+    # inference mode, they fail the next training step (measured: tests/test_unshard_generation.py's FSDP2 test).
+    forwards_in_inference_mode = False
 
     @override
     def wrap(self) -> None:
