@@ -160,6 +160,24 @@ def test_static_reuses_its_cache_and_resets_it(batch):
     assert backend._states[model].cache is not cache
 
 
+def test_static_makes_a_new_cache_when_inference_mode_changes(batch):
+    """A cache made under ``inference_mode=True`` (the engine's choice for an unwrapped model) holds inference
+    tensors, which a reset outside inference mode may not write: a call of the same shape without it gets a new
+    cache, and both give eager's tokens."""
+    backend = get_backend("static")
+    model = build("gpt2")
+    config = GenerationConfig(max_new_tokens=6, backend="static")
+    keys = sample_keys(7, 3, batch["index"])
+    args = (model, batch["input_ids"], batch["attention_mask"], config, keys, EOS, PAD)
+    fast = generate(*args, inference_mode=True)
+    cache = backend._states[model].cache
+    assert cache.layers[0].keys.is_inference()
+    plain = generate(*args)
+    assert backend._states[model].cache is not cache
+    assert_same_rollout(fast, plain, atol=0)
+    assert_same_rollout(plain, run(model, batch, replace(config, backend="eager")))
+
+
 class CallSignatureOnly(nn.Module):
     """Has a causal LM's call signature but no transformers config (eager can run such stand-ins)."""
 

@@ -167,7 +167,9 @@ class StaticBackend(GenerationBackend):
         config = _model_config(model)
         # The cache takes the dtype of the keys it first sees: the parameters', or autocast's.
         autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        shape = (id(config), batch, length, next(model.parameters()).dtype, autocast, device)
+        # A cache made under inference mode holds inference tensors, which a reset outside it may not write.
+        inference = torch.is_inference_mode_enabled()
+        shape = (id(config), batch, length, next(model.parameters()).dtype, autocast, device, inference)
         if state.cache is not None and state.cache_shape == shape:
             state.cache.reset()
         else:
