@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_app_rlhf.algorithms.functional import tempered_float
 from lightning_app_rlhf.core.config import GenerationConfig
 
 
@@ -82,7 +81,10 @@ def next_token(
         done: [B] True for rows that already ended.
         pad_token_id: The token of rows already done.
     """
-    log_probs = F.log_softmax(tempered_float(logits, config.temperature), dim=-1)
+    # At temperature 1 no division: a pass over [B, V] that changes no number (as the training side's
+    # ``functional.tempered_float``, a layer above this one).
+    scaled = logits.float() if config.temperature == 1.0 else logits.float() / config.temperature
+    log_probs = F.log_softmax(scaled, dim=-1)
     if config.do_sample:
         draw = _draw_eager if logits.is_cuda else _draw
         token = draw(log_probs.exp(), uniforms[:, step], config.top_k, config.top_p)
