@@ -148,10 +148,10 @@ def generate(
             runs its forwards on a stand-in row that is done from the start.
         tokenizer: Needed only for ``config.stop_strings``, to match text.
         inference_mode: Decode under ``torch.inference_mode`` instead of ``torch.no_grad``: less bookkeeping per
-            op (a tenth of a small model's decode on the CPU), the same tokens; the rollout is cloned out of it, so
-            that a loss may save its tensors for backward. Only for a model that keeps no state past its forward:
-            not FSDP2 or ZeRO-3, whose gathered parameters would become inference tensors that their next
-            training step may not write.
+            op (a tenth of the ``tiny`` preset's CPU decode, nothing at ``small``), the same tokens; the rollout is
+            cloned out of it, so that a loss may save its tensors for backward. Only for a model that keeps no
+            state past its forward: not FSDP2 or ZeRO-3, whose gathered parameters would become inference tensors
+            that their next training step may not write.
 
     The loop is ``config.backend``'s :class:`GenerationBackend` (``eager`` or ``static``); both give the same tokens
     for the same keys.
