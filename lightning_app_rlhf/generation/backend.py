@@ -156,34 +156,25 @@ def generate(
     The loop is ``config.backend``'s :class:`GenerationBackend` (``eager`` or ``static``); both give the same tokens
     for the same keys.
     """
+    backend = get_backend(config.backend)
+    num_rows, prompt_length = input_ids.shape
+    check_context_length(model, prompt_length, config.max_new_tokens)
+    stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
+    request = DecodeRequest(input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
     if not inference_mode:
-        return _generate(model, input_ids, attention_mask, config, keys, eos_token_id, pad_token_id, lockstep_group,
-                         tokenizer)
+        return _decode_in_chunks(backend, model, request)
     with torch.inference_mode():
-        rollout = _generate(model, input_ids, attention_mask, config, keys, eos_token_id, pad_token_id,
-                            lockstep_group, tokenizer)
+        rollout = _decode_in_chunks(backend, model, request)
     return Rollout(*(t.clone() for t in (rollout.sequences, rollout.attention_mask, rollout.response_mask,
                                          rollout.logprobs)),
                    prompt_length=rollout.prompt_length,
                    stopped=rollout.stopped.clone() if rollout.stopped is not None else None)
 
 
-def _generate(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    config: GenerationConfig,
-    keys: torch.Tensor,
-    eos_token_id: int | Sequence[int],
-    pad_token_id: int,
-    lockstep_group: dist.ProcessGroup | None,
-    tokenizer: PreTrainedTokenizerBase | None,
-) -> Rollout:
-    backend = get_backend(config.backend)
-    num_rows, prompt_length = input_ids.shape
-    check_context_length(model, prompt_length, config.max_new_tokens)
-    stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
-    request = DecodeRequest(input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
+def _decode_in_chunks(backend: GenerationBackend, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
+    """``backend``'s decode of the request's rows, in the chunks of ``config.batch_size`` (see :func:`generate`)."""
+    input_ids, attention_mask, config = request.input_ids, request.attention_mask, request.config
+    num_rows, lockstep_group = input_ids.shape[0], request.lockstep_group
     chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
     if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
         return backend.decode(model, request)
@@ -198,4 +189,4 @@ def _generate(
         return Rollout.from_responses(input_ids, attention_mask, empty, attention_mask.new_zeros(0, 0),
                                       torch.zeros(0, 0, device=input_ids.device),
                                       torch.zeros(0, dtype=torch.bool, device=input_ids.device))
-    return concat_rollouts(parts, pad_token_id)
+    return concat_rollouts(parts, request.pad_token_id)
