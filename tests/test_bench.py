@@ -89,6 +89,7 @@ def test_grpo_comparison_against_trl_grpotrainer_and_report(tmp_path):
     assert cells == [(beta, decoder, free) for beta in (0.0, 0.04) for decoder in ("eager", "static")
                      for free in (False, True)]
     assert rows[0]["trl"] == rows[3]["trl"] and rows[0]["versions"]["trl"] == "1.16.0"  # one peer run per cell
+    assert all(row["interleaved"] and set(row["paired_ratio"]) == SPREAD for row in rows)  # took turns by default
     for row in rows:
         completions = row["settings"]["batch_size"] * row["settings"]["num_samples"]
         for side in ("ours", "trl"):

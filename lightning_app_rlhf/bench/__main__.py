@@ -23,12 +23,13 @@ from jsonargparse import auto_cli
 from rich.console import Console
 
 from lightning_app_rlhf.bench.decode import decode
-from lightning_app_rlhf.bench.ours import run_ours, run_ours_checkpointing
+from lightning_app_rlhf.bench.ours import fit_job, read_timings, run_ours, run_ours_checkpointing
 from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
 from lightning_app_rlhf.bench.report import checkpoint_table, write_report
-from lightning_app_rlhf.bench.results import count_parameters, machine, summarize, summarize_checkpoint
+from lightning_app_rlhf.bench.results import count_parameters, machine, spread, summarize, summarize_checkpoint
 from lightning_app_rlhf.bench.smollm2_race import race_smollm2, report_race
+from lightning_app_rlhf.bench.turns import TurnJob, run_in_turns
 
 console = Console(stderr=True)
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -44,16 +45,20 @@ def compare_trl(
     presets: list[str] = ["tiny", "small"],  # noqa: B006 - jsonargparse reads the default
     precisions: list[str] = ["32-true", "bf16-mixed"],  # noqa: B006
     repeats: int = 2,
+    interleave: bool = True,
     run: RunSettings = RunSettings(),  # noqa: B008 - replaced per cell, never changed
     out: str = "bench_results/trl.json",
 ) -> list[dict[str, Any]]:
-    """Ours vs TRL 1.12.0's PPOTrainer: same models and weights, one PPO epoch, one minibatch, alternating runs.
+    """Ours vs TRL 1.12.0's PPOTrainer: same models and weights, one PPO epoch, one minibatch, runs that take turns
+    step by step.
 
     Args:
         presets: Model presets to compare (tiny, small, medium); each replaces ``run.preset``.
         precisions: Precisions to compare, each the same on both sides (``32-true``, ``bf16-mixed``); each replaces
             ``run.precision``.
         repeats: Runs per framework and preset, alternating ours / TRL; medians are over all measured iterations.
+        interleave: Start ours and TRL's run together and let them take turns, one step each (see
+            :mod:`~lightning_app_rlhf.bench.turns`); false: one run after the other.
         run: The settings of every run (:class:`~lightning_app_rlhf.bench.presets.RunSettings`:
             ``--run.batch_size``, ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
         out: Where the JSON results go.
@@ -61,41 +66,65 @@ def compare_trl(
     _check_trl()
     rows = [row for precision in precisions for preset in presets
             for row in _alternate(replace(run, preset=preset, precision=precision), repeats, "trl_peer",
-                                  Path(sys.executable))]
+                                  Path(sys.executable), interleave=interleave)]
     _save(out, "trl", rows)
     return rows
 
 
 def _alternate(
     settings: RunSettings, repeats: int, peer: str, python: Path, decoders: list[str] | None = None,
-    padding_free: list[bool] | None = None,
+    padding_free: list[bool] | None = None, interleave: bool = True,
 ) -> list[dict[str, Any]]:
-    """``repeats`` rounds of: one run of ours per variant (each of ``decoders`` with each of ``padding_free``; None:
-    the settings' own), then one of the peer (the module ``bench.{peer}`` under ``python``). One row of the
-    comparison per variant: both sides' medians over all measured iterations, and their ratio (the peer's runs are
-    shared by the rows)."""
+    """``repeats`` rounds of one run of ours per variant (each of ``decoders`` with each of ``padding_free``; None:
+    the settings' own) and one of the peer (the module ``bench.{peer}`` under ``python``): all started together,
+    taking turns step by step (``interleave``), or one after the other. One row of the comparison per variant: both
+    sides' medians over all measured iterations, and their ratio (the peer's runs are shared by the rows); taking
+    turns, also the spread of the per-step ratios (``paired_ratio``: the peer's step time over ours in the same
+    round)."""
     params = count_parameters(settings)
     variants = [replace(settings, decoder=decoder, padding_free=free) for decoder in (decoders or [settings.decoder])
                 for free in (padding_free or [settings.padding_free])]
     ours_runs: list[list[Any]] = [[] for _ in variants]
     peer_runs = []
+    how = "taking turns step by step" if interleave else "one after the other"
     for repeat in range(repeats):
         console.print(f"[bold]{settings.preset} {settings.algorithm} beta {settings.beta:g} {settings.precision}[/] "
-                      f"repeat {repeat + 1}/{repeats}: ours ({', '.join(v.variant for v in variants)}), then the peer")
+                      f"repeat {repeat + 1}/{repeats}: ours ({', '.join(v.variant for v in variants)}) and the peer, "
+                      f"{how}")
         with tempfile.TemporaryDirectory() as work:
-            for variant, runs in zip(variants, ours_runs):
-                runs.append(run_ours(variant, Path(work) / variant.variant)["ranks"])
-            peer_runs.append([_run_peer(settings, Path(work), peer, python)])
+            folders = [Path(work) / variant.variant for variant in variants]
+            if interleave:
+                jobs = [TurnJob(f"ours ({variant.variant})", *fit_job(variant, folder), cwd=folder, log_name="fit")
+                        for variant, folder in zip(variants, folders)]
+                jobs.append(TurnJob("the peer", *_peer_job(settings, Path(work), peer, python), cwd=Path(work),
+                                    log_name=peer))
+                run_in_turns(jobs, rounds=settings.warmup + settings.iterations)
+                for variant, folder, runs in zip(variants, folders, ours_runs):
+                    runs.append(read_timings(variant, folder)["ranks"])
+                peer_runs.append([json.loads((Path(work) / f"{peer}.json").read_text())])
+            else:
+                for variant, folder, runs in zip(variants, folders, ours_runs):
+                    runs.append(run_ours(variant, folder)["ranks"])
+                peer_runs.append([_run_peer(settings, Path(work), peer, python)])
     measured = replace(settings, iterations=settings.iterations * repeats)
-    theirs = summarize(_merge_repeats(peer_runs, settings), measured, params)
+    peer_merged = _merge_repeats(peer_runs, settings)
+    theirs = summarize(peer_merged, measured, params)
     rows = []
     for variant, runs in zip(variants, ours_runs):
-        ours = summarize(_merge_repeats(runs, settings), measured, params)
+        merged = _merge_repeats(runs, settings)
+        ours = summarize(merged, measured, params)
         ratio = ours["samples_per_s"]["median"] / theirs["samples_per_s"]["median"]
+        row = {"settings": variant.as_dict(), "params": params, "ours": ours, "trl": theirs,
+               "samples_per_s_ratio": ratio, "interleaved": interleave,
+               "versions": peer_runs[0][0].get("versions", {})}
+        paired = ""
+        if interleave:
+            rounds = zip(merged[0]["iterations"][settings.warmup :], peer_merged[0]["iterations"][settings.warmup :])
+            row["paired_ratio"] = spread([peer_step["wall_s"] / our_step["wall_s"] for our_step, peer_step in rounds])
+            paired = f" (per-step pairs: median {row['paired_ratio']['median']:.2f}x)"
         console.print(f"  ours ({variant.variant}) {ours['samples_per_s']['median']:.1f} completions/s, the peer "
-                      f"{theirs['samples_per_s']['median']:.1f}: {ratio:.2f}x")
-        rows.append({"settings": variant.as_dict(), "params": params, "ours": ours, "trl": theirs,
-                     "samples_per_s_ratio": ratio, "versions": peer_runs[0][0].get("versions", {})})
+                      f"{theirs['samples_per_s']['median']:.1f}: {ratio:.2f}x{paired}")
+        rows.append(row)
     return rows
 
 
@@ -106,14 +135,15 @@ def compare_grpo(
     decoders: list[str] = ["eager", "static_compiled"],  # noqa: B006
     padding_free: list[bool] = [False],  # noqa: B006
     repeats: int = 2,
+    interleave: bool = True,
     run: RunSettings = RunSettings(algorithm="grpo", batch_size=8, num_samples=4),  # noqa: B008
     profile_preset: str | None = "small",
     out: str = "docs/bench_results/grpo.json",
     docs: str | None = "docs/benchmarks.md",
 ) -> list[dict[str, Any]]:
     """Ours vs TRL 1.16.0's GRPOTrainer: the same random-init policy, prompts, reward function and group size, one
-    update per batch, alternating runs. TRL 1.16 cannot share this environment's TRL 1.12: it runs in a virtual
-    environment of its own, made on first use (about a minute) and cached
+    update per batch, runs that take turns step by step. TRL 1.16 cannot share this environment's TRL 1.12: it runs
+    in a virtual environment of its own, made on first use (about a minute) and cached
     (:func:`~lightning_app_rlhf.bench.peer_env.peer_python`).
 
     Args:
@@ -126,6 +156,9 @@ def compare_grpo(
             ``ppo.padding_free: true`` (packed real tokens in the actor's training and the reference's forwards;
             the presets' random-init responses mostly run to ``new_tokens``, so it packs little here).
         repeats: Runs per framework and cell, alternating ours / TRL; medians are over all measured iterations.
+        interleave: Start a cell's runs (ours per variant, and TRL's) together and let them take turns, one step
+            each, so that every step of ours has one of TRL's beside it in time (see
+            :mod:`~lightning_app_rlhf.bench.turns`); false: one run after the other.
         run: The settings of every run (``--run.batch_size`` prompts x ``--run.num_samples`` completions,
             ``--run.new_tokens``, ``--run.threads``, ``--run.warmup``, ``--run.iterations``).
         profile_preset: Then profile one step of each side, op by op, at this preset, the largest beta and the first
@@ -140,7 +173,7 @@ def compare_grpo(
     python = peer_python(GRPO_PEER_NAME, GRPO_PEER)
     rows = [row for precision in precisions for preset in presets for beta in betas
             for row in _alternate(replace(run, algorithm="grpo", preset=preset, beta=beta, precision=precision),
-                                  repeats, "trl_grpo_peer", python, decoders, padding_free)]
+                                  repeats, "trl_grpo_peer", python, decoders, padding_free, interleave)]
     _save(out, "grpo", rows)
     if profile_preset is not None:
         settings = replace(run, algorithm="grpo", preset=profile_preset, beta=max(betas), precision=precisions[0],
@@ -409,18 +442,27 @@ def _profile_in_subprocess(out: str, *args: str) -> None:
 def _run_peer(
     settings: RunSettings, work: Path, module: str, python: Path, profile_out: Path | None = None
 ) -> dict[str, Any]:
-    """``python -m lightning_app_rlhf.bench.{module} SETTINGS OUT [PROFILE_OUT]`` in a fresh process (this checkout
-    on its ``PYTHONPATH``, for a peer environment where the package is not installed); its record."""
+    """:func:`_peer_job` run to the end in ``work``; its record."""
+    command, env = _peer_job(settings, work, module, python, profile_out)
+    result = subprocess.run(command, check=False, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(f"The peer run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
+    return json.loads((work / f"{module}.json").read_text())
+
+
+def _peer_job(
+    settings: RunSettings, work: Path, module: str, python: Path, profile_out: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``python -m lightning_app_rlhf.bench.{module} SETTINGS OUT [PROFILE_OUT]``
+    (this checkout on its ``PYTHONPATH``, for a peer environment where the package is not installed); it writes its
+    record to ``work/{module}.json``."""
     out = work / f"{module}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads),
            "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     command = [str(python), "-m", f"lightning_app_rlhf.bench.{module}", json.dumps(settings.as_dict()), str(out),
                *([str(profile_out)] if profile_out is not None else [])]
-    result = subprocess.run(command, check=False, cwd=work, env=env, capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        raise RuntimeError(f"The peer run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return command, env
 
 
 def _merge_repeats(runs: list[list[dict[str, Any]]], settings: RunSettings) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,7 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
 def run_ours(settings: RunSettings, work_dir: Path, timeout_s: float = 900) -> dict[str, Any]:
     """Run one measurement in a fresh process group; returns the per-rank records of :class:`IterationTimer`."""
     launch_fit(settings, work_dir, [], timeout_s)
-    ranks = [json.loads(p.read_text()) for p in sorted((work_dir / "timings").glob("rank*.json"))]
-    if len(ranks) != settings.processes:
-        raise RuntimeError(f"Expected timings from {settings.processes} ranks, found {len(ranks)} in {work_dir}.")
-    return {"ranks": ranks}
+    return read_timings(settings, work_dir)
 
 
 def run_ours_checkpointing(
@@ -102,14 +100,30 @@ def run_ours_checkpointing(
     return {"ranks": ranks, "checkpoints": [{"path": str(p), "bytes": p.stat().st_size} for p in files]}
 
 
-def launch_fit(settings: RunSettings, work_dir: Path, extra_args: list[str], timeout_s: float) -> None:
-    """``python -m lightning_app_rlhf fit`` with the settings' config and ``extra_args``, one thread per rank."""
+def read_timings(settings: RunSettings, work_dir: Path) -> dict[str, Any]:
+    """The per-rank records of :class:`IterationTimer` of a run in ``work_dir`` (:func:`fit_job`)."""
+    ranks = [json.loads(p.read_text()) for p in sorted((work_dir / "timings").glob("rank*.json"))]
+    if len(ranks) != settings.processes:
+        raise RuntimeError(f"Expected timings from {settings.processes} ranks, found {len(ranks)} in {work_dir}.")
+    return {"ranks": ranks}
+
+
+def fit_job(
+    settings: RunSettings, work_dir: Path, extra_args: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``python -m lightning_app_rlhf fit`` with the settings' config (written to
+    ``work_dir``) and ``extra_args``, one thread per rank; its timings go to ``work_dir/timings``."""
     assert TOKENIZER_VOCAB <= settings.model_config()["vocab_size"]
     work_dir.mkdir(parents=True, exist_ok=True)
     config_path = work_dir / "config.yaml"
     config_path.write_text(yaml.safe_dump(fit_config(settings, work_dir / "timings")))
     env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "MKL_NUM_THREADS": str(settings.threads)}
-    command = [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(config_path), *extra_args]
+    return [sys.executable, "-m", "lightning_app_rlhf", "fit", "--config", str(config_path), *extra_args], env
+
+
+def launch_fit(settings: RunSettings, work_dir: Path, extra_args: list[str], timeout_s: float) -> None:
+    """Run :func:`fit_job` to the end."""
+    command, env = fit_job(settings, work_dir, extra_args)
     result = subprocess.run(command, check=False, cwd=work_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         raise RuntimeError(f"Our run failed ({' '.join(command)}):\n{result.stderr[-3000:]}")

@@ -71,6 +71,23 @@ CHECKPOINT_COLUMNS = (
 """Header and alignment rule of :func:`checkpoint_table`."""
 
 
+def _ratio(row: dict[str, Any]) -> str:
+    """Ours / the peer: the ratio of the medians, and (runs that took turns) the median of the per-round ratios."""
+    paired = f" ({row['paired_ratio']['median']:.2f}x)" if "paired_ratio" in row else ""
+    return f"**{row['samples_per_s_ratio']:.2f}x**{paired}"
+
+
+def _how_measured(row: dict[str, Any], unit: str) -> str:
+    """The caption's sentence on how the runs of a comparison were timed (``unit``: what a step is called)."""
+    if not row.get("interleaved"):
+        return f"Medians over all measured {unit} of alternating runs (min-max in brackets)."
+    return (f"The runs of a cell (ours, one per row, and the peer's) start together and take turns step by step (one "
+            "process runs a step while the others wait on a socket), so each of our steps has one of the peer's beside "
+            f"it in time as this machine's speed drifts. Medians over all measured {unit} (min-max in brackets); in "
+            "brackets after the ratio, the median of the per-round ratios (the peer's step time over ours in the same "
+            "round).")
+
+
 def trl_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
@@ -80,14 +97,13 @@ def trl_table(rows: list[dict[str, Any]]) -> str:
         ours, peer = row["ours"], row["trl"]
         body.append(
             f"| {row['settings']['preset']} | {row['settings']['precision']} | {row['params'] / 1e6:.2f}M "
-            f"| {_spread(ours['samples_per_s'])} | {_spread(peer['samples_per_s'])} "
-            f"| **{row['samples_per_s_ratio']:.2f}x** "
+            f"| {_spread(ours['samples_per_s'])} | {_spread(peer['samples_per_s'])} | {_ratio(row)} "
             f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} "
             f"| {_ms(peer, 'generate_s')} | {_mb(ours['peak_rss_bytes'])} / {_mb(peer['peak_rss_bytes'])} |"
         )
     caption = (f"Batch {s['batch_size']}, {s['new_tokens']} new tokens, {s['threads']} thread, 1 PPO epoch, 1 "
-               "minibatch, one process, the same random-init models (actor, critic, reference, reward); medians over "
-               "all measured iterations of alternating runs (min-max in brackets).")
+               "minibatch, one process, the same random-init models (actor, critic, reference, reward). "
+               f"{_how_measured(rows[0], 'iterations')}")
     return _section("Ours vs TRL 1.12.0 PPOTrainer", caption, TRL_COLUMNS, body)
 
 
@@ -111,7 +127,7 @@ def grpo_table(rows: list[dict[str, Any]]) -> str:
             f"| {cell['preset']} | {cell['beta']:g} | {cell['precision']} | `{cell.get('decoder', 'eager')}`, "
             f"{'padding-free' if cell.get('padding_free') else 'padded'} "
             f"| {row['params'] / 1e6:.2f}M | {_spread(ours['samples_per_s'])} | {_spread(peer['samples_per_s'])} "
-            f"| **{row['samples_per_s_ratio']:.2f}x** "
+            f"| {_ratio(row)} "
             f"| {_ms(ours, 'generate_s')} / {_ms(ours, 'score_s')} / {_ms(ours, 'train_s')} "
             f"| {_ms(peer, 'generate_s')} | {_mb(ours['peak_rss_bytes'])} / {_mb(peer['peak_rss_bytes'])} |"
         )
@@ -122,8 +138,8 @@ def grpo_table(rows: list[dict[str, Any]]) -> str:
                "the opt-in `generation.backend: static` with `compile: true` (its compilation falls in the warm-up). "
                "Our forwards: padded is the default; padding-free is the opt-in `ppo.padding_free: true` (the "
                "actor's training and the reference's forwards on packed real tokens, the same numbers within float "
-               "rounding). The rows of a cell share the peer's runs. Medians over all measured steps of alternating "
-               f"runs (min-max in brackets). Peer: TRL {versions.get('trl', '?')} with transformers "
+               f"rounding). The rows of a cell share the peer's runs. {_how_measured(rows[0], 'steps')} Peer: TRL "
+               f"{versions.get('trl', '?')} with transformers "
                f"{versions.get('transformers', '?')} in its own environment.")
     return _section(f"Ours vs TRL {versions.get('trl', '1.16')} GRPOTrainer", caption, GRPO_COLUMNS, body)
 

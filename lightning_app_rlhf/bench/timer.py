@@ -1,4 +1,5 @@
-"""A callback that records each PPO iteration's wall time, phase split and peak memory, one JSON file per rank."""
+"""A callback that records each PPO iteration's wall time, phase split and peak memory, one JSON file per rank;
+under the bench's turn server (:mod:`~lightning_app_rlhf.bench.turns`) it also takes turns, one iteration each."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_app_rlhf.bench.turns import TurnClient
+
 PHASES = ("time/generate_s", "time/score_s", "time/train_s", "time/reallocate_s")
 
 
 class IterationTimer(pl.Callback):
     """Writes ``{out_dir}/rank{r}.json``: per-iteration wall seconds (between successive iteration ends, so data
     loading, logging and the Trainer's own work count), the module's phase split, generated tokens, and peak memory.
+
+    Started by the bench's turn server (:func:`~lightning_app_rlhf.bench.turns.run_in_turns`), it runs each iteration
+    only in its turn, and the wait for a turn is not counted.
 
     Args:
         out_dir: Folder for the per-rank JSON files.
@@ -27,10 +33,26 @@ class IterationTimer(pl.Callback):
         self.out_dir = Path(out_dir)
         self.iterations: list[dict[str, float]] = []
         self._last_end = 0.0
+        self._turns: TurnClient | None = None
+        self._turns_over = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._turns = TurnClient.from_env()
+        if self._turns is not None:
+            if trainer.world_size > 1:
+                raise ValueError(f"Taking turns measures one process; this run has {trainer.world_size}. Run it "
+                                 "without the bench's turn server (`--interleave false`).")
+            self._turns_over = not self._turns.wait()
         self._last_end = time.perf_counter()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._turns_over:
+            raise RuntimeError("The bench's turn server ended the run, but the Trainer goes on: its max_steps is more "
+                               "than the rounds the server runs.")
 
     @override
     def on_train_batch_end(
@@ -43,6 +65,10 @@ class IterationTimer(pl.Callback):
         if "response/length_mean" in metrics:
             row["gen_tokens"] = float(metrics["response/length_mean"]) * trainer.datamodule.batch_size
         self.iterations.append(row)
+        if self._turns is not None:
+            self._turns.done()
+            self._turns_over = not self._turns.wait()
+            now = time.perf_counter()
         self._last_end = now
 
     @override

@@ -17,6 +17,7 @@ import torch
 
 from lightning_app_rlhf.bench.presets import RunSettings
 from lightning_app_rlhf.bench.timer import peak_memory
+from lightning_app_rlhf.bench.turns import TurnClient
 from lightning_app_rlhf.demo import build_tokenizer, prompts
 
 TRL_VERSION = "1.12.0"
@@ -87,12 +88,15 @@ def peer_models(settings: RunSettings, pad_token_id: int) -> tuple[torch.nn.Modu
 
 
 class _IterationTimer:
-    """A ``transformers.TrainerCallback``-shaped timer: wall seconds between successive PPO updates."""
+    """A ``transformers.TrainerCallback``-shaped timer: wall seconds between successive PPO updates. Started by the
+    bench's turn server (:func:`~lightning_app_rlhf.bench.turns.run_in_turns`), it runs each update only in its
+    turn, and the wait for a turn is not counted (as :class:`~lightning_app_rlhf.bench.timer.IterationTimer`)."""
 
     def __init__(self) -> None:
         self.wall_s: list[float] = []
         self.generation_s: list[float] = []
         self._last = 0.0
+        self._turns: TurnClient | None = None
 
     def __getattr__(self, name: str) -> Any:  # every other TrainerCallback event: do nothing
         if name.startswith("on_"):
@@ -100,11 +104,18 @@ class _IterationTimer:
         raise AttributeError(name)
 
     def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        self._turns = TurnClient.from_env()
+        if self._turns is not None and not self._turns.wait():
+            raise RuntimeError("The bench's turn server ended the run before the peer's first step.")
         self._last = time.perf_counter()
 
     def on_step_end(self, *args: Any, **kwargs: Any) -> None:
         now = time.perf_counter()
         self.wall_s.append(now - self._last)
+        if self._turns is not None:
+            self._turns.done()
+            self._turns.wait()  # False after the last step (the harness checks the peer's step count)
+            now = time.perf_counter()
         self._last = now
 
 
