@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,15 @@ from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
 from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
-from lightning_app_rlhf.models.roles import RewardFunction, check_vocabularies, load_tokenizer, resolve_import
+from lightning_app_rlhf.models.roles import (
+    RewardFunction,
+    check_vocabularies,
+    default_optimizer,
+    load_tokenizer,
+    resolve_import,
+)
 from lightning_app_rlhf.parallel.memory import RoleMemory
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
-
-
-def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-5, foreach=True)  # one kernel per step for all tensors, not one per tensor
 
 
 class RLHFModule(pl.LightningModule):
@@ -59,8 +61,8 @@ class RLHFModule(pl.LightningModule):
             receives the prompt rows' other fields (e.g. ``answer``) when its signature names them.
         generation: Sampling settings for rollouts (``num_samples`` responses per prompt).
         ppo: Hyper-parameters of the update, for every algorithm.
-        actor_optimizer: Builds the actor's optimizer from its parameters. Default: AdamW, lr 1e-5.
-        critic_optimizer: Builds the critic's optimizer (``ppo`` only). Default: AdamW, lr 1e-5.
+        actor_optimizer: Builds the actor's optimizer from its parameters. Default: fused AdamW, lr 1e-5.
+        critic_optimizer: Builds the critic's optimizer (``ppo`` only). Default: fused AdamW, lr 1e-5.
         actor_scheduler: Builds the actor's LR scheduler; stepped once per iteration.
         critic_scheduler: Builds the critic's LR scheduler; stepped once per iteration.
         seed: Keys sampling noise and minibatch order. Default: the seed of ``seed_everything``, else 0.
@@ -103,8 +105,8 @@ class RLHFModule(pl.LightningModule):
         self.reward_fn: RewardFunction | None = resolve_import(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.tokenizer = load_tokenizer(tokenizer)
         # Named `{role}_optimizer` / `{role}_scheduler`, as the arguments: configure_optimizers finds them by role.
-        self.actor_optimizer = actor_optimizer or _default_optimizer
-        self.critic_optimizer = (critic_optimizer or _default_optimizer) if self.has_critic else None
+        self.actor_optimizer = actor_optimizer or default_optimizer
+        self.critic_optimizer = (critic_optimizer or default_optimizer) if self.has_critic else None
         self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
         self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
         self.preemption_checkpoint = preemption_checkpoint

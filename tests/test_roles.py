@@ -14,6 +14,7 @@ from lightning_app_rlhf.models.roles import (
     build_critic,
     build_reference,
     build_reward_model,
+    default_optimizer,
     load_tokenizer,
     resolve_import,
     vocab_size,
@@ -160,6 +161,27 @@ def test_reward_model_from_path_is_deterministic(saved_lm, tokenizer):
     torch.manual_seed(2)
     b = build_reward_model(ModelSpec(path=path, init_seed=0), tokenizer.pad_token_id)
     assert torch.equal(a.score.weight, b.score.weight)
+
+
+def test_default_optimizer_is_fused_adamw_with_the_updates_of_foreach(tiny_gpt2_config):
+    """The default optimizer is AdamW at lr 1e-5 on torch's fused kernel; three steps move the weights as the
+    ``foreach`` implementation does, within float rounding (and by far more than that)."""
+    fused_model = build_causal_lm(ModelSpec(config=tiny_gpt2_config, init_seed=3))
+    foreach_model = build_causal_lm(ModelSpec(config=tiny_gpt2_config, init_seed=3))
+    start = {k: v.clone() for k, v in fused_model.state_dict().items()}
+    fused = default_optimizer(fused_model.parameters())
+    foreach = torch.optim.AdamW(foreach_model.parameters(), lr=1e-5, foreach=True)
+    assert type(fused) is torch.optim.AdamW and fused.defaults["fused"] and fused.defaults["lr"] == 1e-5
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(fused_model.parameters(), foreach_model.parameters()):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        fused.step()
+        foreach.step()
+    for (name, a), b in zip(fused_model.named_parameters(), foreach_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
+        assert (a - start[name]).abs().max() > 2e-5  # three steps of about lr each: the comparison is not vacuous
 
 
 def test_bfloat16_dtype(tiny_gpt2_config):

@@ -416,10 +416,10 @@ def _ddp_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: int)
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_app_rlhf.generation import position_ids_from_mask
-    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, default_optimizer
 
     model = (build_causal_lm if shape.kind == "causal_lm" else build_critic)(ModelSpec(config=dict(shape.config)))
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = default_optimizer(model.parameters())
     mask = left_padded_mask(batch, workload.prompt_length, workload.sequence_length)
     inputs = {"input_ids": torch.randint(3, shape.vocab, mask.shape), "attention_mask": mask}
     if shape.kind == "value":
@@ -543,7 +543,13 @@ def measure_shape(
         policy_logprobs,
         reference_forward,
     )
-    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+    from lightning_app_rlhf.models.roles import (
+        ModelSpec,
+        build_causal_lm,
+        build_critic,
+        build_reward_model,
+        default_optimizer,
+    )
 
     if shape.config is None:
         raise ValueError(
@@ -627,7 +633,7 @@ def measure_shape(
         ops["decode"] += [[b, 2 * n, t] for b, n, t in ops["decode"]]
         ops["prefill"] += [[b, 2 * n, 2 * t] for b, n, t in ops["prefill"]]
     if shape.kind != "classifier":
-        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer = default_optimizer(model.parameters())
         for param in model.parameters():
             param.grad = torch.zeros_like(param)
 
@@ -655,7 +661,7 @@ def model_work(workload: Workload, batch: int = 2) -> Callable[[], None]:
 
     from lightning_app_rlhf.core.config import GenerationConfig
     from lightning_app_rlhf.generation import generate, position_ids_from_mask
-    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, default_optimizer
 
     def build(shape: RoleShape | None, builder: Callable[[ModelSpec], torch.nn.Module]) -> torch.nn.Module | None:
         if shape is None:
@@ -668,7 +674,7 @@ def model_work(workload: Workload, batch: int = 2) -> Callable[[], None]:
 
     actor, reference = build(workload.actor, build_causal_lm), build(workload.reference, build_causal_lm)
     critic = build(workload.critic, build_critic)
-    trained = [(m, torch.optim.AdamW(m.parameters())) for m in (actor, critic) if m is not None]
+    trained = [(m, default_optimizer(m.parameters())) for m in (actor, critic) if m is not None]
     p, n, vocab = workload.prompt_length, workload.sequence_length, workload.actor.vocab
     tokens, mask = torch.randint(3, vocab, (batch, n)), left_padded_mask(batch, p, n)
     positions = position_ids_from_mask(mask)
