@@ -4,7 +4,8 @@
 - ``run_python`` / ``run_cli`` / ``cli_command``: a script or ``python -m lightning_app_rlhf ...`` in a subprocess,
   failing the test with the tails of its stdout and stderr unless it exits 0 (``check=False`` to look yourself);
 - ``fit_demo`` / ``fit_demo_args`` / ``metrics_rows``: a demo config fitted from the CLI (or its arguments, for a
-  launcher of one's own), and the rows of its metrics.csv;
+  launcher of one's own), and the rows of its metrics.csv; ``forked_ranks``: the arguments that fork a placement's
+  ranks instead of re-running the command per rank (what ``fit_demo`` does);
 - ``run_ranks`` / ``free_port``: a function on forked (or spawned) gloo ranks, failing the test with the rank that
   raised or hung;
 - ``make_module``: an ``RLHFModule`` on the tiny GPT-2 and the demo tokenizer.
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +103,54 @@ def fit_demo_args(tmp_path: Path, name: str, *args: str | Path, config: Path = D
             "--model.generation.max_new_tokens", str(max_new_tokens), *args]
 
 
+def forked_ranks(args: Sequence[str | Path]) -> list[str | Path]:
+    """``fit`` arguments ``args`` whose placement, when it runs on more than one process, is started by Lightning's
+    ``fork`` launcher: the ranks fork from the CLI's process instead of re-running the command, so none pays again
+    the ~10 s import of torch, Lightning and transformers that a fresh interpreter costs on 2 cores. The ranks train
+    exactly what ``popen`` ranks train (tests/test_fork_launcher.py); ``popen``, the users' default, stays tested by
+    the launches of tests/test_faults.py, test_multinode.py, test_elastic.py, test_preemption.py and test_cli.py.
+
+    The devices and the strategy are read as the CLI reads them, the last one given winning: from each ``--config``
+    file and from ``--trainer.devices`` / ``--trainer.strategy``. A strategy of this package (an ``rlhf_*`` name,
+    whose class then takes its place, or a class path) gets ``--trainer.strategy.start_method fork``; any other,
+    or one process, leaves the arguments as they are."""
+    import yaml
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_app_rlhf.strategies  # noqa: F401  (registers the rlhf_* names)
+
+    args = [str(a) for a in args]
+    devices, strategy, strategy_at = 1, None, None
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--config":
+            trainer = (yaml.safe_load(Path(args[i + 1]).read_text()) or {}).get("trainer") or {}
+            devices = trainer.get("devices", devices)
+            if "strategy" in trainer:
+                given = trainer["strategy"]
+                strategy, strategy_at = (given.get("class_path") if isinstance(given, dict) else given), None
+        elif arg == "--trainer.devices":
+            devices = args[i + 1]
+        elif arg == "--trainer.strategy":
+            strategy, strategy_at = args[i + 1], i + 1
+    if int(devices) < 2 or strategy is None or "--trainer.strategy.start_method" in args:
+        return list(args)
+    if strategy.startswith("rlhf_") and strategy_at is not None:
+        entry = StrategyRegistry[strategy]
+        if entry["init_params"]:  # a preset registered with its plan: only its name builds it
+            return list(args)
+        args[strategy_at] = f"{entry['strategy'].__module__}.{entry['strategy'].__qualname__}"
+    elif not strategy.startswith("lightning_app_rlhf."):
+        return list(args)
+    return [*args, "--trainer.strategy.start_method", "fork"]
+
+
 def fit_demo(tmp_path: Path, name: str, *args: str | Path, config: Path = DEMO_CONFIG, steps: int = 3,
-             max_new_tokens: int = 12, timeout: float = 300,
-             env: dict[str, str] | None = None) -> list[dict[str, float]]:
-    """:func:`fit_demo_args` run from the CLI in ``tmp_path``, its stdout kept in ``name.out``. Its metrics rows."""
-    result = run_cli(*fit_demo_args(tmp_path, name, *args, config=config, steps=steps, max_new_tokens=max_new_tokens),
-                     cwd=tmp_path, timeout=timeout, env=env)
+             max_new_tokens: int = 12, timeout: float = 300, env: dict[str, str] | None = None,
+             fork: bool = True) -> list[dict[str, float]]:
+    """:func:`fit_demo_args` run from the CLI in ``tmp_path``, its stdout kept in ``name.out``. Its metrics rows.
+    ``fork``: a placement on several processes forks its ranks (:func:`forked_ranks`)."""
+    args = fit_demo_args(tmp_path, name, *args, config=config, steps=steps, max_new_tokens=max_new_tokens)
+    result = run_cli(*(forked_ranks(args) if fork else args), cwd=tmp_path, timeout=timeout, env=env)
     (tmp_path / f"{name}.out").write_text(result.stdout)
     return metrics_rows(tmp_path / name)
 

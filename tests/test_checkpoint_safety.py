@@ -59,17 +59,11 @@ def fit(module: RLHFModule, tokenizer, tmp_path: Path, steps: int, ckpt_path: Pa
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="rlhf_flattening", max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          enable_checkpointing=True, callbacks=callbacks or [])
-    environment, threads = dict(os.environ), torch.get_num_threads()
-    try:
+    threads = torch.get_num_threads()
+    try:  # its group and rank variables are left to conftest.py's no_process_group_or_rank_variables_left_behind
         trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=4), ckpt_path=ckpt_path, **fit_kwargs)
     finally:
         torch.set_num_threads(threads)  # the strategy sized this process's threads for its one rank
-        # The strategy leaves its gloo group (listening on MASTER_PORT) and that port in os.environ: a later test's
-        # subprocess would inherit the port and fail to listen on it.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environment)
     return trainer
 
 

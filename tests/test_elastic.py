@@ -34,6 +34,7 @@ def torchrun_fit(run_dir: Path, *extra: str, max_restarts: int = 0):
     )
 
 
+@pytest.mark.slow  # torchrun's own restart around the default run's tests of auto-resume and of killed ranks
 def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path):
     """Rank 1 dies at the start of iteration 3 of the first attempt (after the step-3 checkpoint). torchrun restarts
     both ranks; they find ``step=3.ckpt`` themselves and log, from step 3 on, exactly what the uninterrupted job logs."""

@@ -8,15 +8,15 @@ collective timeout (``--trainer.strategy.timeout``). :mod:`fault_injection` kill
 - each survivor's error is a ``PlacementError`` naming the collective, its call, role and ranks, and the dead rank
   (from the heartbeats in the store; "the store is unreachable" when rank 0, which hosts it, died);
 - no process of the job is left (each rank runs in its own session, checked through psutil);
-- the step-2 checkpoint on disk is intact (weights-only load and its checksum); one cell also resumes from it and
-  logs what an uninterrupted run logs.
+- the step-2 checkpoint on disk is intact (weights-only load and its checksum); a slow test resumes from the one
+  Separation leaves when a rank dies mid-reallocation, and logs what an uninterrupted run logs.
 
 Separation alone moves weights between groups, so the ``reallocate`` phase is Separation's only: its cells for
 Flattening and Interleaving are skipped (nothing to kill in). The default run covers one cell (the reallocation under
-Separation, which also resumes); the whole matrix (10 cells, about a
+Separation); the whole matrix and the resume (10 cells, about a
 minute each on 2 cores) runs with::
 
-    pytest -m slow tests/test_faults.py      # the 9 other cells
+    pytest -m slow tests/test_faults.py      # the 9 other cells and the resume
     pytest -m "slow or not slow" tests/test_faults.py   # all of them
 """
 
@@ -133,6 +133,12 @@ def metrics(tmp_path: Path, name: str) -> list[dict[str, float]]:
 
 @pytest.mark.parametrize("placement,phase", list(cells()))
 def test_killed_rank_stops_every_rank_with_named_errors(tmp_path, placement, phase):
+    kill_a_rank(tmp_path, placement, phase)
+
+
+def kill_a_rank(tmp_path: Path, placement: str, phase: str) -> Path:
+    """Run the cell: kill its rank at step 2, check every rank's exit and error and the checkpoint it leaves. That
+    checkpoint's path."""
     killed = KILLED[placement, phase]
     started = time.monotonic()
     cmd = command(tmp_path, placement, 5, "--trainer.logger.init_args.name", "killed",
@@ -162,21 +168,28 @@ def test_killed_rank_stops_every_rank_with_named_errors(tmp_path, placement, pha
     (checkpoint,) = (tmp_path / "ckpt").iterdir()  # step 2's, and nothing half-written beside it
     assert checkpoint.name == f"step={KILL_STEP}.ckpt"
     verify(load_checkpoint_file(checkpoint), checkpoint)
+    return checkpoint
 
-    if (placement, phase) == ("rlhf_separation", "reallocate"):  # resumes exactly: one representative cell
-        resumed_cmd = command(tmp_path, placement, 4, "--trainer.logger.init_args.name", "resumed",
-                              "--trainer.callbacks.dirpath", str(tmp_path / "ckpt2"), "--ckpt_path", str(checkpoint))
-        codes, _ = launch_ranks(tmp_path, resumed_cmd, {}, "resumed")
-        assert codes == [0] * 4, (tmp_path / "resumed0.err").read_text()[-3000:]
-        full_cmd = command(tmp_path, placement, 4, "--trainer.logger.init_args.name", "full",
-                           "--trainer.callbacks.dirpath", str(tmp_path / "ckpt3"))
-        codes, _ = launch_ranks(tmp_path, full_cmd, {}, "full")
-        assert codes == [0] * 4, (tmp_path / "full0.err").read_text()[-3000:]
-        resumed, full = metrics(tmp_path, "resumed"), metrics(tmp_path, "full")
-        assert [r["step"] for r in resumed] == [2, 3]
-        for got, want in zip(resumed, full[2:], strict=True):
-            for metric in COMPARED:
-                assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
+
+@pytest.mark.slow  # the default run kills this rank above, and resumes exactly in tests/test_placements.py
+def test_the_checkpoint_a_killed_rank_leaves_resumes_as_the_uninterrupted_run(tmp_path):
+    """The step-2 checkpoint of a run whose rank died mid-reallocation under Separation resumes on 4 ranks and logs
+    what an uninterrupted run logs at steps 2 and 3."""
+    placement = "rlhf_separation"
+    checkpoint = kill_a_rank(tmp_path, placement, "reallocate")
+    resumed_cmd = command(tmp_path, placement, 4, "--trainer.logger.init_args.name", "resumed",
+                          "--trainer.callbacks.dirpath", str(tmp_path / "ckpt2"), "--ckpt_path", str(checkpoint))
+    codes, _ = launch_ranks(tmp_path, resumed_cmd, {}, "resumed")
+    assert codes == [0] * 4, (tmp_path / "resumed0.err").read_text()[-3000:]
+    full_cmd = command(tmp_path, placement, 4, "--trainer.logger.init_args.name", "full",
+                       "--trainer.callbacks.dirpath", str(tmp_path / "ckpt3"))
+    codes, _ = launch_ranks(tmp_path, full_cmd, {}, "full")
+    assert codes == [0] * 4, (tmp_path / "full0.err").read_text()[-3000:]
+    resumed, full = metrics(tmp_path, "resumed"), metrics(tmp_path, "full")
+    assert [r["step"] for r in resumed] == [2, 3]
+    for got, want in zip(resumed, full[2:], strict=True):
+        for metric in COMPARED:
+            assert got.get(metric) == pytest.approx(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
 def test_heartbeat_names_the_rank_that_stopped():

@@ -42,6 +42,7 @@ def _module(tokenizer, lr: float = 1e-3, **ppo_kwargs) -> RLHFModule:
     )
 
 
+@pytest.mark.slow  # 200 PPO iterations (about 2 minutes on 2 cores); the default run trains the shipped GRPO demo below
 def test_reward_rises_on_demo_task(demo_tokenizer):
     """With fixed seeds, PPO raises the demo reward far above its start within 200 iterations."""
     pl.seed_everything(0)

@@ -1,8 +1,7 @@
 """Past one machine, emulated on localhost: 2 nodes x 2 processes as torchrun, SLURM's ``srun`` and Kubeflow start them.
 
-- two ``torchrun`` launchers (``--nnodes 2``, c10d rendezvous) form one 4-process world that logs what the same job
-  logs on one node of 4 processes, every metrics.csv value row by row (the default run: Separation; ``-m slow``:
-  Flattening and Interleaving);
+- (``-m slow``) two ``torchrun`` launchers (``--nnodes 2``, c10d rendezvous) form one 4-process world that logs
+  what the same job logs on one node of 4 processes, every metrics.csv value row by row, under each placement;
 - the placement summary names the node and host of every rank (2 nodes there, 1 on one node);
 - 4 processes with the variables ``srun`` sets for 2 nodes x 2 tasks join the world Lightning's ``SLURMEnvironment``
   describes, and train the same trajectory; (``-m slow``) so do 4 "pods" with Kubeflow PyTorchJob's variables;
@@ -188,7 +187,9 @@ def one_node(tmp_path_factory) -> Callable[[str], tuple[list[dict[str, float]], 
 @pytest.mark.parametrize("strategy", [
     pytest.param("rlhf_flattening", marks=pytest.mark.slow),
     pytest.param("rlhf_interleaving", marks=pytest.mark.slow),
-    "rlhf_separation",  # the one that moves weights between its groups: here, between the nodes
+    # The one that moves weights between its groups, here between the nodes; slow too: the default run forms the
+    # same 2-node world from srun's variables (test_srun_tasks_form_the_slurm_world_and_train).
+    pytest.param("rlhf_separation", marks=pytest.mark.slow),
 ])
 def test_two_torchrun_nodes_log_what_one_node_logs(tmp_path, strategy, one_node):
     """Two torchrun launchers on localhost (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous) form one world of 4
@@ -262,7 +263,7 @@ def test_srun_tasks_form_the_slurm_world_and_train(tmp_path, one_node):
 # ---- Kubernetes (PyTorchJob, one process per pod) ----
 
 
-@pytest.mark.slow  # what docs/multinode.md says about PyTorchJob's variables; the launch paths above run by default
+@pytest.mark.slow  # what docs/multinode.md says about PyTorchJob's variables; srun's variables run by default
 def test_pytorchjob_pods_form_the_world_with_the_kubeflow_environment(tmp_path, one_node):
     """4 "pods" with the variables Kubeflow's PyTorchJob sets for one process each (MASTER_ADDR, MASTER_PORT,
     WORLD_SIZE, RANK), which Lightning does not detect by itself: with ``--trainer.plugins KubeflowEnvironment``,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import DEMO_CONFIG, metrics_rows, run_cli
+from helpers import DEMO_CONFIG, forked_ranks, metrics_rows, run_cli
 from test_checkpoint_safety import RunsCode
 from test_placements import COMPARED
 
@@ -57,11 +57,10 @@ def checkpoints(directory: Path, **settings: str) -> list[str]:
 
 def run(tmp_path: Path, name: str, strategy: tuple[str, ...], devices: int, *args: str, steps: int = 4,
         check: bool = False) -> subprocess.CompletedProcess:
-    return run_cli(
+    return run_cli(*forked_ranks([
         "fit", "--config", DEMO_CONFIG, "--trainer.max_steps", str(steps), "--trainer.devices", str(devices),
         "--trainer.strategy", *strategy, "--trainer.logger.init_args.save_dir", tmp_path,
-        "--trainer.logger.init_args.name", name, *OPTIONS, *args, cwd=tmp_path, check=check,
-    )
+        "--trainer.logger.init_args.name", name, *OPTIONS, *args]), cwd=tmp_path, check=check)
 
 
 def logged(tmp_path: Path, name: str, strategy: tuple[str, ...], devices: int, *args: str) -> list[dict[str, float]]:
