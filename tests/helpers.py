@@ -107,8 +107,10 @@ def forked_ranks(args: Sequence[str | Path]) -> list[str | Path]:
     """``fit`` arguments ``args`` whose placement, when it runs on more than one process, is started by Lightning's
     ``fork`` launcher: the ranks fork from the CLI's process instead of re-running the command, so none pays again
     the ~10 s import of torch, Lightning and transformers that a fresh interpreter costs on 2 cores. The ranks train
-    exactly what ``popen`` ranks train (tests/test_fork_launcher.py); ``popen``, the users' default, stays tested by
-    the launches of tests/test_faults.py, test_multinode.py, test_elastic.py, test_preemption.py and test_cli.py.
+    exactly what ``popen`` ranks train (tests/test_fork_launcher.py). ``popen``, the users' default, stays in the
+    default run: Lightning re-runs the command per rank in tests/test_preemption.py (the shipped demo on 2
+    processes) and test_lightning_native.py, and tests/test_faults.py and test_multinode.py start every rank
+    themselves, as torchrun and SLURM do.
 
     The devices and the strategy are read as the CLI reads them, the last one given winning: from each ``--config``
     file and from ``--trainer.devices`` / ``--trainer.strategy``. A strategy of this package (an ``rlhf_*`` name,
@@ -145,12 +147,12 @@ def forked_ranks(args: Sequence[str | Path]) -> list[str | Path]:
 
 
 def fit_demo(tmp_path: Path, name: str, *args: str | Path, config: Path = DEMO_CONFIG, steps: int = 3,
-             max_new_tokens: int = 12, timeout: float = 300, env: dict[str, str] | None = None,
-             fork: bool = True) -> list[dict[str, float]]:
-    """:func:`fit_demo_args` run from the CLI in ``tmp_path``, its stdout kept in ``name.out``. Its metrics rows.
-    ``fork``: a placement on several processes forks its ranks (:func:`forked_ranks`)."""
+             max_new_tokens: int = 12, timeout: float = 300,
+             env: dict[str, str] | None = None) -> list[dict[str, float]]:
+    """:func:`fit_demo_args` run from the CLI in ``tmp_path``, its stdout kept in ``name.out``, a placement on
+    several processes forking its ranks (:func:`forked_ranks`). Its metrics rows."""
     args = fit_demo_args(tmp_path, name, *args, config=config, steps=steps, max_new_tokens=max_new_tokens)
-    result = run_cli(*(forked_ranks(args) if fork else args), cwd=tmp_path, timeout=timeout, env=env)
+    result = run_cli(*forked_ranks(args), cwd=tmp_path, timeout=timeout, env=env)
     (tmp_path / f"{name}.out").write_text(result.stdout)
     return metrics_rows(tmp_path / name)
 
