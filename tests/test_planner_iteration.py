@@ -10,7 +10,6 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from helpers import make_module
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
@@ -86,8 +85,6 @@ def _run(tmp_path: Path, tokenizer, plan: PlacementPlan) -> list[list[list[list[
     """Train ``plan`` for :data:`ITERATIONS` iterations on its processes; each rank's steps per iteration."""
     from lightning_app_rlhf.strategies import PlacementStrategy
 
-    if torch.distributed.is_initialized():  # an earlier in-process test's 1-rank group: forked children inherit it
-        torch.distributed.destroy_process_group()
     trainer = pl.Trainer(
         accelerator="cpu", devices=plan.world_size, max_steps=ITERATIONS, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
