@@ -22,7 +22,7 @@ from torch.testing import assert_close
 
 from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.data import collate_left_padded
-from lightning_app_rlhf.generation import Rollout, generate, get_backend, sample_keys
+from lightning_app_rlhf.generation import Rollout, generate, get_backend, sample_keys, static
 from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
@@ -202,6 +202,18 @@ def test_generation_config_rejects_bad_backend_settings(fields, message):
 
 def test_eager_is_the_default_backend():
     assert GenerationConfig().backend == "eager" and get_backend("eager").name == "eager"
+
+
+def test_the_compiled_cpu_step_takes_math_attention_in_float32_only():
+    """The compiled step on the CPU in float32 runs SDPA's math backend (Inductor fuses it; the flash kernel is an
+    opaque call); uncompiled, in bfloat16 (parameters or autocast) and on CUDA, the default kernels stay."""
+    model, cpu = build("gpt2"), torch.device("cpu")
+    assert static._step_function(model, True, cpu) is static._decode_step_with_math_attention
+    assert static._step_function(model, False, cpu) is static._decode_step
+    assert static._step_function(model, True, torch.device("cuda")) is static._decode_step
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert static._step_function(model, True, cpu) is static._decode_step
+    assert static._step_function(model.to(torch.bfloat16), True, cpu) is static._decode_step
 
 
 @pytest.mark.slow  # torch.compile on the CPU: ~20-70 s of compilation

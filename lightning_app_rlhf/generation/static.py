@@ -10,7 +10,8 @@ The approach of gpt-fast and litgpt, on the model family's own Hugging Face modu
   runs there; the tokens, masks and log-probs go into preallocated buffers;
 - the host learns whether every row has stopped only every ``generation.sync_every`` tokens;
 - the decode step can run through ``torch.compile`` (``generation.compile``; ``reduce-overhead``, i.e. CUDA graphs,
-  on CUDA; on the CPU, Dynamo's guards are checked on a decode's first step only).
+  on CUDA; on the CPU, Dynamo's guards are checked on a decode's first step only, and in float32 the attention takes
+  the math backend that Inductor fuses).
 
 The uniforms are eager's own (:func:`~lightning_app_rlhf.generation.sampling.keyed_uniforms`: one CPU generator per
 key, float64), drawn once per call and copied to the device: a device generator (CUDA's Philox) would draw another
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import StaticCache
 
 from lightning_app_rlhf.core.config import GenerationConfig
@@ -74,6 +76,8 @@ class _ModelState:
     cache: Any = None
     cache_shape: tuple[Any, ...] | None = None
     step: Callable[..., torch.Tensor] | None = None
+    step_function: Callable[..., Any] | None = None
+    """The function ``step`` runs (compiled or not): :func:`_decode_step` or its math-attention form."""
     compiled: bool = False
 
 
@@ -95,6 +99,32 @@ def _decode_step(
     out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kwargs(cache))
     column = None if uniforms is None else uniforms.unsqueeze(-1)
     return next_token(out.logits[:, -1, :], config, column, 0, done, pad_token_id)
+
+
+def _decode_step_with_math_attention(model: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_decode_step` with scaled dot-product attention on its math backend: the compiled step's form on the
+    CPU in float32 (:func:`_step_function`).
+
+    There, SDPA's default is the CPU flash-attention kernel, which Inductor can only call as an opaque op: with one
+    query per row it was about 40% of the compiled ``tiny`` decode step's time (py-spy). The math backend is written
+    in matmuls and a softmax, which Inductor fuses with the rest of the step: a compiled decode takes 0.90x
+    (``tiny``), 0.95x (``small``) and 0.89x (``llama-small``) of the flash kernel's time, with the same tokens
+    (``benchmarks/decode_attention.py``). The context is entered inside the compiled function, so Dynamo traces it
+    and the prefill (outside) keeps the default kernels."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return _decode_step(model, *args)
+
+
+def _step_function(model: torch.nn.Module, compiled: bool, device: torch.device) -> Callable[..., Any]:
+    """The decode step to run: :func:`_decode_step_with_math_attention` when compiled on the CPU in float32, else
+    :func:`_decode_step`. Uncompiled, the math backend's separate ops are slower than the flash kernel (1.05-1.12x
+    on the CPU); in bfloat16 (parameters or autocast) its rounding is not the flash kernel's float32 accumulation,
+    so its tokens could differ from eager's; on CUDA it is unmeasured."""
+    autocast = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if autocast else next(model.parameters()).dtype
+    if compiled and device.type == "cpu" and dtype == torch.float32:
+        return _decode_step_with_math_attention
+    return _decode_step
 
 
 def _guards_checked_by_the_first_step() -> contextlib.AbstractContextManager[None]:
@@ -153,12 +183,12 @@ class StaticBackend(GenerationBackend):
     def _state(self, model: torch.nn.Module, config: GenerationConfig, device: torch.device) -> _ModelState:
         state = self._states.setdefault(model, _ModelState())
         compiled = _compile_on(config, device)
-        if state.step is None or state.compiled != compiled:
-            state.compiled = compiled
-            state.step = _decode_step
+        function = _step_function(model, compiled, device)
+        if state.step is None or state.compiled != compiled or state.step_function is not function:
+            state.compiled, state.step_function, state.step = compiled, function, function
             if compiled:
                 mode = "reduce-overhead" if device.type == "cuda" else None
-                state.step = torch.compile(_decode_step, mode=mode, dynamic=False)
+                state.step = torch.compile(function, mode=mode, dynamic=False)
         return state
 
     def _cache(self, model: torch.nn.Module, state: _ModelState, batch: int, length: int, device: torch.device) -> Any:
