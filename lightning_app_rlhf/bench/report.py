@@ -279,7 +279,9 @@ def draw_plot(results: dict[str, Any], path: Path) -> None:
             free = "\npad-free" if cell.get("padding_free") else ""
             names.append(f"{cell['preset']}\nbeta {cell['beta']:g}{decoder}{free}")
         peer = f"TRL {grpo_rows[0].get('versions', {}).get('trl', '1.16')}"
-        _peer_panel(axes.pop(0), grpo_rows, names, peer, "GRPO, 1 process, 1 thread", "completions/s (log)")
+        ax = axes.pop(0)
+        _peer_panel(ax, grpo_rows, names, peer, "GRPO, 1 process, 1 thread", "completions/s (log)")
+        ax.tick_params(axis="x", labelsize=7)  # up to three lines under each of 8+ cells
     if placement_rows:
         ax = axes.pop(0)
         groups = _groups(placement_rows)

@@ -105,12 +105,13 @@ def _decode_step_with_math_attention(model: torch.nn.Module, *args: Any) -> tupl
     """:func:`_decode_step` with scaled dot-product attention on its math backend: the compiled step's form on the
     CPU in float32 (:func:`_step_function`).
 
-    There, SDPA's default is the CPU flash-attention kernel, which Inductor can only call as an opaque op: with one
-    query per row it was about 40% of the compiled ``tiny`` decode step's time (py-spy). The math backend is written
-    in matmuls and a softmax, which Inductor fuses with the rest of the step: a compiled decode takes 0.90x
-    (``tiny``), 0.95x (``small``) and 0.89x (``llama-small``) of the flash kernel's time, with the same tokens
-    (``benchmarks/decode_attention.py``). The context is entered inside the compiled function, so Dynamo traces it
-    and the prefill (outside) keeps the default kernels."""
+    There, SDPA's default is the CPU flash-attention kernel, which Inductor can only call as an opaque op, once per
+    layer and token (py-spy put it at about 40% of a compiled ``tiny`` decode step of 128 rows). The math backend is
+    written in matmuls and a softmax, which Inductor fuses with the rest of the step. A compiled decode of 32 rows
+    then takes 0.94x (``tiny``) and 0.96x (``small``) of the flash kernel's time, the medians of several runs, and
+    1.01x at ``llama-small``, whose GEMMs dominate; the same tokens (``benchmarks/decode_attention.py``,
+    docs/benchmarks.md). The context is entered inside the compiled function, so Dynamo traces it, and the prefill
+    (outside) keeps the default kernels."""
     with sdpa_kernel(SDPBackend.MATH):
         return _decode_step(model, *args)
 
