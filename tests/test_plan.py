@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from helpers import ROOT, make_module, run_cli
+from helpers import ROOT, forked_ranks, make_module, run_cli
 
 from lightning_app_rlhf.parallel.plan import (
     CALLS,
@@ -84,10 +84,11 @@ def test_wrapper_errors_name_the_fix():
 
 def test_bad_plan_fails_before_any_model_is_built(tmp_path):
     """From the CLI, an impossible ratio stops the run in the strategy's setup, before the model summary."""
-    result = run_cli("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
-                     "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
-                     "--trainer.strategy.reference_ratio", "0.25", "--trainer.logger.init_args.save_dir", tmp_path,
-                     cwd=tmp_path, timeout=120, check=False)
+    args = forked_ranks(["--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
+                         "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
+                         "--trainer.strategy.reference_ratio", "0.25", "--trainer.logger.init_args.save_dir",
+                         tmp_path])
+    result = run_cli("fit", *args, cwd=tmp_path, timeout=120, check=False)
     assert result.returncode != 0
     assert "reference ratio 0.25 on 2 ranks gives 0.5 ranks" in result.stderr
     assert "Trainable params" not in result.stdout  # no model was built
