@@ -108,10 +108,9 @@ def forked_ranks(args: Sequence[str | Path]) -> list[str | Path]:
     ``fork`` launcher: the ranks fork from the CLI's process instead of re-running the command, so none pays again
     the ~10 s import of torch, Lightning and transformers that a fresh interpreter costs on 2 cores. What the ranks
     train does not depend on how they were started: the trajectory tests compare them with one-process runs
-    either way. ``popen``, the users' default, stays in the
-    default run: Lightning re-runs the command per rank in tests/test_preemption.py (the shipped demo on 2
-    processes) and test_lightning_native.py, and tests/test_faults.py and test_multinode.py start every rank
-    themselves, as torchrun and SLURM do.
+    either way. ``popen``, the users' default, stays in the default run: Lightning re-runs the command per rank in
+    tests/test_preemption.py (the shipped demo on 2 processes) and test_lightning_native.py, and
+    tests/test_faults.py and test_multinode.py start every rank themselves, as torchrun and SLURM do.
 
     The devices and the strategy are read as the CLI reads them, the last one given winning: from each ``--config``
     file and from ``--trainer.devices`` / ``--trainer.strategy``. A strategy of this package (an ``rlhf_*`` name,
