@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DEMO_CONFIG, metrics_rows, one_thread_env, run_python
+from helpers import DEMO_CONFIG, metrics_rows, one_thread_env, run_cli, run_python
 
 from lightning_app_rlhf.checkpoint.newest import checkpoint_candidates, newest_complete_checkpoint
 
@@ -103,8 +103,8 @@ def test_restarts_through_a_shared_rendezvous_store_are_refused_naming_the_fix()
 
 
 def test_ckpt_path_auto_is_for_fit_only(tmp_path):
-    result = run_python("-m", "lightning_app_rlhf", "validate", "--config", DEMO_CONFIG, "--ckpt_path", "auto",
-                        cwd=tmp_path, check=False, timeout=120)
+    result = run_cli("validate", "--config", DEMO_CONFIG, "--ckpt_path", "auto", cwd=tmp_path, check=False,
+                     timeout=120)
     assert result.returncode != 0
     assert "--ckpt_path auto resumes training (fit), not validate" in result.stderr, result.stderr[-2000:]
 
