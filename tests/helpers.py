@@ -1,9 +1,9 @@
 """Plain helpers shared by the tests (conftest.py makes the tokenizer and the tiny config fixtures of them).
 
 - ``one_thread_env``: the environment of every subprocess (this checkout importable, one torch thread);
-- ``run_python`` / ``run_cli`` / ``cli_command``: a script in a subprocess, or ``python -m lightning_app_rlhf ...``
-  forked from a server with its imports done, set up as a fresh interpreter would be, failing the test with the
-  tails of its stdout and stderr unless it exits 0 (``check=False`` to look yourself);
+- ``run_python`` / ``run_cli`` / ``cli_command``: a script or ``python -m lightning_app_rlhf ...``, forked from a
+  server with its imports done and set up as a fresh interpreter would be, failing the test with the tails of its
+  stdout and stderr unless it exits 0 (``check=False`` to look yourself);
 - ``fit_demo`` / ``fit_demo_args`` / ``metrics_rows``: a demo config fitted from the CLI (or its arguments, for a
   launcher of one's own), and the rows of its metrics.csv; ``forked_ranks``: the arguments that fork a placement's
   ranks instead of re-running the command per rank (what ``fit_demo`` does);
@@ -65,12 +65,30 @@ def output_tail(result: subprocess.CompletedProcess, chars: int = 4000) -> str:
 
 
 def run_python(*args: str | Path, cwd: Path | None = None, timeout: float = 300, check: bool = True,
-               one_thread: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python ARGS`` in ``cwd`` (environment ``env``, by default ``one_thread_env(one_thread=one_thread)``), its
-    output captured as text. ``check``: raise an AssertionError with the output's tails unless it exits 0."""
+               one_thread: bool = True, env: dict[str, str] | None = None,
+               fresh_interpreter: bool = False) -> subprocess.CompletedProcess:
+    """``python ARGS`` (``SCRIPT ...``, ``-m MODULE ...`` or ``-c CODE ...``) in ``cwd``, in the environment ``env``
+    (by default ``one_thread_env(one_thread=one_thread)``), its output captured as text. ``check``: raise an
+    AssertionError with the output's tails unless it exits 0.
+
+    It runs in a fork of a server process that imported torch, Lightning, transformers and the CLI once per session
+    (multiprocessing's ``forkserver``, with them preloaded): a fresh interpreter spends ~12 s of 2 cores on those
+    imports before the command's first line. The server runs no torch op, so the command's OpenMP threads start as
+    in a fresh interpreter (a fork of pytest's own process would not do: GNU OpenMP's thread pool does not survive a
+    fork once a multi-threaded op ran, and the forked command hangs in its first one). The fork gets the command
+    line, the environment, the working directory, its own standard streams and the torch thread count a fresh
+    interpreter would have; a Lightning or Fabric launcher with ``popen`` re-runs it per rank as it would re-run the
+    interpreter's command. It exits as multiprocessing's processes do (``os._exit`` after the code: no wait for
+    non-daemon threads, no ``atexit`` handlers), so ``fresh_interpreter=True`` runs a real subprocess for what an
+    interpreter does as it starts or ends (warnings printed once per process, the exit of running threads)."""
     env = one_thread_env(one_thread=one_thread) if env is None else env
-    result = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=timeout, check=False)
+    args = [str(a) for a in args]
+    command = [sys.executable, *args]
+    if fresh_interpreter:
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                                check=False)
+    else:
+        result = _run_forked(args, cwd, env, timeout)
     if check and result.returncode != 0:  # an AssertionError, as the tests' own checks raise
         raise AssertionError(output_tail(result))
     return result
@@ -84,41 +102,33 @@ def cli_command(*args: str | Path) -> list[str]:
 def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 300, check: bool = True,
             one_thread: bool = True, env: dict[str, str] | None = None,
             fresh_interpreter: bool = False) -> subprocess.CompletedProcess:
-    """``python -m lightning_app_rlhf ARGS`` (fit, validate, plan, ...) in ``cwd``, as :func:`run_python` runs it.
+    """``python -m lightning_app_rlhf ARGS`` (fit, validate, plan, ...) in ``cwd``, as :func:`run_python` runs it."""
+    return run_python("-m", "lightning_app_rlhf", *args, cwd=cwd, timeout=timeout, check=check,
+                      one_thread=one_thread, env=env, fresh_interpreter=fresh_interpreter)
 
-    The command runs in a fork of a server process that imported torch, Lightning, transformers and the CLI once per
-    session (multiprocessing's ``forkserver``, with the CLI preloaded): a fresh interpreter spends ~12 s of 2 cores
-    on those imports before the command's first line. The server runs no torch op, so a command's OpenMP threads
-    start as in a fresh interpreter (forking pytest's own process would not do: GNU OpenMP's thread pool does not
-    survive a fork once a multi-threaded op ran, and the forked command then hangs in its first one). The fork gets
-    the command line, the environment, the working directory, its own standard streams and the torch thread count a
-    fresh interpreter would have. A placement that Lightning launches with ``popen`` re-runs it per rank as
-    ``python -m lightning_app_rlhf.__main__ ARGS``. ``fresh_interpreter=True``: a real ``python -m`` subprocess,
-    for what an interpreter does as it starts (warnings printed once per process, import-time behaviour)."""
-    env = one_thread_env(one_thread=one_thread) if env is None else env
-    if fresh_interpreter:
-        return run_python("-m", "lightning_app_rlhf", *args, cwd=cwd, timeout=timeout, check=check, env=env)
+
+def _run_forked(args: list[str], cwd: Path | None, env: dict[str, str],
+                timeout: float) -> subprocess.CompletedProcess:
+    """``python ARGS`` forked from the preloaded server (:func:`run_python`); raises ``subprocess.TimeoutExpired``
+    after ``timeout`` seconds, as ``subprocess.run`` does, once the command's process group is killed."""
     import multiprocessing
     import tempfile
 
-    command = cli_command(*args)
     forks = multiprocessing.get_context("forkserver")
     forks.set_forkserver_preload(["lightning_app_rlhf.cli", "helpers"])  # read when the server starts (once)
     with tempfile.TemporaryDirectory() as streams:
         out, err = Path(streams, "stdout"), Path(streams, "stderr")
-        process = forks.Process(target=_cli_in_fork, args=([str(a) for a in args], cwd, env, out, err), name="cli")
+        process = forks.Process(target=_python_in_fork, args=(args, cwd, env, out, err), name="python")
         process.start()
         process.join(timeout)
         timed_out = process.exitcode is None
         _kill_process_group(process.pid)  # the command's own rank processes too, if it left any
         process.join()
         stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+    command = [sys.executable, *args]
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
-    result = subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
-    if check and result.returncode != 0:
-        raise AssertionError(output_tail(result))
-    return result
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
 
 
 def _kill_process_group(pid: int) -> None:
@@ -128,12 +138,12 @@ def _kill_process_group(pid: int) -> None:
         pass
 
 
-def _cli_in_fork(args: list[str], cwd: Path | None, env: dict[str, str], out: Path, err: Path) -> None:
-    """The body of :func:`run_cli`'s fork: set up what a fresh ``python -m lightning_app_rlhf ARGS`` would have, then
-    run the CLI. Exits as that interpreter would (multiprocessing prints an exception's traceback and exits 1)."""
-    import importlib.util
+def _python_in_fork(args: list[str], cwd: Path | None, env: dict[str, str], out: Path, err: Path) -> None:
+    """The body of :func:`run_python`'s fork: set up what a fresh ``python ARGS`` would have, then run it as
+    ``__main__`` (multiprocessing prints an uncaught exception's traceback and exits 1; ``SystemExit`` sets the
+    status)."""
+    import runpy
 
-    import __main__
     import torch
 
     os.setpgid(0, 0)  # its own process group: a timeout kills the ranks it started as well
@@ -146,12 +156,17 @@ def _cli_in_fork(args: list[str], cwd: Path | None, env: dict[str, str], out: Pa
         os.dup2(file, fd)
         os.close(file)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
-    # What Lightning's popen launcher re-runs per rank: `python -m lightning_app_rlhf.__main__ ARGS`.
-    sys.argv = [str(ROOT / "lightning_app_rlhf" / "__main__.py"), *args]
-    __main__.__spec__ = importlib.util.find_spec("lightning_app_rlhf.__main__")
-    from lightning_app_rlhf.cli import main
-
-    main(args, prog="python -m lightning_app_rlhf")
+    # sys.argv and __main__ as the interpreter sets them: what a popen launcher re-runs per rank.
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]  # run_module puts the module's file in sys.argv[0]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    elif args[0] == "-c":
+        sys.argv = ["-c", *args[2:]]
+        exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 (the test's own code)
+    else:
+        sys.argv = list(args)
+        sys.path.insert(0, str(Path(args[0]).resolve().parent))
+        runpy.run_path(args[0], run_name="__main__")
 
 
 def metrics_rows(directory: Path) -> list[dict[str, float]]:

@@ -231,7 +231,7 @@ def test_a_process_exits_cleanly_while_its_heartbeats_beat():
     interpreter waits for them (a daemon thread stopped mid-call at finalization aborts the process: "terminate
     called without an active exception": 9 of 15 runs of this script when they were daemons)."""
     for _ in range(3):
-        run_python("-c", EXIT_WHILE_BEATING, timeout=120)
+        run_python("-c", EXIT_WHILE_BEATING, timeout=120, fresh_interpreter=True)  # the interpreter's own exit
 
 
 # ---- a rank that is alive but stuck ----
