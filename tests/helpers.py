@@ -83,10 +83,9 @@ def run_python(*args: str | Path, cwd: Path | None = None, timeout: float = 300,
     interpreter does as it starts or ends (warnings printed once per process, the exit of running threads)."""
     env = one_thread_env(one_thread=one_thread) if env is None else env
     args = [str(a) for a in args]
-    command = [sys.executable, *args]
     if fresh_interpreter:
-        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                                check=False)
+        result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=timeout, check=False)
     else:
         result = _run_forked(args, cwd, env, timeout)
     if check and result.returncode != 0:  # an AssertionError, as the tests' own checks raise

@@ -21,7 +21,7 @@ def test_demo_config_runs_and_logs_every_metric(tmp_path):
         "fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.max_steps", "3",
         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),  # its ModelCheckpoint writes there too
         cwd=tmp_path,
-        fresh_interpreter=True,  # a fork of pytest's process has printed some once-only warnings already
+        fresh_interpreter=True,  # a forked command's import-time warnings would print in the server, not here
     )
     assert "RLHF run summary" in result.stdout
     printed = result.stdout + result.stderr
