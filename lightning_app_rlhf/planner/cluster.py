@@ -102,10 +102,14 @@ class Cluster:
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
 
+    def on_one_node(self, ranks: tuple[int, ...] | list[int]) -> bool:
+        """Whether ``ranks`` (none counts as one node) all sit on one node. Nodes hold consecutive ranks, so the lowest
+        and the highest rank tell (a search asks this about a million times)."""
+        return not ranks or self.node_of(min(ranks)) == self.node_of(max(ranks))
+
     def bandwidth(self, ranks: tuple[int, ...] | list[int]) -> float:
         """Per-device bandwidth of a collective over ``ranks``: intra-node unless they span nodes."""
-        nodes = {self.node_of(r) for r in ranks}
-        return self.device.intra_node_bandwidth if len(nodes) <= 1 else self.device.inter_node_bandwidth
+        return self.device.intra_node_bandwidth if self.on_one_node(ranks) else self.device.inter_node_bandwidth
 
     def compute_share(self, busy_ranks_on_node: int) -> float:
         """Fraction of a device's compute a rank gets while ``busy_ranks_on_node`` ranks of its node compute.

@@ -292,7 +292,7 @@ class CostModel:
             ranks = plan.ranks(call)
             for i in range(0, len(ranks), t):
                 replica = ranks[i : i + t]
-                if len({self.cluster.node_of(r) for r in replica}) > 1:
+                if not self.cluster.on_one_node(replica):
                     raise ValueError(f"Call {call!r} has a tensor-parallel replica on ranks {list(replica)}, which "
                                      "span nodes: keep tensor parallelism within a node (a smaller degree, or "
                                      "node-aligned ranks).")
@@ -457,8 +457,7 @@ class CostModel:
     def bucket_bandwidth(self, ranks: tuple[int, ...]) -> float:
         """Bytes/s of an all-reduce or broadcast of large buckets over ``ranks``: the device's measured
         ``all_reduce_bandwidth`` within a node, else the cluster's bandwidth."""
-        one_node = len({self.cluster.node_of(r) for r in ranks}) == 1
-        if one_node and self.device.all_reduce_bandwidth is not None:
+        if ranks and self.cluster.on_one_node(ranks) and self.device.all_reduce_bandwidth is not None:
             return self.device.all_reduce_bandwidth
         return self.cluster.bandwidth(ranks)
 
@@ -637,29 +636,32 @@ class CostModel:
     def tasks(self, choice: PlanChoice) -> list[Task]:
         """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order: the
         steps of :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` (the engine's iteration, checked against
-        traced runs), each priced by :meth:`step_task`."""
+        traced runs), each priced by :meth:`step_tasks` and named ``...#i`` in iteration ``i``."""
         plan = choice.plan
         self.check_plan(plan)
+        priced: dict[Step, list[Task]] = {}  # a step costs the same in every iteration: price it once
         tasks: list[Task] = []
         for i in range(UNROLLED_ITERATIONS):
+            steps: list[Step] = []
             # Dynamic sampling: the rounds before an update's last generate and score only.
             for _ in range(self.workload.generation_rounds - 1):
-                for step in iteration_steps(plan, first=i == 0, updates=False):
-                    tasks += self.step_tasks(choice, step, i)
-            for step in iteration_steps(plan, first=i == 0):
-                tasks += self.step_tasks(choice, step, i)
+                steps += iteration_steps(plan, first=i == 0, updates=False)
+            steps += iteration_steps(plan, first=i == 0)
+            for step in steps:
+                if step not in priced:
+                    priced[step] = self.step_tasks(choice, step)
+                tasks += [Task(f"{t.name}#{i}", t.ranks, t.seconds, t.compute) for t in priced[step]]
         return tasks
 
-    def step_tasks(self, choice: PlanChoice, step: Step, iteration: int) -> list[Task]:
-        """The tasks of one step of iteration ``iteration``: a call's compute (then its communication, on the same
-        ranks), a world gather of a call's result, a statistics or learning-rate broadcast, a reallocation."""
+    def step_tasks(self, choice: PlanChoice, step: Step) -> list[Task]:
+        """The tasks of one step: a call's compute (then its communication, on the same ranks), a world gather of a
+        call's result, a statistics or learning-rate broadcast, a reallocation."""
         plan, w = choice.plan, self.workload
         world = tuple(range(plan.world_size))
-        tag = f"#{iteration}"
         if step.kind == "call":
             compute, comm = self.call_time(choice, step.name)
-            tasks = [Task(step.name + tag, step.ranks, compute)]
-            return tasks + [Task(f"{step.name}:comm{tag}", step.ranks, comm, compute=False)] if comm else tasks
+            tasks = [Task(step.name, step.ranks, compute)]
+            return tasks + [Task(f"{step.name}:comm", step.ranks, comm, compute=False)] if comm else tasks
         if step.kind == "gather":
             # Bytes per sample of each call's gathered result: the rollout's responses, response mask (int64),
             # logprobs and stop flag (4 tensors); one float per token for the reference's logprobs and the
@@ -668,14 +670,14 @@ class CostModel:
             per_row = {ACTOR.call("generate"): (t_gen * (8 + 8 + 4) + 1, 4), REWARD.call("forward"): (4, 1)}
             nbytes, tensors = per_row.get(step.name, (t_gen * 4, 1))
             name = "gather.rollout" if step.name == ACTOR.call("generate") else f"gather.{role_of(step.name)}"
-            return [Task(name + tag, world, self.world_gather_s(plan, step.name, nbytes, tensors), compute=False)]
+            return [Task(name, world, self.world_gather_s(plan, step.name, nbytes, tensors), compute=False)]
         if step.kind == "broadcast":
             nbytes = 64 if step.what == "stats" else 24  # a few float64 statistics; three learning-rate values
             name = f"{role_of(step.name)}.{step.what}"
-            return [Task(name + tag, world, self.broadcast_s(world, nbytes), compute=False)]
+            return [Task(name, world, self.broadcast_s(world, nbytes), compute=False)]
         if step.kind == "reallocate":
             ranks, seconds = self.reallocate_time(plan, step.name)
-            return [Task(f"{step.name}.reallocate{tag}", ranks, seconds, compute=False)] if ranks else []
+            return [Task(f"{step.name}.reallocate", ranks, seconds, compute=False)] if ranks else []
         raise ValueError(f"Unknown step kind {step.kind!r}.")
 
     def evaluate(self, choice: PlanChoice) -> Estimate:
