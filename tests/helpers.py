@@ -3,7 +3,8 @@
 - ``one_thread_env``: the environment of every subprocess (this checkout importable, one torch thread);
 - ``run_python`` / ``run_cli`` / ``cli_command``: a script or ``python -m lightning_app_rlhf ...``, forked from a
   server with its imports done and set up as a fresh interpreter would be, failing the test with the tails of its
-  stdout and stderr unless it exits 0 (``check=False`` to look yourself);
+  stdout and stderr unless it exits 0 (``check=False`` to look yourself); ``start_python`` / ``start_cli``: one
+  started the same way without waiting (a ``Popen``-like handle), for the launches a test watches and signals;
 - ``fit_demo`` / ``fit_demo_args`` / ``metrics_rows``: a demo config fitted from the CLI (or its arguments, for a
   launcher of one's own), and the rows of its metrics.csv; ``forked_ranks``: the arguments that fork a placement's
   ranks instead of re-running the command per rank (what ``fit_demo`` does);
@@ -78,9 +79,10 @@ def run_python(*args: str | Path, cwd: Path | None = None, timeout: float = 300,
     fork once a multi-threaded op ran, and the forked command hangs in its first one). The fork gets the command
     line, the environment, the working directory, its own standard streams and the torch thread count a fresh
     interpreter would have; a Lightning or Fabric launcher with ``popen`` re-runs it per rank as it would re-run the
-    interpreter's command. It exits as multiprocessing's processes do (``os._exit`` after the code: no wait for
-    non-daemon threads, no ``atexit`` handlers), so ``fresh_interpreter=True`` runs a real subprocess for what an
-    interpreter does as it starts or ends (warnings printed once per process, the exit of running threads)."""
+    interpreter's command. It exits as multiprocessing's processes do (it joins the threads still running, then
+    ``os._exit``: no ``atexit`` handlers, no interpreter finalization), so ``fresh_interpreter=True`` runs a real
+    subprocess for what an interpreter does as it starts or ends (warnings printed once per process, the
+    finalization that running threads can crash)."""
     env = one_thread_env(one_thread=one_thread) if env is None else env
     args = [str(a) for a in args]
     if fresh_interpreter:
@@ -110,49 +112,105 @@ def _run_forked(args: list[str], cwd: Path | None, env: dict[str, str],
                 timeout: float) -> subprocess.CompletedProcess:
     """``python ARGS`` forked from the preloaded server (:func:`run_python`); raises ``subprocess.TimeoutExpired``
     after ``timeout`` seconds, as ``subprocess.run`` does, once the command's process group is killed."""
-    import multiprocessing
     import tempfile
+
+    with tempfile.TemporaryDirectory() as streams:
+        out, err = Path(streams, "stdout"), Path(streams, "stderr")
+        process = start_python(*args, cwd=cwd, env=env, stdout=out, stderr=err)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        process.kill_group()  # the command's own rank processes too, if it left any
+        process.wait()
+        stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+    if process.timed_out:
+        raise subprocess.TimeoutExpired(process.args, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+class ForkedPython:
+    """A ``python ARGS`` that :func:`start_python` forked: what the tests use of ``subprocess.Popen`` (``pid``,
+    ``args``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``), and ``kill_group``. Its process is a
+    session and process group of its own (``Popen(..., start_new_session=True)``)."""
+
+    def __init__(self, process: Any, args: list[str]) -> None:
+        self._process = process
+        self.args = [sys.executable, *args]
+        self.pid: int = process.pid
+        self.timed_out = False
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status (``-N``: killed by signal N), None while it runs."""
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status; raises ``subprocess.TimeoutExpired`` (and remembers it in ``timed_out``) if it still
+        runs after ``timeout`` seconds."""
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            self.timed_out = True
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def kill_group(self) -> None:
+        """SIGKILL to its process group: it and every process it started that did not leave the group."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is gone already
+            pass
+
+
+def start_python(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 stdout: Path = Path(os.devnull), stderr: Path | None = None) -> ForkedPython:
+    """Start ``python ARGS`` as :func:`run_python` runs it (a fork of the preloaded server, set up as a fresh
+    interpreter) without waiting: for a launch the test watches and signals, as torchrun's ranks, SLURM's tasks or a
+    scheduler's job. ``stdout`` / ``stderr``: the files its streams write to (``stderr`` None: ``stdout``'s file)."""
+    import multiprocessing
 
     forks = multiprocessing.get_context("forkserver")
     forks.set_forkserver_preload(["lightning_app_rlhf.cli", "helpers"])  # read when the server starts (once)
-    with tempfile.TemporaryDirectory() as streams:
-        out, err = Path(streams, "stdout"), Path(streams, "stderr")
-        process = forks.Process(target=_python_in_fork, args=(args, cwd, env, out, err), name="python")
-        process.start()
-        process.join(timeout)
-        timed_out = process.exitcode is None
-        _kill_process_group(process.pid)  # the command's own rank processes too, if it left any
-        process.join()
-        stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
-    command = [sys.executable, *args]
-    if timed_out:
-        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+    args = [str(a) for a in args]
+    env = one_thread_env() if env is None else env
+    process = forks.Process(target=_python_in_fork, args=(args, cwd, env, stdout, stderr), name="python")
+    process.start()
+    return ForkedPython(process, args)
 
 
-def _kill_process_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone already
-        pass
+def start_cli(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
+              stdout: Path = Path(os.devnull), stderr: Path | None = None) -> ForkedPython:
+    """``python -m lightning_app_rlhf ARGS`` started as :func:`start_python` starts it."""
+    return start_python("-m", "lightning_app_rlhf", *args, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
 
 
-def _python_in_fork(args: list[str], cwd: Path | None, env: dict[str, str], out: Path, err: Path) -> None:
-    """The body of :func:`run_python`'s fork: set up what a fresh ``python ARGS`` would have, then run it as
+def _python_in_fork(args: list[str], cwd: Path | None, env: dict[str, str], out: Path, err: Path | None) -> None:
+    """The body of :func:`start_python`'s fork: set up what a fresh ``python ARGS`` would have, then run it as
     ``__main__`` (multiprocessing prints an uncaught exception's traceback and exits 1; ``SystemExit`` sets the
-    status)."""
+    status; it joins the threads still running, as the interpreter does, and runs no ``atexit`` handler)."""
     import runpy
 
     import torch
 
-    os.setpgid(0, 0)  # its own process group: a timeout kills the ranks it started as well
+    os.setsid()  # a session and process group of its own: a timeout kills the ranks it started as well
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):  # sys.stdout / sys.stderr write to these descriptors
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(file, fd)
+    for fds, path in (((1, 2), out), ((2,), err)) if err is not None else (((1, 2), out),):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # sys.stdout / sys.stderr write to fds 1, 2
+        for fd in fds:
+            os.dup2(file, fd)
         os.close(file)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     # sys.argv and __main__ as the interpreter sets them: what a popen launcher re-runs per rank.

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ROOT, cli_command, free_port, metrics_rows, one_thread_env, output_tail, run_python
+from helpers import ROOT, free_port, metrics_rows, one_thread_env, output_tail, run_python, start_cli
 
 from lightning_app_rlhf.checkpoint.format import load_checkpoint_file, verify
 from lightning_app_rlhf.parallel.heartbeat import STUCK_EXIT_CODE
@@ -79,24 +79,27 @@ def cells():
                 yield pytest.param(placement, phase, marks=pytest.mark.slow)
 
 
-def command(tmp_path: Path, placement: str, steps: int, *extra: str) -> list[str]:
-    return cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml",
+def command(tmp_path: Path, placement: str, steps: int, *extra: str) -> list[str | Path]:
+    """The CLI's arguments of a cell's 4-rank run."""
+    return ["fit", "--config", ROOT / "examples/configs/demo_cpu.yaml",
                        "--trainer.devices", "4", "--trainer.strategy",
                        f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
                        "--trainer.strategy.timeout", str(TIMEOUT_S), "--trainer.max_steps", str(steps),
                        "--trainer.enable_checkpointing", "true", "--trainer.logger.init_args.save_dir", tmp_path,
                        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
-                       "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra)
+                       "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra]
 
 
-def launch_ranks(tmp_path: Path, cmd: list[str], env: dict[str, str], name: str) -> tuple[list[int], list[float]]:
-    """Run the 4 ranks as torchrun would (one process each, own session); return exit codes and exit times."""
+def launch_ranks(tmp_path: Path, args: list[str | Path], env: dict[str, str],
+                 name: str) -> tuple[list[int], list[float]]:
+    """Run the 4 ranks of ``fit ARGS`` as torchrun would (one process each with ``LOCAL_RANK`` set, own session; forked
+    from the tests' preloaded server, :func:`helpers.start_cli`), their stderr in ``NAME{rank}.err``; return exit
+    codes and exit times."""
     env = one_thread_env(tests=True, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="4",
                          NODE_RANK="0", **env)
-    files = [(tmp_path / f"{name}{rank}.err").open("w") for rank in range(4)]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
-                              stderr=file, start_new_session=True) for rank, file in enumerate(files)]
+    procs = [start_cli(*args, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)},
+                       stderr=tmp_path / f"{name}{rank}.err") for rank in range(4)]
     sessions = [p.pid for p in procs]
     ended: list[float | None] = [None] * 4
     deadline = time.monotonic() + 400
@@ -107,11 +110,10 @@ def launch_ranks(tmp_path: Path, cmd: list[str], env: dict[str, str], name: str)
                     ended[rank] = time.monotonic()
             time.sleep(0.1)
     finally:
-        for proc, file in zip(procs, files):
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            file.close()
     left = [p for p in psutil.process_iter(["pid"]) if _session(p.pid) in sessions]
     for p in left:
         p.kill()
@@ -254,16 +256,18 @@ def run_until_stuck(tmp_path: Path, placement: str, *extra: str,
     from the moment the rank got stuck to the job's end, and the stuck process's pid; fails unless every process of
     the job has ended."""
     stuck_file = tmp_path / "stuck.json"
-    cmd = cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
-                      "--trainer.strategy", f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
-                      "--trainer.strategy.heartbeat_timeout", str(HEARTBEAT_TIMEOUT_S), "--trainer.max_steps", "8",
-                      "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
-                      "--model.generation.max_new_tokens", "8", *extra)
-    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=one_thread_env(tests=True, RLHF_STUCK_FILE=str(stuck_file), **(env or {})),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = tmp_path / "launcher.out", tmp_path / "launcher.err"
+    # Rank 0 forks from the tests' preloaded server (helpers.start_cli); Lightning's launcher in it starts rank 1
+    # as a fresh interpreter, as it does for users.
+    launcher = start_cli("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
+                         "--trainer.strategy", f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
+                         "--trainer.strategy.heartbeat_timeout", str(HEARTBEAT_TIMEOUT_S), "--trainer.max_steps", "8",
+                         "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
+                         "--model.generation.max_new_tokens", "8", *extra, cwd=tmp_path,
+                         env=one_thread_env(tests=True, RLHF_STUCK_FILE=str(stuck_file), **(env or {})),
+                         stdout=out, stderr=err)
     job: set[psutil.Process] = set()
     try:
-        stdout, stderr = "", ""
         deadline = time.monotonic() + 300
         while launcher.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(psutil.Error):
@@ -272,9 +276,10 @@ def run_until_stuck(tmp_path: Path, placement: str, *extra: str,
         ended = time.time()
     finally:
         if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        stdout, stderr = launcher.communicate()
-    result = subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr)
+            launcher.kill_group()
+        launcher.wait()
+    result = subprocess.CompletedProcess(launcher.args, launcher.returncode, out.read_text(errors="replace"),
+                                         err.read_text(errors="replace"))
     assert stuck_file.exists(), "no rank got stuck\n" + output_tail(result)
     stuck = json.loads(stuck_file.read_text())
     left = [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -382,23 +387,24 @@ def test_a_sigstopped_rank_0_is_named_by_the_store_it_no_longer_serves(tmp_path)
     in a collective, finds the store silent, and exits within the heartbeat timeout saying that rank 0 is frozen or
     died. Rank 0 stays stopped until its launcher (torchrun, here the test) kills it."""
     stuck_file = tmp_path / "stuck.json"
-    cmd = cli_command("fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
-                      "--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
-                      "--trainer.strategy.heartbeat_timeout", str(HEARTBEAT_TIMEOUT_S), "--trainer.max_steps", "8",
-                      "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
-                      "--model.generation.max_new_tokens", "8", "--trainer.callbacks+=stuck_rank.StopRank",
-                      "--trainer.callbacks.rank=0", "--trainer.callbacks.step=3")
+    args = ["fit", "--config", ROOT / "examples/configs/demo_cpu.yaml", "--trainer.devices", "2",
+            "--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
+            "--trainer.strategy.heartbeat_timeout", str(HEARTBEAT_TIMEOUT_S), "--trainer.max_steps", "8",
+            "--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", tmp_path,
+            "--model.generation.max_new_tokens", "8", "--trainer.callbacks+=stuck_rank.StopRank",
+            "--trainer.callbacks.rank=0", "--trainer.callbacks.step=3"]
     env = one_thread_env(tests=True, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                          NODE_RANK="0", RLHF_STUCK_FILE=str(stuck_file))
-    ranks = [subprocess.Popen(cmd, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(2)]
+    ranks = [start_cli(*args, cwd=tmp_path, env={**env, "LOCAL_RANK": str(rank)}, stderr=tmp_path / f"rank{rank}.err")
+             for rank in range(2)]
     try:
-        _, stderr = ranks[1].communicate(timeout=300)
+        ranks[1].wait(timeout=300)
         ended = time.time()
     finally:
         for rank in ranks:
-            os.killpg(rank.pid, signal.SIGKILL) if rank.poll() is None else None
+            rank.kill_group()
             rank.wait()
+    stderr = (tmp_path / "rank1.err").read_text(errors="replace")
     took = ended - json.loads(stuck_file.read_text())["time"]
     print(f"SIGSTOP of rank 0: rank 1 ended {took:.1f} s after it")
     assert ranks[1].returncode == STUCK_EXIT_CODE, stderr[-3000:]

@@ -29,6 +29,7 @@ import pytest
 import yaml
 from helpers import (
     ROOT,
+    ForkedPython,
     cli_command,
     fit_demo,
     fit_demo_args,
@@ -36,6 +37,7 @@ from helpers import (
     metrics_rows,
     one_thread_env,
     output_tail,
+    start_python,
 )
 
 LAUNCH_TIMEOUT_S = 240
@@ -67,7 +69,9 @@ def launched_environment(**variables: str) -> dict[str, str]:
 def run_together(jobs: dict[str, tuple[list[str], dict[str, str]]], cwd: Path,
                  timeout: float = LAUNCH_TIMEOUT_S) -> dict[str, subprocess.CompletedProcess]:
     """Start every ``name: (command, environment)`` at once, each in its own session with its output in
-    ``cwd/name.stdout`` and ``cwd/name.stderr``, and wait for all of them.
+    ``cwd/name.stdout`` and ``cwd/name.stderr``, and wait for all of them. A ``python ...`` command forks from the
+    tests' preloaded server (:func:`helpers.start_python`: as a fresh interpreter, without its ~10 s of imports);
+    any other (torchrun) runs as it is.
 
     When one exits non-zero, or ``timeout`` seconds pass, every process of every job is killed: the commands and
     every process they started (torchrun's workers run in sessions of their own, so the commands' descendants are
@@ -77,12 +81,16 @@ def run_together(jobs: dict[str, tuple[list[str], dict[str, str]]], cwd: Path,
     Returns:
         Each job's finished process, its output read back as text.
     """
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, subprocess.Popen | ForkedPython] = {}
     files = []
     seen: dict[int, psutil.Process] = {}
     failure = None
     try:
         for name, (command, env) in jobs.items():
+            if command[0] == sys.executable:
+                procs[name] = start_python(*command[1:], cwd=cwd, env=env, stdout=cwd / f"{name}.stdout",
+                                           stderr=cwd / f"{name}.stderr")
+                continue
             out, err = (cwd / f"{name}.stdout").open("w"), (cwd / f"{name}.stderr").open("w")
             files += [out, err]
             procs[name] = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
@@ -120,7 +128,7 @@ def run_together(jobs: dict[str, tuple[list[str], dict[str, str]]], cwd: Path,
     return results
 
 
-def _record_descendants(procs: Iterable[subprocess.Popen], seen: dict[int, psutil.Process]) -> None:
+def _record_descendants(procs: Iterable[subprocess.Popen | ForkedPython], seen: dict[int, psutil.Process]) -> None:
     """Add every living descendant of ``procs`` to ``seen`` (by pid), to kill later even once orphaned."""
     for proc in procs:
         try:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ROOT, cli_command, make_module, one_thread_env, run_cli
+from helpers import ROOT, make_module, one_thread_env, run_cli, start_cli
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
@@ -215,36 +215,32 @@ def demo_stop(tmp_path_factory) -> DemoStop:
     logged iterations, as a scheduler would, and resume from the checkpoint its message names."""
     tmp_path = tmp_path_factory.mktemp("demo_stop")
     cli, env = command(tmp_path, "stopped", *SEPARATION_2, steps=DEMO_STEPS)
-    with (tmp_path / "stopped.out").open("w") as out:
-        # A session of its own: every rank is in the launcher's process group, to check for and kill leftovers.
-        process = subprocess.Popen(cli_command(*cli), cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+    # A session of its own: every rank is in the launcher's process group, to check for and kill leftovers. The
+    # launcher forks from the tests' preloaded server; Lightning's launcher in it starts rank 1 as a fresh interpreter.
+    process = start_cli(*cli, cwd=tmp_path, env=env, stdout=tmp_path / "stopped.out")
+    try:
+        deadline = time.monotonic() + 240
+        while (seen := logged_iterations(tmp_path, "stopped")) < 2 and process.poll() is None:
+            assert time.monotonic() < deadline, "the demo logged no 2 iterations in 240 s"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
         try:
-            deadline = time.monotonic() + 240
-            while (seen := logged_iterations(tmp_path, "stopped")) < 2 and process.poll() is None:
-                assert time.monotonic() < deadline, "the demo logged no 2 iterations in 240 s"
-                time.sleep(0.05)
-            sent = time.monotonic()
-            process.send_signal(signal.SIGTERM)
+            returncode = process.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            returncode = -1
+        seconds = time.monotonic() - sent
+        left = True
+        for _ in range(100):  # the other rank ends right after the launcher
             try:
-                returncode = process.wait(timeout=STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                returncode = -1
-            seconds = time.monotonic() - sent
-            left = True
-            for _ in range(100):  # the other rank ends right after the launcher
-                try:
-                    os.killpg(process.pid, 0)
-                except ProcessLookupError:
-                    left = False
-                    break
-                time.sleep(0.1)
-        finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(process.pid, 0)
             except ProcessLookupError:
-                pass
-            process.wait()
+                left = False
+                break
+            time.sleep(0.1)
+    finally:
+        process.kill_group()
+        process.wait()
     stop = DemoStop(tmp_path, seen, returncode, seconds, (tmp_path / "stopped.out").read_text(errors="replace"),
                     metrics(tmp_path, "stopped"), left)
     saved = re.search(r"SIGTERM received at iteration \d+: saved \S+; resume with --ckpt_path (\S+)", stop.output)
