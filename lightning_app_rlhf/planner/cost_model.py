@@ -16,6 +16,7 @@ algorithm), and every batch is the rollout's ``samples`` (prompts x ``num_sample
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -507,16 +508,19 @@ class CostModel:
         shape = w.shape(role)
         local = ceil_div(w.samples, n)
         sharded = shape is not None and self._sharded_call(plan, call)
+        # A call's chunks of one size cost the same: price each size once (the sums below still add every chunk).
+        op_time = functools.cache(functools.partial(self.op_time, shape))
+        tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         if call == ACTOR.call("generate"):
             g = min(choice.generation_batch or local, local)
             compute, forwards, tp_comm = 0.0, 0, 0.0
             for start in range(0, local, g):
                 b = min(g, local - start)
                 mid_context = w.prompt_length + (w.generation_length + 1) // 2
-                compute += self.op_time(shape, "prefill", b, w.prompt_length) / t
-                compute += (w.generation_length - 1) * self.op_time(shape, "decode", b, mid_context) / t
-                tp_comm += self.tp_pass_s(plan, call, shape, b * w.prompt_length)
-                tp_comm += (w.generation_length - 1) * self.tp_pass_s(plan, call, shape, b)
+                compute += op_time("prefill", b, w.prompt_length) / t
+                compute += (w.generation_length - 1) * op_time("decode", b, mid_context) / t
+                tp_comm += tp_pass_s(b * w.prompt_length)
+                tp_comm += (w.generation_length - 1) * tp_pass_s(b)
                 forwards += w.generation_length
             if not sharded:
                 return compute, tp_comm
@@ -531,10 +535,10 @@ class CostModel:
         if call.endswith(".forward"):
             b = self._micro(choice, local)
             compute = sum(
-                self.op_time(shape, "forward", min(b, local - i), w.sequence_length) / t
+                op_time("forward", min(b, local - i), w.sequence_length) / t
                 for i in range(0, local, b)
             )
-            comm = sum(self.tp_pass_s(plan, call, shape, min(b, local - i) * w.sequence_length)
+            comm = sum(tp_pass_s(min(b, local - i) * w.sequence_length)
                        for i in range(0, local, b))
             if sharded:
                 comm += ceil_div(local, b) * self.sharded_gather_s(ranks[::t], shape, t)
@@ -553,16 +557,18 @@ class CostModel:
         b = self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
         micro_steps = ceil_div(local, b)
+        op_time = functools.cache(functools.partial(self.op_time, shape))  # as in call_time: once per chunk size
+        tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         compute = sum(
-            self.op_time(shape, "train", min(b, local - i), w.sequence_length) / t for i in range(0, local, b)
+            op_time("train", min(b, local - i), w.sequence_length) / t for i in range(0, local, b)
         )
         # Forward and backward (and the recomputed forward with gradient checkpointing) all-reduce activations.
         passes = 2 + w.gradient_checkpointing
-        tp_comm = sum(self.tp_pass_s(plan, call, shape, min(b, local - i) * w.sequence_length, passes)
+        tp_comm = sum(tp_pass_s(min(b, local - i) * w.sequence_length, passes)
                       for i in range(0, local, b))
         trained = ceil_div(w.trainable_params(role_of(call)), t)
         local_params = ceil_div(trained, n) if wrapper.shards_optimizer and n > 1 else trained
-        compute += self.op_time(shape, "optimizer", local_params, 0)
+        compute += op_time("optimizer", local_params, 0)
         trained_bytes = trained * shape.dtype_bytes
         if wrapper.shards_params:  # gather for forward and backward, reduce-scatter grads, per micro-batch
             comm = micro_steps * (
@@ -576,7 +582,7 @@ class CostModel:
         compute, comm = steps * compute, steps * (comm + tp_comm) + stats
         if call == ACTOR.call("train") and w.recompute_old_logprobs:  # before the update: the trainer's log-probs
             share = ceil_div(w.samples, n)
-            compute += sum(self.op_time(shape, "forward", min(b, share - i), w.sequence_length) / t
+            compute += sum(op_time("forward", min(b, share - i), w.sequence_length) / t
                            for i in range(0, share, b))
             if wrapper.shards_params:
                 comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t)
@@ -755,10 +761,12 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
     remaining = [t.seconds for t in tasks]
     spans: list[tuple[float, float]] = [(0.0, 0.0)] * len(tasks)
     running: set[int] = set()
+    moved = list(queues)  # the ranks whose next task changed: only their next tasks can start now
     done = 0
     now = 0.0
     while done < len(tasks):
-        for r, queue in queues.items():  # start every task whose ranks all have it next
+        for r in moved:  # start every task whose ranks all have it next
+            queue = queues[r]
             if heads[r] < len(queue):
                 i = queue[heads[r]]
                 if i not in running and all(
@@ -766,6 +774,7 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
                 ):
                     running.add(i)
                     spans[i] = (now, now)
+        moved = []
         if not running:
             raise RuntimeError(
                 "The schedule deadlocked: tasks wait for each other in a different order on different ranks."
@@ -791,4 +800,5 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
                 done += 1
                 for r in tasks[i].ranks:
                     heads[r] += 1
+                moved += tasks[i].ranks
     return spans
