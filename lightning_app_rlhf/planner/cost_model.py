@@ -758,38 +758,41 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
         for r in task.ranks:
             queues.setdefault(r, []).append(i)
     heads = dict.fromkeys(queues, 0)
+    # A task starts once each of its ranks has it next: count down the ranks it still waits for.
+    waiting_for = [len(set(t.ranks)) for t in tasks]
+    ready: list[int] = []
+    for queue in queues.values():
+        waiting_for[queue[0]] -= 1
+        if not waiting_for[queue[0]]:
+            ready.append(queue[0])
     remaining = [t.seconds for t in tasks]
     spans: list[tuple[float, float]] = [(0.0, 0.0)] * len(tasks)
     running: set[int] = set()
-    moved = list(queues)  # the ranks whose next task changed: only their next tasks can start now
     done = 0
     now = 0.0
     while done < len(tasks):
-        for r in moved:  # start every task whose ranks all have it next
-            queue = queues[r]
-            if heads[r] < len(queue):
-                i = queue[heads[r]]
-                if i not in running and all(
-                    heads[q] < len(queues[q]) and queues[q][heads[q]] == i for q in tasks[i].ranks
-                ):
-                    running.add(i)
-                    spans[i] = (now, now)
-        moved = []
+        for i in ready:
+            running.add(i)
+            spans[i] = (now, now)
+        ready = []
         if not running:
             raise RuntimeError(
                 "The schedule deadlocked: tasks wait for each other in a different order on different ranks."
             )
-        busy: dict[int, int] = {}
-        for i in running:
-            if tasks[i].compute:
-                for r in tasks[i].ranks:
-                    busy[cluster.node_of(r)] = busy.get(cluster.node_of(r), 0) + 1
-        speed = {
-            i: min(cluster.compute_share(busy[cluster.node_of(r)]) for r in tasks[i].ranks)
-            if tasks[i].compute
-            else 1.0
-            for i in running
-        }
+        if cluster.cores_per_node is None:  # a core per rank (GPUs): every task runs at full speed
+            speed = dict.fromkeys(running, 1.0)
+        else:
+            busy: dict[int, int] = {}
+            for i in running:
+                if tasks[i].compute:
+                    for r in tasks[i].ranks:
+                        busy[cluster.node_of(r)] = busy.get(cluster.node_of(r), 0) + 1
+            speed = {
+                i: min(cluster.compute_share(busy[cluster.node_of(r)]) for r in tasks[i].ranks)
+                if tasks[i].compute
+                else 1.0
+                for i in running
+            }
         step = min(remaining[i] / speed[i] for i in running)
         now += step
         for i in sorted(running):
@@ -800,5 +803,10 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
                 done += 1
                 for r in tasks[i].ranks:
                     heads[r] += 1
-                moved += tasks[i].ranks
+                for r in dict.fromkeys(tasks[i].ranks):  # each rank moves on to its next task
+                    if heads[r] < len(queues[r]):
+                        following = queues[r][heads[r]]
+                        waiting_for[following] -= 1
+                        if not waiting_for[following]:
+                            ready.append(following)
     return spans
