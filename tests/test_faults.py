@@ -1,6 +1,7 @@
 """Fault injection: one rank of 4 is SIGKILLed at a chosen phase, under each placement.
 
-The 4 ranks are launched as torchrun or SLURM would, one process each with ``LOCAL_RANK`` set, with a short
+The 4 ranks are launched as torchrun or SLURM would, one process each with ``LOCAL_RANK`` set, in a session of its own
+(forked from the tests' preloaded server, :func:`helpers.start_cli`, not paying the imports again), with a short
 collective timeout (``--trainer.strategy.timeout``). :mod:`fault_injection` kills rank ``RLHF_KILL_RANK`` inside
 ``RLHF_KILL_PHASE`` of the iteration at global step 2, just after the step-2 checkpoint. Each cell checks that
 
