@@ -83,13 +83,13 @@ def cells():
 def command(tmp_path: Path, placement: str, steps: int, *extra: str) -> list[str | Path]:
     """The CLI's arguments of a cell's 4-rank run."""
     return ["fit", "--config", ROOT / "examples/configs/demo_cpu.yaml",
-                       "--trainer.devices", "4", "--trainer.strategy",
-                       f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
-                       "--trainer.strategy.timeout", str(TIMEOUT_S), "--trainer.max_steps", str(steps),
-                       "--trainer.enable_checkpointing", "true", "--trainer.logger.init_args.save_dir", tmp_path,
-                       "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                       f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
-                       "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra]
+            "--trainer.devices", "4", "--trainer.strategy",
+            f"lightning_app_rlhf.strategies.{STRATEGY_CLASS[placement]}",
+            "--trainer.strategy.timeout", str(TIMEOUT_S), "--trainer.max_steps", str(steps),
+            "--trainer.enable_checkpointing", "true", "--trainer.logger.init_args.save_dir", tmp_path,
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+            "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}", *COMMON, *extra]
 
 
 def launch_ranks(tmp_path: Path, args: list[str | Path], env: dict[str, str],
