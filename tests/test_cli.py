@@ -46,6 +46,19 @@ def test_cli_help_lists_ppo_options(tmp_path):
     assert "Passes over each rollout batch" in result.stdout  # field docstrings reach --help
 
 
+@pytest.mark.parametrize("args,shows", [
+    (["fit", "--help"], True), (["plan", "-h"], True), (["fit", "--trainer.callbacks.help", "ModelCheckpoint"], True),
+    (["fit", "--print_config=comments"], True), (["fit", "--print_config", "comments"], True),
+    (["fit", "--print_config"], False), (["fit", "--config", "help.yaml"], False), (["plan", "--json"], False),
+])
+def test_field_docstrings_are_read_only_for_help(args, shows):
+    """Reading dataclass field docstrings parses each class's source (60% of building the parser): only a command
+    that prints the options' descriptions reads them."""
+    from lightning_app_rlhf.cli import _shows_option_help
+
+    assert _shows_option_help(args) is shows
+
+
 def test_unknown_strategy_name_suggests_the_right_one():
     """Lightning's own error lists no registered names; ours names the closest one and the placement strategies."""
     from lightning_app_rlhf.cli import main
