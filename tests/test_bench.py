@@ -139,6 +139,25 @@ def test_shared_arithmetic_is_the_smaller_side_per_model_op():
     assert shared_arithmetic_s(ours, trl) == pytest.approx(0.7 + 0.02)
 
 
+def test_report_names_each_sections_software_when_the_results_files_differ(tmp_path):
+    """Results files measured with different software get one "Measured on" line per group of sections; files
+    measured alike share one line."""
+    from lightning_app_rlhf.bench.__main__ import report
+
+    machine = {"cpu": "EPYC", "cores": 2, "memory_gib": 23.5, "python": "3.11.7", "torch": "2.13.0+cpu",
+               "lightning": "2.6.6", "transformers": "5.23.0"}
+    for name, section in (("trl.json", "trl"), ("placements.json", "placements"), ("grpo.json", "grpo")):
+        software = {**machine, "transformers": "5.24.0"} if section == "grpo" else machine
+        (tmp_path / name).write_text(json.dumps({"machine": software, section: []}))
+    docs = tmp_path / "benchmarks.md"
+    report(results=[str(tmp_path / n) for n in ("trl.json", "placements.json")], docs=str(docs))
+    assert docs.read_text().count("Measured on") == 1 and "Measured on: EPYC, 2 cores" in docs.read_text()
+    report(results=[str(tmp_path / n) for n in ("trl.json", "placements.json", "grpo.json")], docs=str(docs))
+    text = docs.read_text()
+    assert "Measured on (PPO vs TRL, placements): EPYC" in text and "transformers 5.23.0." in text
+    assert "Measured on (GRPO vs TRL): EPYC" in text and "transformers 5.24.0." in text
+
+
 def test_peer_gets_our_weights_with_stock_modules():
     """Same configs and seeds as our roles, but the stock GPT-2 activation a TRL user gets."""
     settings = RunSettings()

@@ -421,10 +421,13 @@ def report(
             skipped).
         docs: The markdown page to update.
     """
-    merged: dict[str, Any] = {}
+    merged: dict[str, Any] = {"machines": {}}
     for path in results:
         if Path(path).exists():
-            merged.update(json.loads(Path(path).read_text()))
+            loaded = json.loads(Path(path).read_text())
+            machine = loaded.pop("machine")
+            merged.update(loaded)
+            merged["machines"].update({section: machine for section in loaded})
     write_report(merged, Path(docs))
     console.print(f"Updated {docs}")
 

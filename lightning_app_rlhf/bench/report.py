@@ -15,7 +15,7 @@ PLOT = "images/benchmarks.png"
 def write_report(results: dict[str, Any], docs: Path) -> None:
     """Replace the generated section of ``docs`` (created if missing) and draw the plot next to it."""
     body = "\n\n".join(part for part in (
-        machine_line(results["machine"]),
+        machine_lines(results),
         trl_table(results.get("trl", [])),
         grpo_table(results.get("grpo", [])),
         grpo_profile_table(results.get("grpo_profile")),
@@ -33,9 +33,31 @@ def write_report(results: dict[str, Any], docs: Path) -> None:
     draw_plot(results, docs.parent / PLOT)
 
 
-def machine_line(machine: dict[str, Any]) -> str:
+SECTION_NAMES = {"trl": "PPO vs TRL", "grpo": "GRPO vs TRL", "grpo_profile": "the GRPO profile",
+                 "placements": "placements", "profile": "our profile"}
+
+
+def machine_lines(results: dict[str, Any]) -> str:
+    """The "Measured on" line; one per group of sections when the results files were measured on different
+    machines or software (``results["machines"]``: each section's machine, as :func:`report` merges them)."""
+    machines: dict[str, dict[str, Any]] = results.get("machines") or {"": results["machine"]}
+    groups: list[tuple[dict[str, Any], list[str]]] = []
+    for section, machine in machines.items():
+        group = next((g for g in groups if g[0] == machine), None)
+        if group is None:
+            groups.append((machine, [section]))
+        else:
+            group[1].append(section)
+    if len(groups) == 1:
+        return machine_line(groups[0][0])
+    return "\n\n".join(machine_line(machine, ", ".join(SECTION_NAMES.get(s, s) for s in sections))
+                       for machine, sections in groups)
+
+
+def machine_line(machine: dict[str, Any], sections: str = "") -> str:
     gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ", no GPU"
-    return (f"Measured on: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB{gpu}; "
+    where = f" ({sections})" if sections else ""
+    return (f"Measured on{where}: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB{gpu}; "
             f"Python {machine['python']}, torch {machine['torch']}, lightning {machine['lightning']}, "
             f"transformers {machine['transformers']}.")
 
@@ -264,6 +286,8 @@ def draw_plot(results: dict[str, Any], path: Path) -> None:
     trl_rows, grpo_rows = results.get("trl", []), results.get("grpo", [])
     placement_rows = results.get("placements", [])
     panels = [p for p in (trl_rows, grpo_rows, placement_rows) if p]
+    if not panels:  # results without rows (only profiles): nothing to plot
+        return
     widths = [2 if p is placement_rows or len(p) > 8 else 1 for p in panels]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * sum(widths), 4), squeeze=False,
                              gridspec_kw={"width_ratios": widths})
