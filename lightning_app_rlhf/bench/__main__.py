@@ -425,9 +425,10 @@ def report(
     for path in results:
         if Path(path).exists():
             loaded = json.loads(Path(path).read_text())
-            machine = loaded.pop("machine")
+            machine = loaded.pop("machine", None)
             merged.update(loaded)
-            merged["machines"].update({section: machine for section in loaded})
+            if machine is not None:
+                merged["machines"].update({section: machine for section in loaded})
     write_report(merged, Path(docs))
     console.print(f"Updated {docs}")
 

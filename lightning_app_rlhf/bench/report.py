@@ -40,7 +40,8 @@ SECTION_NAMES = {"trl": "PPO vs TRL", "grpo": "GRPO vs TRL", "grpo_profile": "th
 def machine_lines(results: dict[str, Any]) -> str:
     """The "Measured on" line; one per group of sections when the results files were measured on different
     machines or software (``results["machines"]``: each section's machine, as :func:`report` merges them)."""
-    machines: dict[str, dict[str, Any]] = results.get("machines") or {"": results["machine"]}
+    machines: dict[str, dict[str, Any]] = results.get("machines") or (
+        {"": results["machine"]} if "machine" in results else {})
     groups: list[tuple[dict[str, Any], list[str]]] = []
     for section, machine in machines.items():
         group = next((g for g in groups if g[0] == machine), None)
@@ -48,8 +49,8 @@ def machine_lines(results: dict[str, Any]) -> str:
             groups.append((machine, [section]))
         else:
             group[1].append(section)
-    if len(groups) == 1:
-        return machine_line(groups[0][0])
+    if len(groups) <= 1:
+        return machine_line(groups[0][0]) if groups else ""
     return "\n\n".join(machine_line(machine, ", ".join(SECTION_NAMES.get(s, s) for s in sections))
                        for machine, sections in groups)
 
