@@ -36,6 +36,7 @@ from lightning_app_rlhf.checkpoint.format import (
 from lightning_app_rlhf.checkpoint.newest import AUTO, newest_complete_checkpoint
 from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
 from lightning_app_rlhf.data import PromptDataModule
+from lightning_app_rlhf.generation import registered_backends
 from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import known_devices
@@ -93,6 +94,7 @@ class RLHFCLI(LightningCLI):
                 description = _first_sentence(getattr(self.trainer_class, name))
                 subparser_kwargs.setdefault("description", description)
                 subparser = self._prepare_subcommand_parser(self.trainer_class, name, **subparser_kwargs)
+            _list_registered_backends(subparser)
             self._subcommand_parsers[name] = subparser
             subcommands.add_subcommand(name, subparser, help=description)
 
@@ -243,6 +245,18 @@ def _newest_checkpoint_of(trainer: Trainer) -> str | None:
         return None
     rank_zero_info(f"--ckpt_path auto: resuming from {path}, the newest complete checkpoint under {where}.")
     return str(path)
+
+
+def _list_registered_backends(parser: LightningArgumentParser) -> None:
+    """Show the backends registered now in every ``--*.generation.backend`` option's usage (``{eager,static}``, as
+    for a ``Literal``) and at the end of its help: the field is a plain ``str`` checked against the registry (a
+    backend registers itself), so neither its type nor its docstring can list a backend added by the user's own
+    code. An unknown name fails when the config is built, with the same list."""
+    names = registered_backends()
+    for action in parser._actions:
+        if action.dest.endswith("generation.backend"):
+            action.metavar = "{" + ",".join(names) + "}"
+            action.help = f"{action.help or ''} Registered: {', '.join(names)}.".lstrip()
 
 
 def _first_sentence(method: Any) -> str:

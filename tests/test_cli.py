@@ -65,3 +65,14 @@ def test_unknown_strategy_name_suggests_the_right_one():
 
     with pytest.raises(ValueError, match=r"Did you mean 'rlhf_separation'\?.*rlhf_flattening, rlhf_interleaving"):
         main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.strategy", "rlhf_seperation"])
+
+
+def test_unknown_generation_backend_is_refused_with_the_registered_names(monkeypatch):
+    """``generation.backend`` is a plain string checked against the backend registry: a mistyped name fails before
+    any model is built, naming the closest registered backend, all of them, and how to register another."""
+    from lightning_app_rlhf.cli import main
+
+    monkeypatch.setattr("sys.argv", ["lightning-app-rlhf"])  # pytest's own arguments are not the command line
+    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static'\], got 'statik'\. Did you mean "
+                                         r"'static'\?.*register_backend"):
+        main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--model.generation.backend", "statik"])

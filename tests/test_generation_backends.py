@@ -20,9 +20,19 @@ from lightning.fabric.utilities import move_data_to_device
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_app_rlhf.core.config import GenerationConfig
+from lightning_app_rlhf.core.config import GENERATION_BACKENDS, GenerationConfig
 from lightning_app_rlhf.data import collate_left_padded
-from lightning_app_rlhf.generation import Rollout, generate, get_backend, sample_keys, static
+from lightning_app_rlhf.generation import (
+    DecodeRequest,
+    EagerBackend,
+    Rollout,
+    generate,
+    get_backend,
+    register_backend,
+    registered_backends,
+    sample_keys,
+    static,
+)
 from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
@@ -202,6 +212,79 @@ def test_generation_config_rejects_bad_backend_settings(fields, message):
 
 def test_eager_is_the_default_backend():
     assert GenerationConfig().backend == "eager" and get_backend("eager").name == "eager"
+
+
+class CountingBackend(EagerBackend):
+    """A backend of the user's own, defined outside the package: eager's loop, counting the decodes it runs."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.decodes = 0
+
+    def decode(self, model: nn.Module, request: DecodeRequest) -> Rollout:
+        self.decodes += 1
+        return super().decode(model, request)
+
+
+@pytest.fixture
+def counting_backend():
+    """``CountingBackend`` registered by its one call, removed after the test (other tests list the built-ins)."""
+    backend = register_backend(CountingBackend())
+    yield backend
+    GENERATION_BACKENDS.unregister(CountingBackend.name)
+
+
+def test_a_registered_backend_is_selected_by_name(counting_backend, batch):
+    """One ``register_backend`` call, no edit of the package: the config accepts the name, ``generate`` decodes with
+    it (in chunks too), and unknown names are refused with the new name listed."""
+    config = GenerationConfig(max_new_tokens=8, backend="counting", batch_size=4)
+    model = build("gpt2")
+    rollout = run(model, batch, config)
+    assert counting_backend.decodes == 2  # six rows in chunks of at most 4
+    assert_same_rollout(rollout, run(model, batch, replace(config, backend="eager")))
+    assert registered_backends() == ["eager", "static", "counting"]
+    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static', 'counting'\], got 'countng'\. "
+                                         r"Did you mean 'counting'\?.*register_backend"):
+        GenerationConfig(backend="countng")
+
+
+def test_register_backend_decorates_a_class_and_refuses_a_nameless_one():
+    """``@register_backend`` on a class registers an instance and leaves the class as it was; a class without a
+    ``name``, or anything but a backend, is refused with what to change."""
+
+    @register_backend
+    class Decorated(CountingBackend):
+        name = "decorated"
+
+    try:
+        assert isinstance(Decorated, type) and isinstance(get_backend("decorated"), Decorated)
+        assert GenerationConfig(backend="decorated").backend == "decorated"
+    finally:
+        GENERATION_BACKENDS.unregister("decorated")
+    assert "decorated" not in registered_backends()
+
+    class Nameless(EagerBackend):
+        name = ""
+
+    with pytest.raises(ValueError, match="set the class attribute `name"):
+        register_backend(Nameless)
+    with pytest.raises(TypeError, match="subclass lightning_app_rlhf.generation.GenerationBackend"):
+        register_backend(object())
+
+
+def test_cli_help_lists_the_registered_backends(counting_backend, capsys, monkeypatch):
+    """``fit --help`` shows the registered backends in the option's usage and help: the built-in ones and one
+    registered by the user's code before the command line is read."""
+    from lightning_app_rlhf.cli import main
+
+    monkeypatch.setattr("sys.argv", ["lightning-app-rlhf"])  # pytest's own arguments are not the command line
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "--model.generation.backend {eager,static,counting}" in printed
+    assert "Registered: eager, static, counting." in " ".join(printed.split())
 
 
 def test_the_compiled_cpu_step_takes_math_attention_in_float32_only():

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from lightning_app_rlhf.core.registry import Registry
+
+if TYPE_CHECKING:
+    from lightning_app_rlhf.generation.backend import GenerationBackend
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 """How per-token losses become one number (veRL's names): the mean over all tokens of the minibatch; the mean over
 sequences of their token sums; the mean over sequences of their token means; Dr. GRPO's sum over tokens divided by
 a constant (sequences x ``generation.max_new_tokens``)."""
 
-GENERATION_BACKENDS = ("eager", "static")
-"""The names ``generation.backend`` takes (the decoders of ``lightning_app_rlhf.generation``)."""
+GENERATION_BACKENDS: Registry[GenerationBackend] = Registry(
+    "generation.backend",
+    "Use one of them, or register yours before the config is built: `register_backend(MyBackend())` (or "
+    "`@register_backend` on the class) from lightning_app_rlhf.generation, in a module imported first.",
+)
+"""The names ``generation.backend`` takes: the decoders registered with
+:func:`~lightning_app_rlhf.generation.register_backend` (the built-in ``eager`` and ``static`` register when
+``lightning_app_rlhf.generation`` is imported, as importing ``lightning_app_rlhf`` does)."""
 
 
 @dataclass
@@ -48,13 +59,14 @@ class GenerationConfig:
     do_sample: bool = True
     """False: greedy decoding, the most likely token at every step (top_k, top_p and the sampling keys are unused),
     e.g. for evaluation. The behaviour log-probabilities are still taken at ``temperature``."""
-    backend: Literal["eager", "static"] = "eager"
-    """The decoder (see docs/api.md, "Generation backends"). ``eager``: a dynamic Hugging Face KV cache grown token
-    by token, with a host sync per token to stop as soon as every row is done; works with any model and on any
-    device. ``static``: a preallocated KV cache (transformers' ``StaticCache``) and attention mask, keyed sampling on
-    the model's device, an "all finished?" check only every ``sync_every`` tokens, and optionally a
-    ``torch.compile``-d decode step (``compile``): the shape a CUDA graph can capture. For the same keys both give the
-    same tokens, and the same log-probabilities within float tolerance."""
+    backend: str = "eager"
+    """The decoder: a name registered with ``register_backend`` (see docs/api.md, "Generation backends"), the built-in
+    ``eager`` or ``static``, or one of your own. ``eager``: a dynamic Hugging Face KV cache grown token by token, with
+    a host sync per token to stop as soon as every row is done; works with any model and on any device. ``static``:
+    a preallocated KV cache (transformers' ``StaticCache``) and attention mask, keyed sampling on the model's device,
+    an "all finished?" check only every ``sync_every`` tokens, and optionally a ``torch.compile``-d decode step
+    (``compile``): the shape a CUDA graph can capture. For the same keys every backend gives the same tokens, and the
+    same log-probabilities within float tolerance."""
     compile: bool | None = None
     """``static`` only: run the decode step through ``torch.compile`` (mode ``reduce-overhead`` on CUDA, so it is
     captured as a CUDA graph; the default mode elsewhere). None: on CUDA only (on the CPU it does not pay off at the
@@ -94,9 +106,7 @@ class GenerationConfig:
         self._check_backend()
 
     def _check_backend(self) -> None:
-        if self.backend not in GENERATION_BACKENDS:
-            raise ValueError(f"generation.backend must be one of {list(GENERATION_BACKENDS)}, got {self.backend!r}: "
-                             "'eager' (any model, any device) or 'static' (static KV cache, CUDA-graph friendly).")
+        GENERATION_BACKENDS.check(self.backend)  # a user's backend registers itself, so no fixed list of names
         if self.compile is not None and type(self.compile) is not bool:
             raise ValueError(f"generation.compile must be true, false or null (on CUDA only), got {self.compile!r}.")
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:

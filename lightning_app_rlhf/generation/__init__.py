@@ -15,9 +15,11 @@ The modules, each importing only those above it:
 - :mod:`.sampling`: positions, keyed uniforms, top-k/top-p filtering, the next token;
 - :mod:`.stopping`: the stop condition, the model's end ids, the context-length check;
 - :mod:`.backend`: the :class:`GenerationBackend` interface, its registry and :func:`generate`;
-- :mod:`.eager` and :mod:`.static`: the decoding loops ``generation.backend`` chooses between, ``eager`` (a dynamic
-  cache, a host sync per token) or ``static`` (a preallocated cache, CUDA-graph friendly). Both draw the same keyed
-  uniforms, so they give the same tokens for the same keys. Importing this package registers both.
+- :mod:`.eager` and :mod:`.static`: the built-in decoding loops ``generation.backend`` chooses between, ``eager`` (a
+  dynamic cache, a host sync per token) or ``static`` (a preallocated cache, CUDA-graph friendly). Both draw the same
+  keyed uniforms, so they give the same tokens for the same keys. Each registers itself when imported, and importing
+  this package imports both; a backend of your own is one module that subclasses :class:`GenerationBackend` and
+  calls :func:`register_backend` (``generation.backend: <its name>`` then selects it).
 """
 
 from lightning_app_rlhf.generation.backend import (
@@ -26,6 +28,7 @@ from lightning_app_rlhf.generation.backend import (
     generate,
     get_backend,
     register_backend,
+    registered_backends,
 )
 from lightning_app_rlhf.generation.eager import EagerBackend
 from lightning_app_rlhf.generation.rollout import (
@@ -74,6 +77,7 @@ __all__ = [
     "next_token",
     "position_ids_from_mask",
     "register_backend",
+    "registered_backends",
     "repeat_samples",
     "row_chunks",
     "sample_keys",

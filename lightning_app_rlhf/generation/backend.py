@@ -11,12 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from lightning_app_rlhf.core.config import GenerationConfig
+from lightning_app_rlhf.core.config import GENERATION_BACKENDS, GenerationConfig
 from lightning_app_rlhf.generation.rollout import Rollout, concat_rollouts, row_chunks
 from lightning_app_rlhf.generation.stopping import StopCondition, check_context_length, stop_condition
 
@@ -89,21 +89,47 @@ class GenerationBackend(ABC):
         """
 
 
-_BACKENDS: dict[str, GenerationBackend] = {}
+BackendOrClass = TypeVar("BackendOrClass", GenerationBackend, type[GenerationBackend])
 
 
-def register_backend(backend: GenerationBackend) -> GenerationBackend:
-    """Make ``backend`` the one ``generation.backend: <backend.name>`` selects (replacing any of that name)."""
-    _BACKENDS[backend.name] = backend
+def register_backend(backend: BackendOrClass) -> BackendOrClass:
+    """Make ``backend`` the one ``generation.backend: <backend.name>`` selects (replacing any of that name): from then
+    on :class:`~lightning_app_rlhf.core.config.GenerationConfig` accepts the name, :func:`generate` decodes with it,
+    and the command line's ``--help`` lists it. A backend's module calls it at import, once.
+
+    Args:
+        backend: The backend, or its class (instantiated without arguments), so that it decorates the class:
+            ``@register_backend`` above ``class MyBackend(GenerationBackend)``.
+
+    Returns:
+        ``backend`` as given (the class, when it decorates one).
+    """
+    instance = backend() if isinstance(backend, type) and issubclass(backend, GenerationBackend) else backend
+    if not isinstance(instance, GenerationBackend):
+        raise TypeError(f"register_backend takes a GenerationBackend subclass or instance, got {backend!r}: subclass "
+                        "lightning_app_rlhf.generation.GenerationBackend (a `name` and `decode(model, request)`).")
+    name = getattr(instance, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{type(instance).__name__} has no name: set the class attribute `name = \"...\"`, the "
+                         "value of generation.backend that selects it.")
+    GENERATION_BACKENDS.register(name, instance)
     return backend
 
 
 def get_backend(name: str) -> GenerationBackend:
     """The backend registered as ``name`` (the built-in ``eager`` and ``static`` register on import of the
-    :mod:`lightning_app_rlhf.generation` package)."""
-    if name not in _BACKENDS:
-        raise ValueError(f"Unknown generation.backend {name!r}: choose from {sorted(_BACKENDS)}.")
-    return _BACKENDS[name]
+    :mod:`lightning_app_rlhf.generation` package).
+
+    Raises:
+        ValueError: No backend of that name is registered; the message lists those that are.
+    """
+    return GENERATION_BACKENDS.get(name)
+
+
+def registered_backends() -> list[str]:
+    """The names ``generation.backend`` takes now, in registration order (the built-in ``eager`` and ``static``
+    first)."""
+    return GENERATION_BACKENDS.names()
 
 
 @torch.no_grad()
@@ -153,8 +179,8 @@ def generate(
             state past its forward: not FSDP2 or ZeRO-3, whose gathered parameters would become inference tensors
             that their next training step may not write.
 
-    The loop is ``config.backend``'s :class:`GenerationBackend` (``eager`` or ``static``); both give the same tokens
-    for the same keys.
+    The loop is ``config.backend``'s :class:`GenerationBackend` (the built-in ``eager`` or ``static``, or any other
+    registered with :func:`register_backend`); all give the same tokens for the same keys.
     """
     backend = get_backend(config.backend)
     num_rows, prompt_length = input_ids.shape
