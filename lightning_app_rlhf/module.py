@@ -25,7 +25,7 @@ from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig, as_config
 from lightning_app_rlhf.core.role_table import CRITIC, ROLES
-from lightning_app_rlhf.engine import export, free_running
+from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
@@ -244,9 +244,8 @@ class RLHFModule(pl.LightningModule):
 
     def _settle_free_running(self) -> None:
         """Under a free-running plan, where both sides of the world meet: the generation side takes every published
-        weight version (:func:`~lightning_app_rlhf.engine.free_running.settle`)."""
-        if self._placed().placement.plan.free_running:
-            free_running.settle(self.engine)
+        weight version (:meth:`~lightning_app_rlhf.engine.engine.RLHFEngine.settle`)."""
+        self.engine.settle()
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

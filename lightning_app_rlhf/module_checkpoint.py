@@ -1,7 +1,7 @@
 """What an ``RLHFModule`` keeps in a Lightning checkpoint beyond its weights and optimizers, and the checks on load.
 
 Its hyperparameters as plain data (a weights-only load reads them), a tokenizer object as its files, the RLHF state
-(adaptive KL, reward statistics, a pending rollout, the seed, the algorithm); on load, the checksum, this rank's
+(the engine's :meth:`~lightning_app_rlhf.engine.engine.RLHFEngine.state_dict`, the seed, the algorithm); on load, the checksum, this rank's
 share of a per-role checkpoint, and role shapes that fit the run's models, each with an error naming the fix.
 """
 
@@ -24,8 +24,6 @@ from lightning_app_rlhf.checkpoint.format import (
     verify,
 )
 from lightning_app_rlhf.core.role_table import REFERENCE, ROLES
-from lightning_app_rlhf.engine import free_running
-from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.models.roles import resolve_import, tokenizer_files
 
 if TYPE_CHECKING:
@@ -69,20 +67,7 @@ def save_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any]) -> None:
     if hparams is not None and str(hparams.get("tokenizer", "")).startswith("<"):
         # A tokenizer object: its files, so load_from_checkpoint rebuilds it without the original.
         checkpoint[module.CHECKPOINT_HYPER_PARAMS_KEY] = {**hparams, "tokenizer": tokenizer_files(module.tokenizer)}
-    plan = module.placed_roles.placement.plan
-    train_stats = {}
-    if plan.free_running and module.placed_roles.placement.rank in plan.generation_ranks:
-        # The update that made the saved weights, which the generation side logs with its next rollout.
-        train_stats = free_running.stats_of_version(module.engine, module.iteration)
-    checkpoint[RLHF_STATE_KEY] = {
-        "pending_experiences": [vars(experience) for experience in module.engine.pending_experiences],
-        # Free-running: the version is the iterations done (the training side's count; rank 0 generates).
-        "policy_version": module.iteration if plan.free_running else module.engine.policy_version,
-        "train_stats": train_stats,
-        **module.shaping.state_dict(),
-        "seed": module.seed,
-        "algorithm": module.algorithm.name,
-    }
+    checkpoint[RLHF_STATE_KEY] = {**module.engine.state_dict(), "seed": module.seed, "algorithm": module.algorithm.name}
     if not module.placed_roles.placement.distributed:  # a placement strategy seals the file it assembles on rank 0
         seal(checkpoint)
 
@@ -107,21 +92,11 @@ def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -
     if saved != module.algorithm.name:
         raise ValueError(f"The checkpoint was trained with algorithm {saved!r}; this run uses "
                          f"{module.algorithm.name!r}. Resume with --model.algorithm {saved}, or start a new run.")
-    module.shaping.load_state_dict(state)
     module.seed = state["seed"]
-    pending = state.get("pending_experiences")
-    if pending is None:  # saved before bounded staleness: at most one rollout, under "pending_experience"
-        pending = [state["pending_experience"]] if state.get("pending_experience") is not None else []
-    bound = module.placed_roles.placement.plan.max_staleness
-    if len(pending) > bound:  # they would never be trained on, or be trained on beyond the bound
-        raise CheckpointError(f"Checkpoint {path} holds {len(pending)} scored rollouts not trained on yet (saved with "
-                              f"max_staleness {len(pending)}), more than this run's plan allows ({bound}). Resume "
-                              f"with SeparationStrategy(max_staleness={len(pending)}) (--trainer.strategy."
-                              f"max_staleness {len(pending)}), or from a checkpoint saved without a staleness bound.")
-    module.engine.pending_experiences = [Experience(**experience).to(module.device) for experience in pending]
-    module.engine.policy_version = state.get("policy_version", 0)
-    module.engine.free_running_state.train_stats = dict(state.get("train_stats", {}))
-    module.engine.free_running_state.first_announced = module.engine.policy_version + 1
+    try:
+        module.engine.load_state_dict(state)
+    except ValueError as err:  # the engine names what does not fit and the fix; this names the file
+        raise CheckpointError(f"Checkpoint {path} {err}") from None
 
 
 def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:

@@ -24,7 +24,8 @@ import sys
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.engine.role_calls import RoleCalls
+from lightning_app_rlhf.engine.update_loop import UpdateLoop
 from lightning_app_rlhf.parallel.placement import Placement
 
 PHASES = ("generate", "score_gather", "train", "reallocate")
@@ -56,13 +57,13 @@ class KillAtPhase(Callback):
 
 
 def _patch_generate(killer: KillAtPhase) -> None:
-    original = RLHFEngine._generate
+    original = RoleCalls.generate_rows
 
-    def _generate(self, *args, **kwargs):
+    def generate_rows(self, *args, **kwargs):
         killer.die_now()
         return original(self, *args, **kwargs)
 
-    RLHFEngine._generate = _generate
+    RoleCalls.generate_rows = generate_rows
 
 
 def _patch_score_gather(killer: KillAtPhase) -> None:
@@ -85,7 +86,7 @@ def _patch_score_gather(killer: KillAtPhase) -> None:
 
 
 def _patch_train(killer: KillAtPhase) -> None:
-    original = RLHFEngine._accumulate_gradients
+    original = UpdateLoop.accumulate_gradients
 
     def _accumulate_gradients(self, role, *args, **kwargs):
         sums = original(self, role, *args, **kwargs)  # forward and backward of the first minibatch done
@@ -93,7 +94,7 @@ def _patch_train(killer: KillAtPhase) -> None:
             killer.die_now()
         return sums
 
-    RLHFEngine._accumulate_gradients = _accumulate_gradients
+    UpdateLoop.accumulate_gradients = _accumulate_gradients
 
 
 def _patch_reallocate(killer: KillAtPhase) -> None:

@@ -19,7 +19,7 @@ from helpers import run_ranks
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.engine.engine import SKIPPED_UPDATES
+from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES
 from lightning_app_rlhf.engine.update_guard import (
     GRAD_NORM,
     DivergenceError,
@@ -278,7 +278,7 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
         calls.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            stats = engine._broadcast_train_stats("actor", engine._update("actor", experience, wrapper))
+            stats = engine._broadcast_train_stats("actor", engine.updates.update("actor", experience, wrapper))
         trained = torch.cat([p.detach().flatten().clone() for bucket in wrapper.full_parameter_buckets()
                              for p in bucket])
         results[name] = {

@@ -174,13 +174,14 @@ def test_under_fabric_the_module_takes_its_refill_prompts_from_the_user():
 def _update_batches(module) -> list[Experience]:
     """Record every experience the actor's train call receives (the engine's own method, called through)."""
     seen: list[Experience] = []
-    update = type(module.engine)._update
+    updates = module.engine.updates
+    update = type(updates).update
 
-    def recording(engine, role, experience, wrapper):
+    def recording(loop, role, experience, wrapper):
         seen.append(experience)
-        return update(engine, role, experience, wrapper)
+        return update(loop, role, experience, wrapper)
 
-    module.engine._update = recording.__get__(module.engine)
+    updates.update = recording.__get__(updates)
     return seen
 
 

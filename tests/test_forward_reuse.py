@@ -82,14 +82,15 @@ def test_reuse_needs_one_forward_per_rank(tokenizer):
     engine = RLHFEngine(PlacedRoles.single_process(module.device, module.algorithm.roles), module.algorithm,
                         module.generation, module.ppo, tokenizer, module.shaping, module.role_module, module.reward_fn,
                         module.seed)
-    engine._batch_rows = 8
-    assert engine.reuses_critic_forward
-    engine.generation = GenerationConfig(batch_size=4)
-    assert not engine.reuses_critic_forward
-    engine.generation = GenerationConfig(batch_size=8)
-    assert engine.reuses_critic_forward
-    engine.config = PPOConfig(reuse_critic_forward=False)
-    assert not engine.reuses_critic_forward
+    calls = engine.calls
+    calls.batch_rows = 8
+    assert calls.reuses_critic_forward
+    calls.generation = GenerationConfig(batch_size=4)
+    assert not calls.reuses_critic_forward
+    calls.generation = GenerationConfig(batch_size=8)
+    assert calls.reuses_critic_forward
+    calls.config = PPOConfig(reuse_critic_forward=False)
+    assert not calls.reuses_critic_forward
 
 
 @pytest.mark.slow  # ~50 s: two CLI runs on 2 processes

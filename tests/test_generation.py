@@ -667,7 +667,7 @@ def test_engine_generate_stops_at_generation_config_ids(tokenizer):
     batch = {"input_ids": torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]]),
              "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]]),
              "index": torch.arange(3), "sample": torch.zeros(3, dtype=torch.long)}
-    rollout = engine._generate(batch, slice(0, 3), iteration=0, generation=generation)
+    rollout = engine.calls.generate_rows(batch, slice(0, 3), iteration=0, generation=generation)
     assert rollout.responses.tolist() == [[5, 6, PAD], [4, EOS, PAD], [4, 3, 7]]
     assert rollout.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
     assert len(model.calls) == 3  # stopped after step 3 of 5

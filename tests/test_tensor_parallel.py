@@ -150,8 +150,8 @@ def _four_ranks(rank: int, port: int, out: str) -> None:
         scored[role] = (got[..., : full.shape[-1]] - full).abs().max().item()
     # The engine picks the copy for the call (and its replica's group as the lockstep group).
     engine = RLHFEngine(placed, None, config, None, None, None, roles.get, None, seed=7)  # type: ignore[arg-type]
-    picked = engine._call_module("actor") is copies["actor.generate"].module
-    lockstep = engine._lockstep_group("actor") is placement.tp_group("actor.generate")
+    picked = engine.calls.call_module("actor") is copies["actor.generate"].module
+    lockstep = engine.calls.lockstep_group("actor") is placement.tp_group("actor.generate")
     result = {
         "rows": [rows.start, rows.stop],
         "leaders": list(placement.replica_leaders("actor.generate")),

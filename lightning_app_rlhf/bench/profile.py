@@ -19,8 +19,9 @@ from lightning_app_rlhf.bench.presets import RunSettings
 from lightning_app_rlhf.core.role_table import ACTOR
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.demo import build_tokenizer, prompts
-from lightning_app_rlhf.engine.engine import IterationState, RLHFEngine
+from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.iteration import Step
+from lightning_app_rlhf.engine.iteration_state import IterationState
 from lightning_app_rlhf.module import RLHFModule
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
@@ -41,8 +42,8 @@ optimizers use them too, so the sums are a lower bound."""
 
 def step_phase(step: Step) -> str | None:
     """The phase a step of the iteration belongs to: ``generate`` (the actor's call), ``score`` (the forward calls
-    and their gathers, which end in the advantages), ``train`` (the train calls and their statistics); None for the
-    rest (the rollout's gather, reallocations, learning rates)."""
+    and their gathers; the advantages, made between the steps, are cheap and left out), ``train`` (the train calls and
+    their statistics); None for the rest (the rollout's gather, reallocations, learning rates)."""
     if step.name == ACTOR.call("generate"):
         return "generate" if step.kind == "call" else None
     if step.name.endswith(".forward"):
@@ -59,29 +60,29 @@ def profile_iteration(settings: RunSettings, top: int = 8) -> dict[str, Any]:
     # The module the comparison's runs build (bench/ours.py), with the tokenizer object rather than its import path.
     module = RLHFModule(**{**fit_config(settings, Path(tempfile.gettempdir()))["model"], "tokenizer": tokenizer})
     phases: dict[str, tuple[dict[str, list[float]], float]] = {}
-    run_step = RLHFEngine._run_step
+    run_step = RLHFEngine.run_step
 
-    def profiled(engine: RLHFEngine, step: Step, state: IterationState, *args: Any) -> None:
+    def profiled(engine: RLHFEngine, step: Step, state: IterationState) -> None:
         phase = step_phase(step)
         if phase is None or state.iteration != settings.warmup:
-            return run_step(engine, step, state, *args)
+            return run_step(engine, step, state)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
-            run_step(engine, step, state, *args)
+            run_step(engine, step, state)
             wall = time.perf_counter() - start
         ops, total = phases.get(phase, ({}, 0.0))
         add_events(ops, prof.key_averages())
         phases[phase] = (ops, total + wall)
         return None
 
-    RLHFEngine._run_step = profiled
+    RLHFEngine.run_step = profiled
     try:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=settings.warmup + 1,
                              precision=settings.precision, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module, PromptDataModule(prompts(), tokenizer, batch_size=settings.batch_size))
     finally:
-        RLHFEngine._run_step = run_step
+        RLHFEngine.run_step = run_step
     return {phase: _summarize(ops, wall, top) for phase, (ops, wall) in phases.items()}
 
 

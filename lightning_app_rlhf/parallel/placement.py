@@ -137,7 +137,7 @@ class Placement:
         return self.tp_groups.get(call)
 
     @contextlib.contextmanager
-    def _collective(self, call: str, what: str) -> Iterator[None]:
+    def collective(self, call: str, what: str) -> Iterator[None]:
         """Turn a failed collective into an error that names this rank, the call, its role and its ranks; the heartbeat
         counts the time inside it as waiting (a stuck peer is named after ``heartbeat_timeout``)."""
         try:
@@ -168,7 +168,7 @@ class Placement:
         if not self.distributed:
             assert local is not None
             return local
-        with self._collective(call, "gather of results"):
+        with self.collective(call, "gather of results"):
             return self._gather_to_world(call, local, specs, among)
 
     def _gather_to_world(
@@ -214,7 +214,7 @@ class Placement:
             values = torch.stack([stats[n].detach().double().to(self.device) for n in names])
         group = self.groups[call] if among_call_ranks else None
         if group is not None or not among_call_ranks:
-            with self._collective(call, "broadcast of statistics"):
+            with self.collective(call, "broadcast of statistics"):
                 dist.broadcast(values, src=self.leader(call), group=group)
         return dict(zip(names, values.float().cpu()))
 
@@ -235,7 +235,7 @@ class Placement:
         """Receive what rank ``src`` sent with :meth:`send_payload` and ``tag``, waiting at most the placement's
         timeout (a :class:`PlacementError` naming ``what`` after it)."""
         size = torch.zeros(1, dtype=torch.long)
-        with self._collective(call, f"receipt of {what} from rank {src}"):
+        with self.collective(call, f"receipt of {what} from rank {src}"):
             dist.irecv(size, src, tag=2 * tag).wait(self.timeout)
             data = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.irecv(data, src, tag=2 * tag + 1).wait(self.timeout)
@@ -250,7 +250,7 @@ class Placement:
                      call: str) -> list[tuple[dist.Work, torch.Tensor]]:
         """Wait for every send (or weight broadcast) of ``sends``, at most the placement's timeout each (an error
         naming ``what`` and ``call`` after it); returns the empty list of those still in flight."""
-        with self._collective(call, what):
+        with self.collective(call, what):
             for work, _ in sends:
                 work.wait(self.timeout)
         return []
@@ -274,7 +274,7 @@ class Placement:
         if self.tp_degree(call) > 1 and self.group_rank(call) % self.tp_degree(call):
             tensor.zero_()
         if self.group_size(call) > 1:
-            with self._collective(call, "all-reduce"):
+            with self.collective(call, "all-reduce"):
                 dist.all_reduce(tensor, group=self.groups[call])
         return tensor
 
@@ -294,7 +294,7 @@ class Placement:
             for _ in buckets:  # a sharded train group still gathers each bucket together
                 pass
             return 0
-        with self._collective(f"{role}.train", "weight reallocation"):
+        with self.collective(f"{role}.train", "weight reallocation"):
             return self._reallocate(role, buckets, group)
 
     def _reallocate(self, role: str, buckets: Iterable[list[torch.Tensor]], group: dist.ProcessGroup | None) -> int:

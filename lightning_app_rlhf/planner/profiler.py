@@ -32,6 +32,10 @@ from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 if TYPE_CHECKING:
     import torch
 
+    from lightning_app_rlhf.algorithms import Algorithm
+    from lightning_app_rlhf.generation import Rollout
+    from lightning_app_rlhf.models.calls import Experience
+
 DEFAULT_CACHE = Path(
     os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf")
 )
@@ -531,100 +535,27 @@ def measure_shape(
     shape: RoleShape, workload: Workload, batches: tuple[int, ...], repeats: int, statistic: str = "min"
 ) -> dict[str, list[list[float]]]:
     """Op times of one role shape over ``batches`` x (sequence length, half of it)."""
-    import torch
-
-    from lightning_app_rlhf.algorithms import LossScale, build_algorithm
+    from lightning_app_rlhf.algorithms import build_algorithm
     from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
-    from lightning_app_rlhf.generation import Rollout, generate, position_ids_from_mask
-    from lightning_app_rlhf.models.calls import (
-        Experience,
-        critic_forward,
-        critic_values,
-        policy_logprobs,
-        reference_forward,
-    )
-    from lightning_app_rlhf.models.roles import (
-        ModelSpec,
-        build_causal_lm,
-        build_critic,
-        build_reward_model,
-        default_optimizer,
-    )
 
-    if shape.config is None:
-        raise ValueError(
-            f"Shape {shape.name!r} has no Hugging Face config to build a model from: make it with "
-            "role_shape()."
-        )
-    spec = ModelSpec(config=dict(shape.config), dtype="bfloat16" if shape.dtype_bytes == 2 else "float32")
-    model = {
-        "causal_lm": build_causal_lm,
-        "value": build_critic,
-        "classifier": lambda s: build_reward_model(s, pad_token_id=0),
-    }[shape.kind](spec)
+    model = _shape_model(shape)
     p, g = workload.prompt_length, workload.generation_length
     lengths = sorted({max(2, (p + g) // 2), p + g})
     ops: dict[str, list[list[float]]] = {"forward": [], "train": [], "decode": [], "prefill": []}
     # PPO's losses: every algorithm's actor loss is the same clipped surrogate on the same forward and backward (its
     # aggregation costs nothing beside them), and profiles are cached per shape, shared by every algorithm.
     algorithm = build_algorithm("ppo", PPOConfig(), GenerationConfig(max_new_tokens=g))
-
-    def batch_of(b: int, n: int) -> tuple[Rollout, Experience]:
-        prompt = max(1, round(n * p / (p + g)))
-        sequences = torch.randint(3, shape.vocab, (b, n))
-        mask = left_padded_mask(b, prompt, n)
-        rollout = Rollout(
-            sequences, mask, torch.ones(b, n - prompt, dtype=torch.long), torch.zeros(b, n - prompt), prompt
-        )
-        zeros = torch.zeros(b, n - prompt)
-        return rollout, Experience(
-            sequences, mask, rollout.response_mask, zeros, zeros, torch.randn(b, n - prompt), zeros, prompt, 0
-        )
-
-    def train_step(experience: Experience) -> None:
-        role = ACTOR.name if shape.kind == "causal_lm" else CRITIC.name
-        scale = LossScale(experience.response_mask.sum().float(), len(experience.sequences), g)
-        if role == CRITIC.name:
-            loss, _ = algorithm.value_loss(critic_values(model, experience), experience, scale)
-        else:
-            logprobs, entropy = policy_logprobs(model, experience, algorithm.generation.temperature,
-                                                entropy_grad=algorithm.config.entropy_coef != 0)
-            loss, _ = algorithm.policy_loss(logprobs, entropy, experience, scale)
-        loss.backward()
-
     for b in batches:
         for n in lengths:
-            rollout, experience = batch_of(b, n)
-            if shape.kind == "causal_lm":
-                forward = lambda r=rollout: reference_forward(model, r, 1.0, inference_mode=True)
-            elif shape.kind == "value":
-                forward = lambda r=rollout: critic_forward(model, r, inference_mode=True)
-            else:
-                forward = lambda r=rollout: model(input_ids=r.sequences, attention_mask=r.attention_mask)
-            ops["forward"].append([b, n, _best_of(forward, repeats, statistic)])
+            rollout, experience = _random_batch(shape.vocab, b, n, p, g)
+            ops["forward"].append([b, n, _best_of(_forward_call(model, shape.kind, rollout), repeats, statistic)])
             if shape.kind != "classifier":
-                ops["train"].append([b, n, _best_of(lambda e=experience: train_step(e), repeats, statistic)])
-        if shape.kind == "causal_lm":  # decode step = (generate - prefill) / (steps - 1), at the mid context
-            prompts, prompt_mask = torch.randint(3, shape.vocab, (b, p)), left_padded_mask(b, p, p)
-            config = GenerationConfig(max_new_tokens=g)
-            keys = torch.arange(b)
-            # As the engine runs an unwrapped model's generate: under inference mode.
-            gen = _best_of(
-                lambda x=prompts, m=prompt_mask, c=config, k=keys: generate(model, x, m, c, k, -1, 0,
-                                                                            inference_mode=True),
-                repeats,
-                statistic,
-            )
-
-            @torch.inference_mode()
-            def prefill_of(x: torch.Tensor = prompts, m: torch.Tensor = prompt_mask) -> Any:
-                # The prefill as generate() runs it: positions that skip the padding, last position's logits only.
-                return model(input_ids=x, attention_mask=m, position_ids=position_ids_from_mask(m), use_cache=True,
-                             logits_to_keep=1)
-
-            prefill = _best_of(prefill_of, repeats, statistic)
-            ops["prefill"].append([b, p, prefill])
-            ops["decode"].append([b, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)])
+                train = lambda e=experience: _train_step(model, shape.kind, algorithm, e, g)
+                ops["train"].append([b, n, _best_of(train, repeats, statistic)])
+        if shape.kind == "causal_lm":
+            prefill, decode = _measure_generation(model, shape.vocab, b, p, g, repeats, statistic)
+            ops["prefill"].append(prefill)
+            ops["decode"].append(decode)
     if shape.kind == "classifier":
         del ops["train"]
     if shape.kind != "causal_lm":
@@ -633,17 +564,122 @@ def measure_shape(
         ops["decode"] += [[b, 2 * n, t] for b, n, t in ops["decode"]]
         ops["prefill"] += [[b, 2 * n, 2 * t] for b, n, t in ops["prefill"]]
     if shape.kind != "classifier":
-        optimizer = default_optimizer(model.parameters())
-        for param in model.parameters():
-            param.grad = torch.zeros_like(param)
-
-        def step() -> None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
-        ops["optimizer"] = [[shape.params, 0, _best_of(step, repeats, statistic)]]
+        ops["optimizer"] = [[shape.params, 0, _measure_optimizer_step(model, repeats, statistic)]]
     return ops
+
+
+def _shape_model(shape: RoleShape) -> torch.nn.Module:
+    """A random-init model of ``shape``: a causal LM, a value model or a reward classifier, in its dtype."""
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+
+    if shape.config is None:
+        raise ValueError(
+            f"Shape {shape.name!r} has no Hugging Face config to build a model from: make it with "
+            "role_shape()."
+        )
+    spec = ModelSpec(config=dict(shape.config), dtype="bfloat16" if shape.dtype_bytes == 2 else "float32")
+    return {
+        "causal_lm": build_causal_lm,
+        "value": build_critic,
+        "classifier": lambda s: build_reward_model(s, pad_token_id=0),
+    }[shape.kind](spec)
+
+
+def _random_batch(vocab: int, batch: int, length: int, prompt_length: int,
+                  generation_length: int) -> tuple[Rollout, Experience]:
+    """``batch`` random sequences of ``length`` tokens, left-padded prompts taking the workload's share of them, as
+    the rollout a forward call reads and the experience a train call reads."""
+    import torch
+
+    from lightning_app_rlhf.generation import Rollout
+    from lightning_app_rlhf.models.calls import Experience
+
+    prompt = max(1, round(length * prompt_length / (prompt_length + generation_length)))
+    sequences = torch.randint(3, vocab, (batch, length))
+    mask = left_padded_mask(batch, prompt, length)
+    rollout = Rollout(
+        sequences, mask, torch.ones(batch, length - prompt, dtype=torch.long), torch.zeros(batch, length - prompt),
+        prompt
+    )
+    zeros = torch.zeros(batch, length - prompt)
+    return rollout, Experience(
+        sequences, mask, rollout.response_mask, zeros, zeros, torch.randn(batch, length - prompt), zeros, prompt, 0
+    )
+
+
+def _forward_call(model: torch.nn.Module, kind: str, rollout: Rollout) -> Callable[[], Any]:
+    """The engine's forward call of a model of ``kind`` on ``rollout``: reference (log-probabilities), critic
+    (values) or reward classifier (scores)."""
+    from lightning_app_rlhf.models.calls import critic_forward, reference_forward
+
+    if kind == "causal_lm":
+        return lambda: reference_forward(model, rollout, 1.0, inference_mode=True)
+    if kind == "value":
+        return lambda: critic_forward(model, rollout, inference_mode=True)
+    return lambda: model(input_ids=rollout.sequences, attention_mask=rollout.attention_mask)
+
+
+def _train_step(model: torch.nn.Module, kind: str, algorithm: Algorithm, experience: Experience,
+                generation_length: int) -> None:
+    """One forward and backward of ``algorithm``'s actor loss (``kind`` ``causal_lm``) or value loss (``value``)."""
+    from lightning_app_rlhf.algorithms import LossScale
+    from lightning_app_rlhf.models.calls import critic_values, policy_logprobs
+
+    role = ACTOR.name if kind == "causal_lm" else CRITIC.name
+    scale = LossScale(experience.response_mask.sum().float(), len(experience.sequences), generation_length)
+    if role == CRITIC.name:
+        loss, _ = algorithm.value_loss(critic_values(model, experience), experience, scale)
+    else:
+        logprobs, entropy = policy_logprobs(model, experience, algorithm.generation.temperature,
+                                            entropy_grad=algorithm.config.entropy_coef != 0)
+        loss, _ = algorithm.policy_loss(logprobs, entropy, experience, scale)
+    loss.backward()
+
+
+def _measure_generation(model: torch.nn.Module, vocab: int, batch: int, prompt_length: int,
+                        generation_length: int, repeats: int, statistic: str) -> tuple[list[float], list[float]]:
+    """The prefill point ``[batch, prompt length, seconds]`` and the decode-step point ``[batch, mid context,
+    seconds]`` of a causal LM: a decode step = (generate - prefill) / (steps - 1), at the mid context."""
+    import torch
+
+    from lightning_app_rlhf.core.config import GenerationConfig
+    from lightning_app_rlhf.generation import generate, position_ids_from_mask
+
+    p, g = prompt_length, generation_length
+    prompts, prompt_mask = torch.randint(3, vocab, (batch, p)), left_padded_mask(batch, p, p)
+    config = GenerationConfig(max_new_tokens=g)
+    keys = torch.arange(batch)
+    # As the engine runs an unwrapped model's generate: under inference mode.
+    gen = _best_of(lambda: generate(model, prompts, prompt_mask, config, keys, -1, 0, inference_mode=True), repeats,
+                   statistic)
+
+    @torch.inference_mode()
+    def prefill_of() -> Any:
+        # The prefill as generate() runs it: positions that skip the padding, last position's logits only.
+        return model(input_ids=prompts, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                     use_cache=True, logits_to_keep=1)
+
+    prefill = _best_of(prefill_of, repeats, statistic)
+    return [batch, p, prefill], [batch, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)]
+
+
+def _measure_optimizer_step(model: torch.nn.Module, repeats: int, statistic: str) -> float:
+    """Seconds of the engine's optimizer step on ``model``: gradient clipping and an AdamW step, on zero gradients
+    (the time does not depend on their values)."""
+    import torch
+
+    from lightning_app_rlhf.models.roles import default_optimizer
+
+    optimizer = default_optimizer(model.parameters())
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    return _best_of(step, repeats, statistic)
 
 
 def model_work(workload: Workload, batch: int = 2) -> Callable[[], None]:

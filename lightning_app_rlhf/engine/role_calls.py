@@ -1,0 +1,277 @@
+"""How a role's generate and forward calls run on this rank, and how its layouts take new weights. Plain PyTorch.
+
+A call runs on the role's own module, on its tensor-parallel copy (a call with a degree of its own), or for a LoRA
+actor's reference on the actor's base with the adapters off; inside its wrapper's context (DeepSpeed's group scope),
+under the role's precision, and under ``torch.inference_mode`` where the wrapper allows it. A sharded role's ranks
+forward in lockstep. :class:`RoleCalls` resolves all of that in one place, so the engine's recipe only says which
+call runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
+from lightning_app_rlhf.engine.critic_reuse import KeptValues, reuses_critic_forward
+from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, sample_keys
+from lightning_app_rlhf.models.calls import critic_forward, critic_values, reference_forward, reward_forward
+from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
+from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
+from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
+from lightning_app_rlhf.parallel.reallocation import shadow_buckets, trained_buckets
+from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy, received_bytes
+from lightning_app_rlhf.parallel.wrappers import RoleWrapper
+
+FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
+"""Forward role -> the tensor its call produces and that tensor's number of dimensions."""
+
+
+@dataclass
+class RoleCalls:
+    """This rank's generate and forward calls, and the reallocation of its layouts.
+
+    Args:
+        placed: The placement, and this rank's wrappers and tensor-parallel copies.
+        generation: Sampling settings of the training rollouts (and the forwards' chunk size).
+        config: The train calls' settings that the forwards share (padding-free, critic-forward reuse).
+        tokenizer: Decodes responses for a reward function; gives the EOS and pad ids.
+        modules: Role -> its module on this rank (None where this rank does not hold it).
+        reward_fn: The reward function, when the reward is not a model.
+        seed: Keys the sampling noise.
+        precisions: Role -> its precision (``32-true``, ``bf16-mixed``, ``bf16-true``); a role not named keeps the
+            caller's.
+        shadow_precisions: Trained role -> ``bf16-true`` where its shadows are held in bfloat16.
+    """
+
+    placed: PlacedRoles
+    generation: GenerationConfig
+    config: PPOConfig
+    tokenizer: PreTrainedTokenizerBase
+    modules: Models
+    reward_fn: RewardFunction | None
+    seed: int
+    precisions: dict[str, str] = field(default_factory=dict)
+    shadow_precisions: dict[str, str] = field(default_factory=dict)
+    kept_values: KeptValues | None = field(default=None, init=False, repr=False)
+    """The critic's scoring forward of this iteration, with its graph, kept for its train call."""
+    batch_rows: int = field(default=0, init=False, repr=False)
+    """Rows of the rollout being scored (the critic train call's one minibatch when it reuses the forward)."""
+
+    @property
+    def placement(self) -> Placement:
+        return self.placed.placement
+
+    # ---- actor.generate ----
+
+    def generate_shard(
+        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """``actor.generate`` on this rank's shard of the global batch (no collective), with ``generation`` (default:
+        the training rollouts' settings); None off its group."""
+        call = ACTOR.call("generate")
+        if not self.placement.runs(call):
+            return None
+        rows = self.placement.shard(call, batch["input_ids"].shape[0])
+        with self.running(ACTOR.name):
+            part = self.generate_rows(batch, rows, iteration, generation or self.generation)
+        return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
+                "stopped": part.stopped.to(torch.uint8)}
+
+    def generate_rows(self, batch: dict[str, Any], rows: slice, iteration: int, generation: GenerationConfig) -> Rollout:
+        """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
+        generation config, ``generation.stop_token_ids`` or ``generation.stop_strings``."""
+        actor = self.call_module(ACTOR.name)
+        lockstep = self.lockstep_group(ACTOR.name)
+        # The hybrid engine: a sharded actor generating on its own train group gathers its weights once for the
+        # rollout (plan.unshard_for_generation); its forwards then gather nothing, and under FSDP2 run no collective
+        # at all, so its ranks need not decode in lockstep.
+        once = self.placement.plan.unshard_for_generation and lockstep is not None and self.tp_copy(ACTOR.name) is None
+        wrapper = self.placed.wrappers.get(ACTOR.name) if once else None
+        if wrapper is not None and not wrapper.lockstep_when_unsharded:
+            lockstep = None
+        with wrapper.unsharded() if wrapper is not None else contextlib.nullcontext():
+            return generate(
+                actor,
+                batch["input_ids"][rows],
+                batch["attention_mask"][rows],
+                generation,
+                sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
+                eos_token_id=[self.tokenizer.eos_token_id, *model_eos_token_ids(actor)],
+                pad_token_id=self.tokenizer.pad_token_id,
+                lockstep_group=lockstep,
+                tokenizer=self.tokenizer,
+                inference_mode=self.inference_mode(ACTOR.name),
+            )
+
+    def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None,
+                       among: str | None = None) -> Rollout:
+        """Every rank (or every rank of the call ``among``) receives the whole rollout from the shards of
+        ``actor.generate``'s ranks."""
+        specs = {
+            "responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
+            "response_mask": TensorSpec(batch["attention_mask"].dtype, 2),
+            "logprobs": TensorSpec(torch.float32, 2),
+            "stopped": TensorSpec(torch.uint8, 1),
+        }
+        out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs, among)
+        self.batch_rows = len(out["responses"])
+        return Rollout.from_responses(batch["input_ids"], batch["attention_mask"], out["responses"],
+                                      out["response_mask"], out["logprobs"], out["stopped"].bool())
+
+    # ---- forward calls ----
+
+    def forward_shard(
+        self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None, iteration: int | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """``role.forward`` on this rank's shard of the rollout (no collective); None off its group. ``iteration``
+        is named by a failing reward function's error."""
+        call = role + ".forward"
+        if not self.placement.runs(call):
+            return None
+        rows = self.placement.shard(call, len(rollout.sequences))
+        with self.running(role):
+            return {FORWARD_OUTPUTS[role][0]: self._forward(role, rollout.select(rows), rows, row_fields, iteration)}
+
+    def gather_forward(self, role: str, local: dict[str, torch.Tensor] | None, width: int,
+                       among: str | None = None) -> torch.Tensor:
+        """``role.forward``'s result for the whole rollout, on every rank (or every rank of the call ``among``); a
+        per-token result cut to the rollout's ``width`` response columns."""
+        name, ndim = FORWARD_OUTPUTS[role]
+        out = self.placement.gather_to_world(role + ".forward", local, {name: TensorSpec(torch.float32, ndim)}, among)
+        return out[name][:, :width] if ndim == 2 else out[name]
+
+    def _forward(
+        self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None, iteration: int | None
+    ) -> torch.Tensor:
+        chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self.lockstep_group(role),
+                  "inference_mode": self.inference_mode(role)}
+        if role == REFERENCE.name:
+            return reference_forward(self.call_module(role), shard, self.generation.temperature, **chunks,
+                                     padding_free=self.config.padding_free)
+        if role == REWARD.name:
+            fields = {name: values[rows] for name, values in (row_fields or {}).items()}
+            return reward_forward(self.call_module(role) or self.reward_fn, shard, self.tokenizer, fields,
+                                  iteration=iteration, **chunks)
+        if self.reuses_critic_forward and iteration is not None:
+            # The scoring forward is also the train call's: keep its graph (critic_reuse).
+            with torch.enable_grad():
+                values = critic_values(self.placed.wrappers[CRITIC.name].train_module, shard)
+            self.kept_values = KeptValues(iteration, rows, values)
+            return values.detach() * shard.response_mask
+        return critic_forward(self.call_module(role), shard, **chunks)
+
+    @property
+    def reuses_critic_forward(self) -> bool:
+        """:func:`~lightning_app_rlhf.engine.critic_reuse.reuses_critic_forward` for this rollout's size."""
+        return reuses_critic_forward(self.placement.plan, self.config, self.generation, self.batch_rows)
+
+    # ---- the settings each call runs under ----
+
+    def wrapper_of(self, role: str) -> RoleWrapper | None:
+        """The wrapper whose weights a call of ``role`` runs on here: the role's own, or for a LoRA actor's
+        reference (its base, adapters off) the actor's."""
+        wrapper = self.placed.wrappers.get(role)
+        if wrapper is None and isinstance(self.modules(role), AdapterDisabledReference):
+            wrapper = self.placed.wrappers.get(ACTOR.name)
+        return wrapper
+
+    @contextlib.contextmanager
+    def running(self, role: str) -> Iterator[None]:
+        """A wrapper's context around a call of ``role`` on this rank (DeepSpeed's group scope), if it has one (none
+        around a tensor-parallel copy, which runs outside the wrapper); inside it, the role's autocast."""
+        wrapper = self.wrapper_of(role) if self.tp_copy(role) is None else None
+        with wrapper.running() if wrapper is not None else contextlib.nullcontext(), self.precision(role):
+            yield
+
+    def precision(self, role: str) -> contextlib.AbstractContextManager[None]:
+        """``role``'s autocast (:func:`~lightning_app_rlhf.models.roles.precision_context`); the caller's when it has no
+        precision here."""
+        precision = self.precisions.get(role)
+        return precision_context(precision, self.placement.device) if precision else contextlib.nullcontext()
+
+    def inference_mode(self, role: str) -> bool:
+        """Whether ``role``'s generate / forward calls here run under ``torch.inference_mode`` (less per-op work than
+        ``torch.no_grad``, the same numbers): on its own module, where its wrapper allows it
+        (:attr:`~lightning_app_rlhf.parallel.wrappers.base.RoleWrapper.forwards_in_inference_mode`); a
+        tensor-parallel copy's calls stay under ``torch.no_grad``."""
+        if self.tp_copy(role) is not None:
+            return False
+        wrapper = self.wrapper_of(role)
+        return wrapper is None or wrapper.forwards_in_inference_mode
+
+    def lockstep_group(self, role: str) -> torch.distributed.ProcessGroup | None:
+        """The group over which ``role``'s weights are sharded here, whose ranks must run the same number of
+        forwards (each gathers weights collectively); None when this rank holds them whole. For a call with a
+        tensor-parallel degree: its replica's group (every forward is a collective over it)."""
+        copy = self.tp_copy(role)
+        if copy is not None:
+            return self.placement.tp_group(copy.call)
+        wrapper = self.wrapper_of(role)
+        if wrapper is None or not wrapper.shards_params or wrapper.group_size == 1:
+            return None
+        return wrapper.group
+
+    # ---- which module a call runs: the role's own, or its tensor-parallel copy ----
+
+    def tp_copy(self, role: str) -> TensorParallelCopy | None:
+        """This rank's tensor-parallel copy for ``role``'s generate / forward call (None: the call runs on the role's
+        own module)."""
+        call = ACTOR.call("generate") if role == ACTOR.name else role + ".forward"
+        return self.placed.tp_copies.get(call)
+
+    def call_module(self, role: str) -> nn.Module | None:
+        """The module ``role``'s generate / forward call runs on here: its tensor-parallel copy (given the current
+        trained weights first if it has none yet, e.g. after a resume) or the role's own module."""
+        copy = self.tp_copy(role)
+        if copy is None:
+            return self.modules(role)
+        if copy.stale:
+            self.refresh_layout(role, copy)
+        return copy.module
+
+    # ---- new weights into the other layouts (ReaLHF's parameter reallocation) ----
+
+    def reallocate(self, role: str) -> int:
+        """Refresh ``role``'s shadow copy after its update, then its tensor-parallel copy (:meth:`refresh_layout`);
+        the bytes this rank moved."""
+        moved = 0
+        shadows = self.placement.plan.shadow_ranks(role)
+        if shadows and self.placement.runs(role + ".train"):
+            moved += self.placement.reallocate_weights(role, self.trained_buckets(role))
+        elif self.placement.rank in shadows:
+            moved += self.placement.reallocate_weights(role, shadow_buckets(self.modules(role)))
+        copy = self.tp_copy(role)
+        if copy is not None:
+            moved += self.refresh_layout(role, copy)
+        return moved
+
+    def trained_buckets(self, role: str) -> Iterator[list[torch.Tensor]]:
+        """``role``'s trained weights in reallocation buckets, rounded to its shadows' precision."""
+        return trained_buckets(self.placed.wrappers[role], self.shadow_precisions.get(role))
+
+    def refresh_layout(self, role: str, copy: TensorParallelCopy) -> int:
+        """Redistribute ``role``'s current trainable weights into ``copy``'s tensor-parallel layout, bit for bit;
+        returns the bytes this rank received for it.
+
+        On the role's train ranks the weights come whole from its wrapper, a bucket at a time (an all-gather over the
+        train group per bucket when sharded, where every train rank runs the call: the plan's rule for sharded roles);
+        on a shadow rank from the shadow, refreshed just before. Each rank keeps only its slice: no further
+        transfer, and a sharded role is never whole on a rank."""
+        if self.placement.runs(role + ".train"):
+            wrapper = self.placed.wrappers[role]
+            received = received_bytes(p for p in wrapper.module.parameters() if p.requires_grad)
+            with self.placement.collective(copy.call, "weight reallocation into the tensor-parallel layout"), \
+                    wrapper.running():
+                copy.load(itertools.chain.from_iterable(wrapper.full_parameter_buckets()))
+            return received
+        copy.load([p for p in self.modules(role).parameters() if p.requires_grad])
+        return 0
