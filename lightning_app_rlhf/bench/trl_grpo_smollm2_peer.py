@@ -100,7 +100,7 @@ def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> No
     import transformers
     import trl
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
@@ -142,21 +142,8 @@ def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> No
                       f"{recorder.iterations[-1]['train_s']:.1f} s", flush=True)
 
     with tempfile.TemporaryDirectory() as output_dir:
-        args = GRPOConfig(
-            output_dir=output_dir, per_device_train_batch_size=settings.completions_per_step,
-            gradient_accumulation_steps=1, steps_per_generation=settings.minibatches,
-            num_generations=settings.num_samples, num_iterations=1,
-            max_steps=settings.iterations * settings.minibatches, max_completion_length=settings.max_new_tokens,
-            temperature=settings.temperature, top_p=1.0, top_k=0, mask_truncated_completions=False,
-            beta=settings.kl_loss_coef, use_bias_correction_kl=False, epsilon=settings.clip_range, loss_type="grpo",
-            scale_rewards="group", learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0,
-            optim="adamw_torch", weight_decay=settings.weight_decay, max_grad_norm=settings.max_grad_norm,
-            use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, disable_dropout=True,
-            shuffle_dataset=False, seed=settings.seed, use_vllm=False, report_to="none", save_strategy="no",
-            logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-        )
-        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Record()])
+        trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=grpo_config(settings, output_dir),
+                              train_dataset=dataset, processing_class=tokenizer, callbacks=[Record()])
         trainer.train()
 
     expected = settings.batch_size * settings.num_samples
@@ -167,6 +154,30 @@ def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> No
     recorder.write(trainable_parameters=trainable,
                    versions={"trl": trl.__version__, "transformers": transformers.__version__,
                              "peft": peft.__version__, "torch": torch.__version__})
+
+
+def grpo_config(settings: RaceSettings, output_dir: str) -> Any:
+    """TRL's ``GRPOConfig`` that trains as our side does (the module docstring says why each value).
+
+    Args:
+        settings: The race's settings.
+        output_dir: TRL's output folder (nothing is saved there: ``save_strategy="no"``).
+    """
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir, per_device_train_batch_size=settings.completions_per_step,
+        gradient_accumulation_steps=1, steps_per_generation=settings.minibatches,
+        num_generations=settings.num_samples, num_iterations=1,
+        max_steps=settings.iterations * settings.minibatches, max_completion_length=settings.max_new_tokens,
+        temperature=settings.temperature, top_p=1.0, top_k=0, mask_truncated_completions=False,
+        beta=settings.kl_loss_coef, use_bias_correction_kl=False, epsilon=settings.clip_range, loss_type="grpo",
+        scale_rewards="group", learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch", weight_decay=settings.weight_decay, max_grad_norm=settings.max_grad_norm,
+        use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, disable_dropout=True,
+        shuffle_dataset=False, seed=settings.seed, use_vllm=False, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+    )
 
 
 def _drop_gguf_quantizer(model: torch.nn.Module) -> None:
