@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,12 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def _run_script(**env: str) -> subprocess.CompletedProcess[str]:
+    """The script run as a user runs it, but with the interpreter that runs these tests (its ``PYTHON`` setting):
+    the ``python3`` on ``PATH`` may be another one, without torch (scripts/check_latest.sh runs the suite with its
+    virtual environment's interpreter, not activated)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
-    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env={**clean, "PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the script runs the whole GPU check")
