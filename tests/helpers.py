@@ -233,6 +233,14 @@ def metrics_rows(directory: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(file)]
 
 
+def approx_or_none(expected: float | None, **tolerance: float) -> Any:
+    """What a logged metric must equal: ``pytest.approx(expected, **tolerance)``, or None where the reference run
+    did not log it (so a metric that both runs leave out compares equal, and one only the other run logs does not).
+    pytest 9.1 and later refuse ``approx(None)`` with a relative tolerance (TypeError: "expected value must support
+    abs(...)"); earlier releases compared None equal to it."""
+    return None if expected is None else pytest.approx(expected, **tolerance)
+
+
 def fit_demo_args(tmp_path: Path, name: str, *args: str | Path, config: Path = DEMO_CONFIG, steps: int = 3,
                   max_new_tokens: int = 12) -> list[str | Path]:
     """The ``fit`` arguments of :func:`fit_demo`, for a launch of one's own (torchrun, srun): ``--config CONFIG`` for
