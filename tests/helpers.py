@@ -236,8 +236,8 @@ def metrics_rows(directory: Path) -> list[dict[str, float]]:
 def approx_or_none(expected: float | None, **tolerance: float) -> Any:
     """What a logged metric must equal: ``pytest.approx(expected, **tolerance)``, or None where the reference run
     did not log it (so a metric that both runs leave out compares equal, and one only the other run logs does not).
-    pytest 9.1 and later refuse ``approx(None)`` with a relative tolerance (TypeError: "expected value must support
-    abs(...)"); earlier releases compared None equal to it."""
+    pytest 9.2.0 refuses ``approx(None)`` with a relative tolerance (TypeError: "expected value must support
+    abs(...)"); 9.1.1 and earlier compared None equal to it."""
     return None if expected is None else pytest.approx(expected, **tolerance)
 
 
