@@ -208,29 +208,10 @@ def plan_placement(
     model = CostModel(cluster, workload, profile)
     _check_replica_fits(model)
     presets = {name: _best_of(model, plans, "preset") for name, plans in _preset_plans(model).items()}
-    searched: list[Candidate] = []
     rules: list[str] = []
-    if search in ("app", "both"):
-        searched += with_tp(model, [*app_search(model, rules), *role_block_plans(model)])
-    if search in ("mcmc", "both"):
-        seeds = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
-        try:
-            searched += mcmc_search(
-                model,
-                seed=seed,
-                steps=mcmc_steps,
-                time_budget_s=time_budget_s,
-                beta=beta,
-                top_k=top_k,
-                seeds=[c.plan for c in seeds[:3]],
-                report=rules,
-            )
-        except PlannerError:
-            if seeds:
-                raise
-            # nothing fits anywhere: the error below names the closest preset
-    if max_staleness > 0:
-        searched += staleness_variants(model, [*presets.values(), *searched])
+    searched = _searched_candidates(model, list(presets.values()), search, rules, seed=seed,
+                                    time_budget_s=time_budget_s, top_k=top_k, mcmc_steps=mcmc_steps, beta=beta,
+                                    max_staleness=max_staleness)
     fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
     if not fitting:
         closest = min(presets.values(), key=lambda c: c.estimate.peak_bytes)
@@ -252,6 +233,37 @@ def plan_placement(
     result.candidates = sorted(_distinct(result.candidates, 2 * top_k + 3), key=_cost)
     result.search_s = time.perf_counter() - start
     return result
+
+
+def _searched_candidates(model: CostModel, presets: list[Candidate], search: str, rules: list[str], *, seed: int,
+                         time_budget_s: float | None, top_k: int, mcmc_steps: int, beta: float,
+                         max_staleness: int) -> list[Candidate]:
+    """The searched plans of :func:`plan_placement` (its arguments), presets not included: APP's grid with the
+    role-block plans, then the MCMC chain seeded with the three cheapest fitting plans so far, then the staleness-1
+    variants of every preset and searched plan. Each search appends what it decided to ``rules``."""
+    searched: list[Candidate] = []
+    if search in ("app", "both"):
+        searched += with_tp(model, [*app_search(model, rules), *role_block_plans(model)])
+    if search in ("mcmc", "both"):
+        seeds = sorted((c for c in [*presets, *searched] if c.estimate.fits), key=_cost)
+        try:
+            searched += mcmc_search(
+                model,
+                seed=seed,
+                steps=mcmc_steps,
+                time_budget_s=time_budget_s,
+                beta=beta,
+                top_k=top_k,
+                seeds=[c.plan for c in seeds[:3]],
+                report=rules,
+            )
+        except PlannerError:
+            if seeds:
+                raise
+            # nothing fits anywhere: plan_placement's error names the closest preset
+    if max_staleness > 0:
+        searched += staleness_variants(model, [*presets, *searched])
+    return searched
 
 
 def staleness_variants(model: CostModel, candidates: list[Candidate]) -> list[Candidate]:
