@@ -139,7 +139,7 @@ class RLHFModule(pl.LightningModule):
                                       self.role_module, self.reward_fn, self.seed, self.role_precisions(),
                                       self.specs.shadow_precisions())
         # What a resume (the checkpoint's seed) or another Trainer (its precision) may have changed since.
-        self._engine.seed, self._engine.precisions = self.seed, self.role_precisions()
+        self._engine.calls.seed, self._engine.calls.precisions = self.seed, self.role_precisions()
         return self._engine
 
     def _placed(self) -> PlacedRoles:
@@ -302,12 +302,12 @@ class RLHFModule(pl.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
         """Completions of a batch of prompts with ``eval_generation``: per prompt, its text, the completion's text
         and token ids (up to and including the stop token), and the reward's score."""
-        rollout, scores = self.engine.sample_and_score(batch, self.iteration, self.eval_generation)
+        rollout, scores = self.engine.calls.sample_and_score(batch, self.iteration, self.eval_generation)
         return [{**row, "index": int(index)}
                 for row, index in zip(rollout.completion_rows(self.tokenizer, scores), batch["index"].tolist())]
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
-        rollout, scores = self.engine.sample_and_score(batch, self.iteration, self.eval_generation)
+        rollout, scores = self.engine.calls.sample_and_score(batch, self.iteration, self.eval_generation)
         size = len(scores)
         # Every rank holds the whole batch's results (gathered), so no sync_dist: the means are already global.
         self.log(f"{stage}/reward/mean", scores.float().mean(), on_epoch=True, batch_size=size, prog_bar=True)

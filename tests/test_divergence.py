@@ -19,7 +19,6 @@ from helpers import run_ranks
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_app_rlhf import GenerationConfig, PPOConfig, PromptDataModule, RLHFModule, demo
-from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES
 from lightning_app_rlhf.engine.update_guard import (
     GRAD_NORM,
     DivergenceError,
@@ -27,6 +26,7 @@ from lightning_app_rlhf.engine.update_guard import (
     first_nonfinite,
     record_update,
 )
+from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS, DDPWrapper, is_available
 from lightning_app_rlhf.parallel.wrappers.base import SkippedUpdates

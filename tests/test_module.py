@@ -87,10 +87,10 @@ def test_adaptive_kl_and_state_survive_checkpoint(demo_tokenizer, tmp_path):
 
     restored = _module(demo_tokenizer, kl_coef=0.1, kl_target=0.01, kl_horizon=100, reward_norm=True)
     restored.seed = 5
-    assert restored.engine.seed == 5  # built before the resume: it takes the checkpoint's seed all the same
+    assert restored.engine.calls.seed == 5  # built before the resume: it takes the checkpoint's seed all the same
     state = torch.load(tmp_path / "last.ckpt", weights_only=False)
     restored.on_load_checkpoint(state)
-    assert restored.seed == restored.engine.seed == 3
+    assert restored.seed == restored.engine.calls.seed == 3
     assert restored.shaping.kl_controller.value == module.shaping.kl_controller.value
     assert restored.shaping.reward_moments.state_dict() == module.shaping.reward_moments.state_dict()
     actor_keys = [k for k in state["state_dict"] if k.startswith("actor.")]

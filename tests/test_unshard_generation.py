@@ -22,7 +22,7 @@ from helpers import metrics_rows, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_app_rlhf import GenerationConfig
-from lightning_app_rlhf.engine.engine import RLHFEngine
+from lightning_app_rlhf.engine.role_calls import RoleCalls
 from lightning_app_rlhf.generation import generate
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS, is_available
 
@@ -165,7 +165,7 @@ _ROLLOUTS: list[dict[str, Any]] = []
 
 
 def _counted_generate_shard(original: Callable[..., Any]) -> Callable[..., Any]:
-    def generate_shard(self: RLHFEngine, batch: dict[str, Any], iteration: int) -> Any:
+    def generate_shard(self: RoleCalls, batch: dict[str, Any], iteration: int) -> Any:
         with Collectives() as counted:
             part = original(self, batch, iteration)
         _ROLLOUTS.append({"ops": dict(counted.ops), "bytes": counted.gathered_bytes,
@@ -179,7 +179,7 @@ def _counted_generate_shard(original: Callable[..., Any]) -> Callable[..., Any]:
 
 class RecordGeneration(pl.Callback):
     """Runs the strategy's plan with ``unshard_for_generation`` as given, counts the collectives of every
-    ``actor.generate`` on this rank (``RLHFEngine.generate_shard``), and writes them, the rollouts, and the actor's
+    ``actor.generate`` on this rank (``RoleCalls.generate_shard``), and writes them, the rollouts, and the actor's
     bytes and shard state at fit start and after every iteration to ``out/rank{r}.json``.
 
     Args:
@@ -196,8 +196,8 @@ class RecordGeneration(pl.Callback):
         strategy = trainer.strategy
         strategy.apply_plan(dataclasses.replace(strategy.placement_plan,
                                                 unshard_for_generation=self.unshard_for_generation))
-        if not hasattr(RLHFEngine.generate_shard, "counted"):  # this rank's process only (forked)
-            RLHFEngine.generate_shard = _counted_generate_shard(RLHFEngine.generate_shard)
+        if not hasattr(RoleCalls.generate_shard, "counted"):  # this rank's process only (forked)
+            RoleCalls.generate_shard = _counted_generate_shard(RoleCalls.generate_shard)
 
     def _actor(self, pl_module: Any) -> dict[str, Any]:
         wrapper = pl_module.placed_roles.wrappers["actor"]

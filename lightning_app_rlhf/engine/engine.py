@@ -19,7 +19,6 @@ state across iterations (:meth:`RLHFEngine.state_dict`).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,23 +27,28 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import Algorithm
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
-from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD, role_of
+from lightning_app_rlhf.core.role_table import role_of
 from lightning_app_rlhf.engine.batch_split import check_batch_split
 from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dynamic_sampling_plan, round_key
-from lightning_app_rlhf.engine.experience import RewardShaping, make_experience, rollout_stats
-from lightning_app_rlhf.engine.free_running import FreeRunningLink, experience_payload
+from lightning_app_rlhf.engine.experience import RewardShaping, collect_experience
+from lightning_app_rlhf.engine.free_running import FreeRunningLink, experience_payload, free_running_result
 from lightning_app_rlhf.engine.iteration import Recipe, Step, iteration_recipe
-from lightning_app_rlhf.engine.iteration_state import IterationResult, IterationState
+from lightning_app_rlhf.engine.iteration_state import (
+    IterationResult,
+    IterationState,
+    stale_experience,
+    staleness_stats,
+)
 from lightning_app_rlhf.engine.role_calls import RoleCalls
 from lightning_app_rlhf.engine.update_guard import DivergenceError
-from lightning_app_rlhf.engine.update_loop import DIVERGED, SKIPPED_UPDATES, UpdateLoop
+from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES, UpdateLoop
 from lightning_app_rlhf.generation import Rollout, repeat_samples
 from lightning_app_rlhf.models.calls import Experience
-from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction
+from lightning_app_rlhf.models.roles import RewardFunction
 from lightning_app_rlhf.parallel.heartbeat import entering
-from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
+from lightning_app_rlhf.parallel.memory import RoleMemory
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
-from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
+from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.parallel.reallocation import shadow_buckets
 from lightning_app_rlhf.parallel.wrappers import RoleWrapper
 
@@ -114,22 +118,6 @@ class RLHFEngine:
     def wrappers(self) -> dict[str, RoleWrapper]:
         return self.placed.wrappers
 
-    @property
-    def seed(self) -> int:
-        return self.calls.seed
-
-    @seed.setter
-    def seed(self, seed: int) -> None:  # a resume restores the checkpoint's
-        self.calls.seed = seed
-
-    @property
-    def precisions(self) -> dict[str, str]:
-        return self.calls.precisions
-
-    @precisions.setter
-    def precisions(self, precisions: dict[str, str]) -> None:  # another Trainer may run another precision
-        self.calls.precisions = precisions
-
     # ---- one iteration: the recipe, phase by phase ----
 
     def run_iteration(
@@ -162,7 +150,7 @@ class RLHFEngine:
                 raise ValueError("ppo.dynamic_sampling generates on more prompts when a batch has too few "
                                  "informative groups: pass more_prompts (e.g. PromptDataModule.refill_batch).")
             self.collector.clear()  # what an iteration that raised midway had collected
-        previous = self._stale_experience()
+        previous = stale_experience(self.placement.plan, self.pending_experiences)
         recipe = iteration_recipe(self.placement.plan, first=previous is None)
         state = IterationState(repeat_samples(batch, self.generation.num_samples), iteration, self._now(), prompts,
                                iteration, previous, list(schedulers))
@@ -180,14 +168,6 @@ class RLHFEngine:
         self._run_steps([*recipe.handoff, *recipe.update, *recipe.publish], state)
         entering(f"iteration {iteration} done: outside the engine (the training loop, callbacks, checkpoints)")
         return self._finish(state, recipe)
-
-    def _stale_experience(self) -> Experience | None:
-        """With a staleness bound on the fixed schedule, the rollout the update trains on: the oldest of the queue
-        once it holds ``k`` (None in the first ``k`` iterations, and without a bound)."""
-        plan, queue = self.placement.plan, self.pending_experiences
-        if not plan.overlap or plan.free_running or len(queue) < plan.max_staleness:
-            return None
-        return queue[0]
 
     def _run_steps(self, steps: Iterable[Step], state: IterationState) -> None:
         """Take each of ``steps`` whose ranks include this rank, in order; mark the time after each."""
@@ -210,7 +190,7 @@ class RLHFEngine:
                                              lambda role: shadow_buckets(self.modules(role)))
 
     def _step_generate(self, step: Step, state: IterationState) -> None:
-        state.generated = self.generate_shard(state.batch, state.sampling_key)
+        state.generated = self.calls.generate_shard(state.batch, state.sampling_key)
 
     def _step_gather_rollout(self, step: Step, state: IterationState) -> None:
         state.rollout = self.calls.gather_rollout(state.batch, state.generated, step.among)
@@ -218,7 +198,8 @@ class RLHFEngine:
     def _step_forward(self, step: Step, state: IterationState) -> None:
         role = role_of(step.name)
         assert state.rollout is not None
-        state.forwards[role] = self.forward_shard(role, state.rollout, state.batch.get("fields"), state.iteration)
+        state.forwards[role] = self.calls.forward_shard(role, state.rollout, state.batch.get("fields"),
+                                                        state.iteration)
 
     def _step_gather_output(self, step: Step, state: IterationState) -> None:
         role = role_of(step.name)
@@ -250,7 +231,7 @@ class RLHFEngine:
             return
         role = role_of(step.name)
         try:
-            stats = self._broadcast_train_stats(role, state.trained.get(role), among=step.among)
+            stats = self.updates.broadcast_stats(role, state.trained.get(role), among=step.among)
         except DivergenceError as err:
             if not self.placement.plan.free_running:
                 raise
@@ -263,8 +244,8 @@ class RLHFEngine:
             for scheduler in state.schedulers:
                 scheduler.step()
             state.schedulers_stepped = True
-        state.learning_rates.update(self.role_learning_rates(role_of(step.name),
-                                                             among_call_ranks=step.among is not None))
+        state.learning_rates.update(self.updates.role_learning_rates(role_of(step.name),
+                                                                     among_call_ranks=step.among is not None))
 
     def _step_reallocate(self, step: Step, state: IterationState) -> None:
         if state.trained_on is not None:
@@ -277,44 +258,10 @@ class RLHFEngine:
         self.link.publish(role, self.policy_version + 1, self.calls.trained_buckets(role),
                           {**state.role_stats.get(role, {}), **rates}, state.diverged.get(role))
 
-    # ---- the experience ----
-
     def _make_experience(self, state: IterationState) -> bool:
-        """The algorithm's advantages on the gathered rollout, on every rank that holds it (cheap, and it saves a
-        broadcast). With dynamic sampling, on the batch of informative groups the rounds collected, once it is
-        complete; until then the round only adds its groups and this returns False (another round follows)."""
-        assert state.rollout is not None
-        rollout, outputs, kept = state.rollout, state.gathered, None
-        state.scores = outputs[REWARD.name]
-        collector = self.collector
-        if collector is not None:
-            self.shaping.finite(state.scores)  # a non-finite score raises here, even in a group that is dropped
-            collector.add(state.rollout, outputs, state.scores)
-            if not collector.ready(state.prompts):
-                return False
-            batch = collector.take(state.prompts)
-            # The reward and length of every response the rounds generated: the policy's, unfiltered.
-            scores = batch.generated_scores
-            state.stats.update(rollout_stats(scores, torch.isfinite(scores), batch.generated_lengths))
-            if not bool(batch.kept.all()):
-                groups = int(batch.kept.sum()) // self.generation.num_samples
-                warnings.warn(f"Dynamic sampling found {groups} of {state.prompts} informative groups in "
-                              f"{batch.generation_rounds} generation rounds (ppo.max_generation_rounds); iteration "
-                              f"{state.iteration} trains on those, the rest of the batch left out of the loss. Most "
-                              "groups score alike: raise ppo.max_generation_rounds, or use prompts of mixed "
-                              "difficulty.", stacklevel=2)
-            rollout, outputs, kept = batch.rollout, batch.outputs, batch.kept
-            state.stats.update({"train/filtered_groups": float(batch.filtered_groups),
-                                "train/generation_rounds": float(batch.generation_rounds)})
-        state.experience, stats = make_experience(rollout, outputs.get(REFERENCE.name), outputs[REWARD.name],
-                                                  outputs.get(CRITIC.name), self.algorithm, self.shaping,
-                                                  state.iteration, kept)
-        state.experience.policy_version = self.policy_version  # the weights that generated it
-        if collector is not None:  # the trained batch's own reward: biased by the filter, the policy's is above
-            stats = {k: v for k, v in stats.items() if k not in ("reward/std", "response/length_mean")}
-            stats["reward/trained_mean"] = stats.pop("reward/mean")
-        state.stats.update(stats)
-        return True
+        """The experience of the gathered rollout (:func:`collect_experience`); False while dynamic sampling needs
+        another generation round."""
+        return collect_experience(state, self.algorithm, self.shaping, self.collector, self.policy_version)
 
     # ---- the end of an iteration ----
 
@@ -329,51 +276,19 @@ class RLHFEngine:
             assert state.experience is not None
             self.shaping.kl_controller.update(stats["kl/mean"].item(), n_samples=len(state.experience.sequences))
         if state.trained_on is not None:
-            stats.update(self._staleness(state.trained_on))
+            stats.update(staleness_stats(self.policy_version, state.trained_on, plan.max_staleness))
             self.policy_version += 1
         self.iterations_done = state.iteration + 1
         if state.diverged:
             raise DivergenceError(next(iter(state.diverged.values())))
         assert state.rollout is not None and state.scores is not None
         if plan.free_running:
-            return self._free_running_result(state)
+            return free_running_result(state, self.link, self.policy_version, self._now())
         assert state.experience is not None
         stats["reallocate/bytes"] = float(state.reallocated_bytes)
         stats.update(state.timings(plan.overlap, len(state.experience.sequences),
                                    state.rollout.response_mask.sum().item()))
         return IterationResult(stats, state.rollout, state.scores, state.learning_rates)
-
-    def _free_running_result(self, state: IterationState) -> IterationResult:
-        """A free-running side's statistics: the training side's own update; the generation side's rollout, with the
-        newest update it took (its statistics and learning rates come from that version's announcement)."""
-        assert self.link is not None and state.rollout is not None and state.scores is not None
-        stats, end = state.stats, self._now()
-        if state.trained_on is not None:  # the training side
-            stats["rollout/policy_version"] = float(state.trained_on.policy_version)
-            stats.update(state.training_side_timings(end))
-            return IterationResult(stats, state.rollout, state.scores, state.learning_rates)
-        assert state.experience is not None
-        staleness = float(state.iteration - self.policy_version)  # trained on at training iteration `iteration`
-        stats.update({"rollout/staleness_mean": staleness, "rollout/staleness_max": staleness,
-                      "rollout/policy_version": float(self.policy_version)})
-        stats.update({name: value for name, value in self.link.train_stats.items() if not name.startswith("lr-")})
-        samples = len(state.experience.sequences)
-        stats.update(state.timings(False, samples, state.rollout.response_mask.sum().item()))
-        stats["time/wait_for_weights_s"] = state.marks.get("taken", state.start) - state.start
-        stats["perf/samples_per_sec"] = samples / (end - state.start)
-        rates = {name: value for name, value in self.link.train_stats.items() if name.startswith("lr-")}
-        return IterationResult(stats, state.rollout, state.scores, rates)
-
-    def _staleness(self, trained_on: Experience) -> dict[str, float]:
-        """How many versions old the policy that generated the trained rollout is; never above the plan's bound."""
-        staleness = self.policy_version - trained_on.policy_version
-        bound = self.placement.plan.max_staleness
-        if not 0 <= staleness <= bound:
-            raise RuntimeError(f"Iteration {trained_on.iteration}'s rollout, generated by policy version "
-                               f"{trained_on.policy_version}, was trained on at version {self.policy_version}: "
-                               f"{staleness} versions stale, outside the bound 0..{bound} (max_staleness). This is a "
-                               "bug; please report it.")
-        return {"rollout/staleness_mean": float(staleness), "rollout/staleness_max": float(staleness)}
 
     def check_batch(self, prompts: int) -> None:
         """Raise a ``ValueError`` naming the fix unless ``prompts`` per iteration split over this plan's minibatches,
@@ -387,85 +302,18 @@ class RLHFEngine:
             torch.cuda.synchronize(self.placement.device)
         return time.perf_counter()
 
-    # ---- calls and statistics that the steps and evaluation share ----
-
-    def generate_shard(self, batch: dict[str, Any], iteration: int,
-                       generation: GenerationConfig | None = None) -> dict[str, torch.Tensor] | None:
-        """``actor.generate`` on this rank's shard (:meth:`RoleCalls.generate_shard`)."""
-        return self.calls.generate_shard(batch, iteration, generation)
-
-    def forward_shard(self, role: str, rollout: Rollout, row_fields: dict[str, list[Any]] | None,
-                      iteration: int | None = None) -> dict[str, torch.Tensor] | None:
-        """``role.forward`` on this rank's shard (:meth:`RoleCalls.forward_shard`)."""
-        return self.calls.forward_shard(role, rollout, row_fields, iteration)
-
-    def sample_and_score(
-        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig
-    ) -> tuple[Rollout, torch.Tensor]:
-        """Evaluation: ``actor.generate`` (one response per prompt, with ``generation``) and ``reward.forward`` only,
-        each on its group, gathered to every rank. Returns the whole rollout and its raw scores [B]."""
-        batch = repeat_samples(batch, 1)
-        rollout = self.calls.gather_rollout(batch, self.generate_shard(batch, iteration, generation))
-        part = self.forward_shard(REWARD.name, rollout, batch.get("fields"), iteration)
-        scores = self.placement.gather_to_world(REWARD.call("forward"), part, {"scores": TensorSpec(torch.float32, 1)})
-        return rollout, scores["scores"]
-
-    def _broadcast_train_stats(self, role: str, stats: dict[str, torch.Tensor] | None,
-                               among: str | None = None) -> dict[str, torch.Tensor]:
-        """``role``'s train statistics (``stats`` on its train ranks, None elsewhere), with
-        ``train/skipped_updates``, on every rank (or the ranks of the call ``among``). Raises
-        :class:`DivergenceError` on those ranks once the role diverged."""
-        call = role + ".train"
-        names = (*self.algorithm.stat_names(role), SKIPPED_UPDATES, DIVERGED)
-        stats = self.placement.broadcast_stats(call, stats, names, among_call_ranks=among is not None)
-        if stats.pop(DIVERGED) > 0:
-            wrapper = self.wrappers.get(role)
-            raise DivergenceError(self._leader_message(call, wrapper.skipped.diverged if wrapper else None, among))
-        return stats
-
-    def _leader_message(self, call: str, message: str | None, among: str | None) -> str:
-        """The message of ``call``'s leader, on every rank (an object broadcast, on the error path only)."""
-        if self.placement.distributed:
-            box = [message]
-            group = self.placement.groups.get(among) if among is not None else None
-            torch.distributed.broadcast_object_list(box, src=self.placement.leader(call), group=group)
-            message = box[0]
-        return message or f"{call} diverged."
-
     def learning_rates(self) -> dict[str, float]:
-        """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role's first parameter group, on every
-        rank, from the ranks that hold its optimizer (a collective: call it on every rank)."""
-        rates: dict[str, float] = {}
-        for role in self.algorithm.trainable_roles:
-            rates.update(self.role_learning_rates(role))
-        return rates
-
-    def role_learning_rates(self, role: str, among_call_ranks: bool = False) -> dict[str, float]:
-        """:meth:`learning_rates` of one role: a broadcast from its train call's leader (to its train ranks only with
-        ``among_call_ranks``)."""
-        names = [f"lr-{role}", f"lr-{role}-momentum", f"lr-{role}-weight_decay"]
-        mine = None
-        if self.placement.runs(f"{role}.train"):
-            group = self.wrappers[role].optimizer.param_groups[0]
-            momentum = group.get("momentum", group.get("betas", (0.0,))[0])
-            values = (group.get("lr", 0.0), momentum, group.get("weight_decay", 0.0))
-            mine = {name: torch.tensor(float(v), device=self.placement.device) for name, v in zip(names, values)}
-        stats = self.placement.broadcast_stats(f"{role}.train", mine, names, among_call_ranks=among_call_ranks)
-        return {name: float(value) for name, value in stats.items()}
+        """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role, on every rank (a collective:
+        :meth:`UpdateLoop.learning_rates`)."""
+        return self.updates.learning_rates()
 
     # ---- where both free-running sides meet ----
 
     def settle(self) -> None:
         """Under a free-running plan, a collective of the whole world (validation, the end of the fit): the
-        generation side takes every published version (its shadows then hold the newest weights), and no send stays
-        in flight. Nothing to do on the fixed schedule."""
-        if self.link is None:
-            return
-        self.link.meet()
-        if self.placement.rank in self.placement.plan.generation_ranks:
-            self.policy_version = self.link.take(self.policy_version, self.policy_version,
-                                                 lambda role: shadow_buckets(self.modules(role)))
-        self.link.finish_sends()
+        generation side takes every published version, and no send stays in flight. Nothing to do otherwise."""
+        if self.link is not None:
+            self.policy_version = self.link.settle(self.policy_version, lambda role: shadow_buckets(self.modules(role)))
 
     # ---- the state carried across iterations ----
 
@@ -516,24 +364,10 @@ class RLHFEngine:
         if self.link is not None:
             self.link.load_state_dict(state, self.policy_version)
 
-    # ---- memory ----
-
     def gather_memory(self) -> list[list[RoleMemory]]:
-        """Every rank's :class:`RoleMemory` rows, on every rank (one small object all-gather)."""
-        mine = []
-        for role in self.algorithm.roles:
-            module = self.modules(role)
-            if module is None:
-                continue
-            calls = [call.split(".")[1] for call in self.placement.plan.calls
-                     if call.startswith(role + ".") and self.placement.runs(call)]
-            if isinstance(module, AdapterDisabledReference):  # runs on the actor's weights, counted there
-                mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
-                continue
-            mine.append(role_memory(role, calls, module, self.wrappers.get(role)))
-        for call, copy in self.placed.tp_copies.items():
-            role, kind = call.split(".")
-            mine.append(RoleMemory(role, kind, copy.local_bytes(), 0, 0, tp_copy=self.placement.plan.tp_degree(call)))
+        """Every rank's :class:`RoleMemory` rows (:meth:`RoleCalls.memory_rows`), on every rank (one small object
+        all-gather)."""
+        mine = self.calls.memory_rows(self.algorithm.roles)
         if not self.placement.distributed:
             return [mine]
         everyone: list[Any] = [None] * self.placement.plan.world_size

@@ -16,6 +16,9 @@ from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
 from lightning_app_rlhf.algorithms.functional import kl_penalty, overlong_penalty
 from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.role_table import CRITIC, REFERENCE, REWARD
+from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector
+from lightning_app_rlhf.engine.iteration_state import IterationState
 from lightning_app_rlhf.generation import Rollout
 from lightning_app_rlhf.models.calls import Experience, describe_nonfinite
 
@@ -169,3 +172,50 @@ def rollout_stats(scores: torch.Tensor, counted: torch.Tensor, lengths: torch.Te
         "reward/std": raw.std() if raw.numel() > 1 else scores.new_tensor(0.0),
         "response/length_mean": lengths.float().mean(),
     }
+
+
+def collect_experience(state: IterationState, algorithm: Algorithm, shaping: RewardShaping,
+                       collector: GroupCollector | None, policy_version: int) -> bool:
+    """The algorithm's advantages on ``state``'s gathered rollout, into ``state.experience`` (on every rank that
+    holds the rollout: cheap, and it saves a broadcast). With dynamic sampling (``collector``), on the batch of
+    informative groups the rounds collected, once it is complete; until then the round only adds its groups and this
+    returns False (another round follows).
+
+    Args:
+        state: The iteration's state, its forward calls' results gathered.
+        algorithm: The advantage estimator.
+        shaping: Score shaping and the KL coefficient.
+        collector: Dynamic sampling's collection of informative groups; None without it.
+        policy_version: The version of the weights that generated the rollout.
+    """
+    assert state.rollout is not None
+    rollout, outputs, kept = state.rollout, state.gathered, None
+    state.scores = outputs[REWARD.name]
+    if collector is not None:
+        shaping.finite(state.scores)  # a non-finite score raises here, even in a group that is dropped
+        collector.add(state.rollout, outputs, state.scores)
+        if not collector.ready(state.prompts):
+            return False
+        batch = collector.take(state.prompts)
+        # The reward and length of every response the rounds generated: the policy's, unfiltered.
+        scores = batch.generated_scores
+        state.stats.update(rollout_stats(scores, torch.isfinite(scores), batch.generated_lengths))
+        if not bool(batch.kept.all()):
+            groups = int(batch.kept.sum()) // collector.group_size
+            warnings.warn(f"Dynamic sampling found {groups} of {state.prompts} informative groups in "
+                          f"{batch.generation_rounds} generation rounds (ppo.max_generation_rounds); iteration "
+                          f"{state.iteration} trains on those, the rest of the batch left out of the loss. Most "
+                          "groups score alike: raise ppo.max_generation_rounds, or use prompts of mixed "
+                          "difficulty.", stacklevel=2)
+        rollout, outputs, kept = batch.rollout, batch.outputs, batch.kept
+        state.stats.update({"train/filtered_groups": float(batch.filtered_groups),
+                            "train/generation_rounds": float(batch.generation_rounds)})
+    state.experience, stats = make_experience(rollout, outputs.get(REFERENCE.name), outputs[REWARD.name],
+                                              outputs.get(CRITIC.name), algorithm, shaping,
+                                              state.iteration, kept)
+    state.experience.policy_version = policy_version  # the weights that generated it
+    if collector is not None:  # the trained batch's own reward: biased by the filter, the policy's is above
+        stats = {k: v for k, v in stats.items() if k not in ("reward/std", "response/length_mean")}
+        stats["reward/trained_mean"] = stats.pop("reward/mean")
+    state.stats.update(stats)
+    return True

@@ -19,7 +19,7 @@ iterations; ``k`` is ``plan.max_staleness``.
 So the generation side runs at most ``k + 1`` iterations ahead (:attr:`PlacementPlan.run_ahead`). A collective of
 the whole world meets both sides at the same iteration: a checkpoint save (nothing is in flight across it but
 published weights, which the next rollout takes) and validation and the end of the fit, before which
-:meth:`FreeRunningLink.settle` hands the generation side every published version. The preemption check, an
+FreeRunningLink.settle hands the generation side every published version. The preemption check, an
 all-reduce at the end of every iteration, lags by ``run_ahead + 1`` iterations so that it never holds the generation
 side back (:class:`~lightning_app_rlhf.callbacks.PreemptionCheckpoint`).
 
@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from lightning_app_rlhf.core.role_table import ACTOR
 from lightning_app_rlhf.engine.iteration import published_roles
+from lightning_app_rlhf.engine.iteration_state import IterationResult, IterationState
 from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.parallel.placement import Placement
 
@@ -142,16 +143,18 @@ class FreeRunningLink:
 
     # ---- both sides ----
 
-    def meet(self) -> None:
+    def settle(self, held: int, shadow_buckets: Any) -> int:
         """A collective of the whole world, where both sides meet (validation, the end of the fit): every iteration
-        before it ran on both sides, and every version is announced. Then no send stays in flight."""
+        before it ran on both sides, and every version is announced; the generation side takes them all (its
+        shadows then hold the newest weights), and no send stays in flight. Returns the version this rank's shadows
+        hold (``held`` on the training side); the arguments are :meth:`take`'s."""
         with self.placement.collective(ACTOR.call("train"), "meeting of the generation and training sides"):
             dist.barrier()
-
-    def finish_sends(self) -> None:
-        """Wait for every send and weight broadcast in flight (at most the placement's timeout each)."""
+        if self.placement.rank in self.placement.plan.generation_ranks:
+            held = self.take(held, held, shadow_buckets)
         self.in_flight = self.placement.finish_sends(self.in_flight, "completion of the sends in flight",
                                                      ACTOR.call("train"))
+        return held
 
     def state_dict(self) -> dict[str, Any]:
         return {"train_stats": dict(self.train_stats)}
@@ -180,3 +183,33 @@ def _store() -> dist.Store:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def free_running_result(state: IterationState, link: FreeRunningLink, policy_version: int,
+                        end: float) -> IterationResult:
+    """What a free-running side logs: the training side its own update; the generation side its rollout, with the
+    newest update it took (whose statistics and learning rates come from that version's announcement).
+
+    Args:
+        state: The iteration's state on this rank.
+        link: This rank's end of the transport.
+        policy_version: The version this rank holds after the iteration.
+        end: The clock at the end of the iteration.
+    """
+    assert state.rollout is not None and state.scores is not None
+    stats = state.stats
+    if state.trained_on is not None:  # the training side
+        stats["rollout/policy_version"] = float(state.trained_on.policy_version)
+        stats.update(state.training_side_timings(end))
+        return IterationResult(stats, state.rollout, state.scores, state.learning_rates)
+    assert state.experience is not None
+    staleness = float(state.iteration - policy_version)  # trained on at training iteration `iteration`
+    stats.update({"rollout/staleness_mean": staleness, "rollout/staleness_max": staleness,
+                  "rollout/policy_version": float(policy_version)})
+    stats.update({name: value for name, value in link.train_stats.items() if not name.startswith("lr-")})
+    samples = len(state.experience.sequences)
+    stats.update(state.timings(False, samples, state.rollout.response_mask.sum().item()))
+    stats["time/wait_for_weights_s"] = state.marks.get("taken", state.start) - state.start
+    stats["perf/samples_per_sec"] = samples / (end - state.start)
+    rates = {name: value for name, value in link.train_stats.items() if name.startswith("lr-")}
+    return IterationResult(stats, state.rollout, state.scores, rates)

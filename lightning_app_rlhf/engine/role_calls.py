@@ -22,9 +22,10 @@ from transformers import PreTrainedTokenizerBase
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.critic_reuse import KeptValues, reuses_critic_forward
-from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, sample_keys
+from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
 from lightning_app_rlhf.models.calls import critic_forward, critic_values, reference_forward, reward_forward
 from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
+from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
 from lightning_app_rlhf.parallel.reallocation import shadow_buckets, trained_buckets
@@ -126,6 +127,17 @@ class RoleCalls:
         self.batch_rows = len(out["responses"])
         return Rollout.from_responses(batch["input_ids"], batch["attention_mask"], out["responses"],
                                       out["response_mask"], out["logprobs"], out["stopped"].bool())
+
+    def sample_and_score(
+        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig
+    ) -> tuple[Rollout, torch.Tensor]:
+        """Evaluation: ``actor.generate`` (one response per prompt, with ``generation``) and ``reward.forward`` only,
+        each on its group, gathered to every rank. Returns the whole rollout and its raw scores [B]."""
+        batch = repeat_samples(batch, 1)
+        rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration, generation))
+        scores = self.gather_forward(REWARD.name, self.forward_shard(REWARD.name, rollout, batch.get("fields"),
+                                                                     iteration), 0)
+        return rollout, scores
 
     # ---- forward calls ----
 
@@ -275,3 +287,24 @@ class RoleCalls:
             return received
         copy.load([p for p in self.modules(role).parameters() if p.requires_grad])
         return 0
+
+    # ---- memory ----
+
+    def memory_rows(self, roles: tuple[str, ...]) -> list[RoleMemory]:
+        """A :class:`RoleMemory` row for each of ``roles`` this rank holds (a LoRA actor's reference counted with the
+        actor), and one for each tensor-parallel copy."""
+        mine = []
+        for role in roles:
+            module = self.modules(role)
+            if module is None:
+                continue
+            calls = [call.split(".")[1] for call in self.placement.plan.calls
+                     if call.startswith(role + ".") and self.placement.runs(call)]
+            if isinstance(module, AdapterDisabledReference):  # runs on the actor's weights, counted there
+                mine.append(RoleMemory(role, "+".join(calls), 0, 0, 0, shares=ACTOR.name))
+                continue
+            mine.append(role_memory(role, calls, module, self.placed.wrappers.get(role)))
+        for call, copy in self.placed.tp_copies.items():
+            role, kind = call.split(".")
+            mine.append(RoleMemory(role, kind, copy.local_bytes(), 0, 0, tp_copy=self.placement.plan.tp_degree(call)))
+        return mine

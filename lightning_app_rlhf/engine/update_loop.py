@@ -26,6 +26,7 @@ from lightning_app_rlhf.engine.role_calls import RoleCalls
 from lightning_app_rlhf.engine.update_guard import (
     GRAD_NORM,
     LOSS_TERMS,
+    DivergenceError,
     divergence_message,
     first_nonfinite,
     record_update,
@@ -196,3 +197,48 @@ class UpdateLoop:
                                                   config.rollout_is, config.rollout_is_level,
                                                   config.rollout_is_threshold)
         return dataclasses.replace(experience, logprobs=trainer, response_mask=mask, is_weights=weights), stats
+
+    # ---- what the train calls tell every rank (for the logger) ----
+
+    def broadcast_stats(self, role: str, stats: dict[str, torch.Tensor] | None,
+                        among: str | None = None) -> dict[str, torch.Tensor]:
+        """``role``'s train statistics (``stats`` on its train ranks, None elsewhere), with
+        ``train/skipped_updates``, on every rank (or the ranks of the call ``among``). Raises
+        :class:`DivergenceError` on those ranks once the role diverged."""
+        call = role + ".train"
+        names = (*self.algorithm.stat_names(role), SKIPPED_UPDATES, DIVERGED)
+        stats = self.placement.broadcast_stats(call, stats, names, among_call_ranks=among is not None)
+        if stats.pop(DIVERGED) > 0:
+            wrapper = self.calls.placed.wrappers.get(role)
+            raise DivergenceError(self._leader_message(call, wrapper.skipped.diverged if wrapper else None, among))
+        return stats
+
+    def _leader_message(self, call: str, message: str | None, among: str | None) -> str:
+        """The message of ``call``'s leader, on every rank (an object broadcast, on the error path only)."""
+        if self.placement.distributed:
+            box = [message]
+            group = self.placement.groups.get(among) if among is not None else None
+            torch.distributed.broadcast_object_list(box, src=self.placement.leader(call), group=group)
+            message = box[0]
+        return message or f"{call} diverged."
+
+    def learning_rates(self) -> dict[str, float]:
+        """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role's first parameter group, on every
+        rank, from the ranks that hold its optimizer (a collective: call it on every rank)."""
+        rates: dict[str, float] = {}
+        for role in self.algorithm.trainable_roles:
+            rates.update(self.role_learning_rates(role))
+        return rates
+
+    def role_learning_rates(self, role: str, among_call_ranks: bool = False) -> dict[str, float]:
+        """:meth:`learning_rates` of one role: a broadcast from its train call's leader (to its train ranks only with
+        ``among_call_ranks``)."""
+        names = [f"lr-{role}", f"lr-{role}-momentum", f"lr-{role}-weight_decay"]
+        mine = None
+        if self.placement.runs(f"{role}.train"):
+            group = self.calls.placed.wrappers[role].optimizer.param_groups[0]
+            momentum = group.get("momentum", group.get("betas", (0.0,))[0])
+            values = (group.get("lr", 0.0), momentum, group.get("weight_decay", 0.0))
+            mine = {name: torch.tensor(float(v), device=self.placement.device) for name, v in zip(names, values)}
+        stats = self.placement.broadcast_stats(f"{role}.train", mine, names, among_call_ranks=among_call_ranks)
+        return {name: float(value) for name, value in stats.items()}
