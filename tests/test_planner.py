@@ -243,7 +243,14 @@ def test_schedule_overlaps_disjoint_groups_and_serialises_shared_ranks():
     # Four processes on two cores: two 2-second calls that overlap each run at half speed.
     cpus = replace(parse_cluster("1x4xcpu"), cores_per_node=2)
     assert simulate([Task("a", (0, 1), 2.0), Task("b", (2, 3), 2.0)], cpus) == [(0.0, 4.0), (0.0, 4.0)]
+    # A collective's time is measured with its own ranks busy: alone it runs at full speed, however many ranks it
+    # has; beside a computing group its ranks share the cores too, and both slow down.
+    assert simulate([Task("c", (0, 1, 2, 3), 2.0, compute=False)], cpus) == [(0.0, 2.0)]
     assert simulate([Task("a", (0, 1), 2.0), Task("b", (2, 3), 2.0, compute=False)], cpus) == [
+        (0.0, 4.0),
+        (0.0, 4.0),
+    ]
+    assert simulate([Task("a", (0, 1), 2.0), Task("b", (2, 3), 2.0, compute=False)], gpus) == [
         (0.0, 2.0),
         (0.0, 2.0),
     ]

@@ -6,9 +6,11 @@ Read top to bottom:
 2. Memory per rank: weights, gradients, optimizer state, activations, KV cache (:meth:`CostModel.memory`).
 3. Per-call time: compute from a measured :class:`~lightning_app_rlhf.planner.profiler.Profile` or an analytic
    fallback (FLOPs and bytes against the device's ceilings), plus data-parallel / ZeRO communication.
-4. The task graph of the engine, priced from its own description of an iteration
-   (:func:`~lightning_app_rlhf.engine.iteration.iteration_steps`), and a discrete-event schedule of it (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, and CPU
-   processes that outnumber the cores share them.
+4. The task graph of the engine, priced from its own recipe of an iteration
+   (:func:`~lightning_app_rlhf.engine.iteration.iteration_steps`), and a discrete-event schedule of it
+   (:func:`simulate`): tasks on disjoint ranks overlap, tasks sharing a rank run in program order, a free-running
+   plan's two sides meet only where a task waits for another (the rollout's handoff, the published weights), and
+   CPU processes that outnumber the cores share them.
 
 Everything iterates over the workload's roles and calls (the role table's, less the critic's for a critic-free
 algorithm), and every batch is the rollout's ``samples`` (prompts x ``num_samples``).
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
-from lightning_app_rlhf.engine.iteration import Step, iteration_steps, relayout_calls
+from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
@@ -42,7 +44,8 @@ COMPUTE_EFFICIENCY = 0.5
 BANDWIDTH_EFFICIENCY = 0.7
 """Fraction of peak memory bandwidth a decode step reaches (analytic fallback only)."""
 UNROLLED_ITERATIONS = 4
-"""Iterations the schedule unrolls; the estimate is the steady state between the 2nd and the last."""
+"""Iterations the schedule unrolls (a free-running plan more: :func:`unrolled_iterations`); the estimate is the
+steady state between the 2nd and the last (:func:`steady_iterations`)."""
 TP_ALL_REDUCES_PER_LAYER = 2
 """Megatron-style tensor parallelism all-reduces the activations twice per transformer layer in a forward (after
 the attention and after the MLP), and twice more in the backward."""
@@ -61,8 +64,10 @@ class PlanChoice:
 
     @property
     def key(self) -> str:
-        """What the choice decides (call groups, wrappers, staleness, batches), without the plan's name."""
-        return self.label.split(" ", 1)[1] + f" max_staleness={self.plan.max_staleness}"
+        """What the choice decides (call groups, wrappers, staleness and schedule, batches), without the plan's
+        name."""
+        free = " free_running" if self.plan.free_running else ""
+        return self.label.split(" ", 1)[1] + f" max_staleness={self.plan.max_staleness}{free}"
 
     @property
     def label(self) -> str:
@@ -212,7 +217,27 @@ class CostModel:
             row.activations, row.kv_cache = activations, kv
             if rank in buffer_ranks:
                 row.activations += REALLOCATION_BUCKET_BYTES
+        for rank, held in self._in_flight_bytes(plan).items():
+            rows[rank].activations += held
         return rows
+
+    def _in_flight_bytes(self, plan: PlacementPlan) -> dict[int, int]:
+        """Free-running: what a rank holds for the other side until it takes it. A train leader keeps each version
+        it publishes (flat buckets of the trainable weights) until the generation side has taken it: up to
+        ``run_ahead + 1`` versions; the generation leader keeps each rollout it sends (one payload per training
+        rank) until it is received: up to ``run_ahead``. Empty for the fixed schedule."""
+        if not plan.free_running:
+            return {}
+        held: dict[int, int] = {}
+        for role in published_roles(plan):
+            shape = self.workload.shape(role)
+            if shape is not None:
+                leader = plan.ranks(f"{role}.train")[0]
+                moved = self.workload.trainable_params(role) * shape.dtype_bytes
+                held[leader] = held.get(leader, 0) + (plan.run_ahead + 1) * moved
+        leader = plan.generation_ranks[0]
+        held[leader] = held.get(leader, 0) + plan.run_ahead * len(plan.training_ranks) * self.experience_bytes()
+        return held
 
     def static_memory(self, plan: PlacementPlan) -> list[RankMemory]:
         """Weights, gradients and optimizer state of every rank: on the ranks where a role is wrapped (a trainable
@@ -614,8 +639,7 @@ class CostModel:
         local_copy_bandwidth = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
         seconds, ranks = 0.0, set()
         if shadows:
-            seconds += self.broadcast_s((train[0], *shadows), moved)
-            seconds += ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
+            seconds += self._shadow_broadcast_s(plan, role, shape)
             ranks |= {train[0], *shadows}
             if sharded:
                 seconds += self.all_gather_s(train, moved)  # full_tensor() of every trainable shard
@@ -629,41 +653,100 @@ class CostModel:
             ranks |= set(plan.ranks(call))
         return tuple(sorted(ranks)), seconds
 
-    def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int, tensors: int = 1) -> float:
-        """``Placement.gather_to_world``: every rank all-gathers the shapes, then each of the call's ``tensors``
-        result tensors, padded to the largest shard (one collective each)."""
-        world = tuple(range(plan.world_size))
+    def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int, tensors: int = 1,
+                       among: str | None = None) -> float:
+        """``Placement.gather_to_world``: every rank of the world (or of the group of the call ``among``: a
+        free-running generation side) all-gathers the shapes, then each of the call's ``tensors`` result tensors,
+        padded to the largest shard (one collective each)."""
+        group = plan.ranks(among) if among is not None else tuple(range(plan.world_size))
         rows = ceil_div(self.workload.samples, len(plan.ranks(call)))
-        payload = self.all_gather_s(world, plan.world_size * rows * bytes_per_row)
-        return payload + tensors * self.all_gather_s(world, 0)
+        payload = self.all_gather_s(group, len(group) * rows * bytes_per_row)
+        return payload + tensors * self.all_gather_s(group, 0)
+
+    def publish_time(self, plan: PlacementPlan, role: str) -> float:
+        """Free-running: seconds the train ranks spend posting ``role``'s new weights (``Placement.publish_weights``):
+        the gather of the full trainable weights where the training layout shards them, and the leader's copy of
+        them into flat buckets. The broadcast itself runs in the background; the generation side pays for it when it
+        takes the version (:meth:`take_time`)."""
+        shape = self.workload.shape(role)
+        if shape is None:
+            return 0.0
+        train = plan.ranks(f"{role}.train")
+        moved = self.workload.trainable_params(role) * shape.dtype_bytes
+        sharded = (_shards_params(plan.wrappers[role]) and len(train) > 1) or plan.tp_degree(f"{role}.train") > 1
+        gather = self.all_gather_s(train, moved) if sharded else 0.0
+        return gather + moved / (self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY)
+
+    def take_time(self, plan: PlacementPlan) -> float:
+        """Free-running: seconds the generation ranks spend taking one published version (they join the train
+        leaders' bucketed broadcasts of every published role, in turn): the shadows' part of
+        :meth:`reallocate_time`. The schedule's steady state takes one version per iteration."""
+        seconds = 0.0
+        for role in published_roles(plan):
+            shape = self.workload.shape(role)
+            if shape is not None:
+                seconds += self._shadow_broadcast_s(plan, role, shape)
+        return seconds
+
+    def _shadow_broadcast_s(self, plan: PlacementPlan, role: str, shape: RoleShape) -> float:
+        """The bucketed broadcast of ``role``'s trainable weights from its train leader to its shadow copies."""
+        moved = self.workload.trainable_params(role) * shape.dtype_bytes  # only trainable parameters move
+        leader = plan.ranks(f"{role}.train")[0]
+        seconds = self.broadcast_s((leader, *plan.shadow_ranks(role)), moved)
+        return seconds + ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
+
+    def experience_bytes(self) -> int:
+        """Bytes of the payload a free-running generation leader sends each training rank per iteration
+        (``torch.save`` of the experience, the rollout and the scores), per sample: the sequences and their
+        attention mask (int64) twice (the experience's and the rollout's), the response mask (int64) and the
+        behaviour log-probabilities twice, the reference log-probabilities, values, advantages and returns (float32
+        per response token), the stop flag and the score."""
+        w = self.workload
+        per_sample = 2 * (16 * w.sequence_length + 12 * w.generation_length) + 16 * w.generation_length + 5
+        return w.samples * per_sample
+
+    def receive_s(self, plan: PlacementPlan) -> float:
+        """Free-running: a training rank's receipt of the experience (``Placement.receive_payload``): the leader sends
+        it to every training rank, point to point (its size, then its bytes), over its one link."""
+        leader, train = plan.generation_ranks[0], plan.training_ranks
+        link = self.cluster.bandwidth((leader, *train))
+        return len(train) * self.experience_bytes() / link + 2 * self.collective_latency
 
     # ---- the schedule
 
     def tasks(self, choice: PlanChoice) -> list[Task]:
-        """The engine's task graph for :data:`UNROLLED_ITERATIONS` iterations, in each rank's program order: the
-        steps of :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` (the engine's iteration, checked against
-        traced runs), each priced by :meth:`step_tasks` and named ``...#i`` in iteration ``i``."""
+        """The engine's task graph for :func:`unrolled_iterations` iterations, in each rank's program order: the
+        steps of :func:`~lightning_app_rlhf.engine.iteration.iteration_steps` (the engine's recipe, checked against
+        traced runs) with the workload's generation rounds, each priced by :meth:`step_tasks` and named ``...#i`` in
+        iteration ``i``. A free-running plan's two sides meet only through dependencies (:attr:`Task.after`): the
+        training side's receipt of rollout ``i`` waits for its send, and the generation side's take at iteration
+        ``i`` for the publishing of version ``i - k`` (by training iteration ``i - k - 1``)."""
         plan = choice.plan
         self.check_plan(plan)
         priced: dict[Step, list[Task]] = {}  # a step costs the same in every iteration: price it once
         tasks: list[Task] = []
-        for i in range(UNROLLED_ITERATIONS):
-            steps: list[Step] = []
-            # Dynamic sampling: the rounds before an update's last generate and score only.
-            for _ in range(self.workload.generation_rounds - 1):
-                steps += iteration_steps(plan, first=i == 0, updates=False)
-            steps += iteration_steps(plan, first=i == 0)
-            for step in steps:
+        named: dict[tuple[int, str], list[str]] = {}  # (iteration, step kind) -> its tasks' names, for dependencies
+        for i in range(unrolled_iterations(plan)):
+            for step in iteration_steps(plan, first=i == 0, rounds=self.workload.generation_rounds):
                 if step not in priced:
                     priced[step] = self.step_tasks(choice, step)
-                tasks += [Task(f"{t.name}#{i}", t.ranks, t.seconds, t.compute) for t in priced[step]]
+                if step.kind == "receive":
+                    after = tuple(named.get((i, "send"), ()))
+                elif step.kind == "take":
+                    after = tuple(named.get((i - plan.max_staleness - 1, "publish"), ()))
+                else:
+                    after = ()
+                for t in priced[step]:
+                    tasks.append(Task(f"{t.name}#{i}", t.ranks, t.seconds, t.compute, after))
+                    named.setdefault((i, step.kind), []).append(tasks[-1].name)
         return tasks
 
     def step_tasks(self, choice: PlanChoice, step: Step) -> list[Task]:
-        """The tasks of one step: a call's compute (then its communication, on the same ranks), a world gather of a
-        call's result, a statistics or learning-rate broadcast, a reallocation."""
+        """The tasks of one step: a call's compute (then its communication, on the same ranks), a gather of a call's
+        result, a statistics or learning-rate broadcast (each a collective of the step's ranks: the world, or a
+        free-running side's group), a reallocation; free-running: a role's publishing (the train ranks post it) and
+        taking (the shadows receive it), and the experience's send (posted) and receipt (the transfer)."""
         plan, w = choice.plan, self.workload
-        world = tuple(range(plan.world_size))
         if step.kind == "call":
             compute, comm = self.call_time(choice, step.name)
             tasks = [Task(step.name, step.ranks, compute)]
@@ -676,15 +759,36 @@ class CostModel:
             per_row = {ACTOR.call("generate"): (t_gen * (8 + 8 + 4) + 1, 4), REWARD.call("forward"): (4, 1)}
             nbytes, tensors = per_row.get(step.name, (t_gen * 4, 1))
             name = "gather.rollout" if step.name == ACTOR.call("generate") else f"gather.{role_of(step.name)}"
-            return [Task(name, world, self.world_gather_s(plan, step.name, nbytes, tensors), compute=False)]
+            seconds = self.world_gather_s(plan, step.name, nbytes, tensors, step.among)
+            return [Task(name, step.ranks, seconds, compute=False)]
         if step.kind == "broadcast":
             nbytes = 64 if step.what == "stats" else 24  # a few float64 statistics; three learning-rate values
             name = f"{role_of(step.name)}.{step.what}"
-            return [Task(name, world, self.broadcast_s(world, nbytes), compute=False)]
+            return [Task(name, step.ranks, self.broadcast_s(step.ranks, nbytes), compute=False)]
         if step.kind == "reallocate":
             ranks, seconds = self.reallocate_time(plan, step.name)
             return [Task(f"{step.name}.reallocate", ranks, seconds, compute=False)] if ranks else []
+        if step.kind in ("publish", "take", "send", "receive"):  # free-running: a task even where free, so that
+            # the other side's dependencies find it
+            return [Task(f"{step.name}.{step.kind}", step.ranks, self.free_running_s(plan, step), compute=False)]
         raise ValueError(f"Unknown step kind {step.kind!r}.")
+
+    def free_running_s(self, plan: PlacementPlan, step: Step) -> float:
+        """Seconds of a free-running step on its ranks: a role's ``publish`` (:meth:`publish_time`) or ``take``
+        (:meth:`take_time`), the experience's ``send`` (the leader serialises it, at memory bandwidth, and posts the
+        sends) or ``receive`` (:meth:`receive_s`).
+
+        Args:
+            plan: A free-running plan.
+            step: One of its ``publish``, ``take``, ``send`` or ``receive`` steps.
+        """
+        if step.kind == "publish":
+            return self.publish_time(plan, step.name)
+        if step.kind == "take":
+            return self.take_time(plan)
+        if step.kind == "send":
+            return self.experience_bytes() / (self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY)
+        return self.receive_s(plan)
 
     def evaluate(self, choice: PlanChoice) -> Estimate:
         """Predict time and memory of ``choice``; a plan that does not fit is rejected with its breakdown."""
@@ -698,17 +802,36 @@ class CostModel:
         tasks = self.tasks(choice)
         spans = simulate(tasks, self.cluster)
         iteration = [int(t.name.rsplit("#", 1)[1]) for t in tasks]
-        ends = [max(e for k, (_, e) in zip(iteration, spans) if k == i) for i in range(UNROLLED_ITERATIONS)]
-        steady = (ends[-1] - ends[1]) / (UNROLLED_ITERATIONS - 2)
-        last = UNROLLED_ITERATIONS - 1
+        first, last = steady_iterations(choice.plan)
+        ends = [max(e for k, (_, e) in zip(iteration, spans) if k == i) for i in range(last + 1)]
+        steady = (ends[last] - ends[first]) / (last - first)
         timeline = [
-            (t.name.rsplit("#", 1)[0], t.ranks, s - ends[-2], e - ends[-2])
+            (t.name.rsplit("#", 1)[0], t.ranks, s - ends[last - 1], e - ends[last - 1])
             for t, k, (s, e) in zip(tasks, iteration, spans)
             if k == last
         ]
         return Estimate(
             choice, steady, self.workload.samples / steady, call_s, rows, self.capacity, rejected, timeline
         )
+
+
+def unrolled_iterations(plan: PlacementPlan) -> int:
+    """Iterations :meth:`CostModel.tasks` unrolls for ``plan``: :data:`UNROLLED_ITERATIONS`, and for a free-running
+    plan twice its run-ahead more (:func:`steady_iterations`)."""
+    return UNROLLED_ITERATIONS + 2 * plan.run_ahead
+
+
+def steady_iterations(plan: PlacementPlan) -> tuple[int, int]:
+    """``(first, last)``: the unrolled iterations whose ends bound the steady state of ``plan``'s schedule, whose
+    time per iteration is ``(end of last - end of first) / (last - first)``.
+
+    The fixed schedule is lockstep: from the 2nd iteration's end (the first one trains nothing with a staleness
+    bound) to the last's. A free-running plan is a pipeline of two sides, the generation side up to ``r =
+    run_ahead`` iterations ahead: its first ``r`` iterations fill the pipeline (the generation side runs alone, then
+    beside the training side, until it waits for the weights), and its training side's last ``r`` iterations drain
+    it (no generation beside them: faster than the steady state); both are left out."""
+    r = plan.run_ahead
+    return 1 + r, UNROLLED_ITERATIONS - 1 + r
 
 
 def forward_flops(shape: RoleShape, batch: int, length: int) -> float:
@@ -744,13 +867,18 @@ class Task:
     seconds: float
     """Duration at full speed."""
     compute: bool = True
-    """Whether it computes (and so shares the cores with other computing ranks) or only communicates."""
+    """Whether it computes (its seconds are one rank's alone, at full speed) or communicates (its seconds are the
+    collective's, measured with its own ranks busy); either way its ranks share a CPU node's cores with the other
+    busy ranks (:func:`_shared_speeds`)."""
+    after: tuple[str, ...] = ()
+    """Names of tasks it also waits for, on other ranks (a free-running plan's two sides meet only this way)."""
 
 
 def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
     """(start, end) of every task. Each rank runs its tasks in list order; a task starts when all its ranks reach
-    it (so tasks on disjoint ranks overlap and tasks sharing a rank serialise). While more ranks of a node compute
-    than it has cores, each computing task slows to the node's share of the cores (processor sharing)."""
+    it (so tasks on disjoint ranks overlap and tasks sharing a rank serialise) and the tasks it names in
+    :attr:`Task.after` have ended. While more ranks of a node are busy than it has cores, tasks slow down
+    (processor sharing, :func:`_shared_speeds`)."""
     queues: dict[int, list[int]] = {}
     for i, task in enumerate(tasks):
         if not task.ranks:
@@ -758,8 +886,9 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
         for r in task.ranks:
             queues.setdefault(r, []).append(i)
     heads = dict.fromkeys(queues, 0)
-    # A task starts once each of its ranks has it next: count down the ranks it still waits for.
+    # A task starts once each of its ranks has it next and each task it comes after has ended: count down both.
     waiting_for = [len(set(t.ranks)) for t in tasks]
+    dependents = _dependents(tasks, waiting_for)
     ready: list[int] = []
     for queue in queues.values():
         waiting_for[queue[0]] -= 1
@@ -782,17 +911,7 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
         if cluster.cores_per_node is None:  # a core per rank (GPUs): every task runs at full speed
             speed = dict.fromkeys(running, 1.0)
         else:
-            busy: dict[int, int] = {}
-            for i in running:
-                if tasks[i].compute:
-                    for r in tasks[i].ranks:
-                        busy[cluster.node_of(r)] = busy.get(cluster.node_of(r), 0) + 1
-            speed = {
-                i: min(cluster.compute_share(busy[cluster.node_of(r)]) for r in tasks[i].ranks)
-                if tasks[i].compute
-                else 1.0
-                for i in running
-            }
+            speed = _shared_speeds(tasks, running, cluster)
         step = min(remaining[i] / speed[i] for i in running)
         now += step
         for i in sorted(running):
@@ -801,6 +920,10 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
                 running.discard(i)
                 spans[i] = (spans[i][0], now)
                 done += 1
+                for following in dependents.get(i, ()):
+                    waiting_for[following] -= 1
+                    if not waiting_for[following]:
+                        ready.append(following)
                 for r in tasks[i].ranks:
                     heads[r] += 1
                 for r in dict.fromkeys(tasks[i].ranks):  # each rank moves on to its next task
@@ -810,3 +933,49 @@ def simulate(tasks: list[Task], cluster: Cluster) -> list[tuple[float, float]]:
                         if not waiting_for[following]:
                             ready.append(following)
     return spans
+
+
+def _shared_speeds(tasks: list[Task], running: set[int], cluster: Cluster) -> dict[int, float]:
+    """Speed of each running task on CPU nodes, where every rank in a task, computing or communicating, keeps a
+    process busy on its node's cores (a gloo collective's copies, reductions and wake-ups are CPU work too). A
+    computing task runs at its node's share of the cores for that many busy ranks. A collective's time was
+    measured with just its own ranks busy (the latency of fresh processes, a DDP step on its group), so it slows
+    only by the ranks beyond them: its share for all busy ranks over its share for its own. On the lockstep schedule
+    collectives mostly run alone (world gathers, or one group waiting for another); a free-running side's gathers
+    and updates run beside the other side's computing, and take about twice as long on 4 processes and 2 cores."""
+    busy: dict[int, int] = {}
+    for i in running:
+        for r in tasks[i].ranks:
+            busy[cluster.node_of(r)] = busy.get(cluster.node_of(r), 0) + 1
+    speed = {}
+    for i in running:
+        task = tasks[i]
+        if task.compute:
+            speed[i] = min(cluster.compute_share(busy[cluster.node_of(r)]) for r in task.ranks)
+            continue
+        own: dict[int, int] = {}
+        for r in task.ranks:
+            own[cluster.node_of(r)] = own.get(cluster.node_of(r), 0) + 1
+        speed[i] = min(min(1.0, cluster.compute_share(busy[node]) / cluster.compute_share(n)) for node, n in own.items())
+    return speed
+
+
+def _dependents(tasks: list[Task], waiting_for: list[int]) -> dict[int, list[int]]:
+    """Task index -> the tasks that name it in :attr:`Task.after`; adds each such dependency to ``waiting_for``."""
+    after = [i for i, t in enumerate(tasks) if t.after]
+    if not after:  # the common case: ranks alone order the tasks
+        return {}
+    index: dict[str, int] = {}
+    for i, task in enumerate(tasks):
+        if index.setdefault(task.name, i) != i:
+            index[task.name] = -1  # ambiguous: only an error if a task depends on it
+    dependents: dict[int, list[int]] = {}
+    for i in after:
+        for name in dict.fromkeys(tasks[i].after):
+            j = index.get(name)
+            if j is None or j < 0:
+                raise ValueError(f"Task {tasks[i].name!r} waits for {name!r}, which "
+                                 f"{'is no task' if j is None else 'names several tasks'}.")
+            dependents.setdefault(j, []).append(i)
+            waiting_for[i] += 1
+    return dependents
