@@ -24,6 +24,9 @@ the planner's chosen plan when it is not a preset, it
 A case whose two share measurements differ by more than ``--max-share-change`` (relative, for any k) is measured
 again (up to ``--retries`` times): the machine's load moved while it ran. Prints a markdown table (docs/planner.md shows one)
 and, with ``--json``, writes every figure.
+
+``--plot-from FILE.json --replay --plot FILE.png`` predicts every recorded row again with today's cost model from the
+inputs recorded with it (no training), prints the table and draws it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from lightning_app_rlhf.planner import (
     plan_placement,
     role_shape,
 )
+from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
 from lightning_app_rlhf.planner.profiler import (
     Profile,
     measure_collectives_in_processes,
@@ -74,7 +78,7 @@ PRESETS = {
     "separation": separation_plan,
     # Bounded staleness on the fixed schedule (SeparationStrategy(max_staleness=k)): k=1 is overlap=True.
     **{f"separation_k{k}": partial(separation_plan, max_staleness=k) for k in (1, 2, 4)},
-    # Free-running (SeparationStrategy(max_staleness=k, free_running=True)), priced as the fixed schedule.
+    # Free-running (SeparationStrategy(max_staleness=k, free_running=True)): two sides, each at its own pace.
     **{f"separation_free_k{k}": partial(separation_plan, max_staleness=k, free_running=True) for k in (0, 1, 2, 4)},
 }
 DEFAULT_PRESETS = ("flattening", "interleaving", "separation")
@@ -97,7 +101,7 @@ def phase_of(task: str) -> str:
     """The ``training_step`` phase a cost-model task belongs to."""
     if task.startswith("actor.generate"):
         return "generate"
-    if task.endswith(".reallocate"):
+    if task.endswith((".reallocate", ".publish", ".take")):  # free-running: the weights published and taken
         return "reallocate"
     if ".train" in task or task.endswith(".stats"):
         return "train"
@@ -238,6 +242,75 @@ def measure_case(
     }
 
 
+SHORT_CALLS = {"act.gen": "actor.generate", "ref.for": "reference.forward", "rew.for": "reward.forward",
+               "cri.for": "critic.forward", "act.tra": "actor.train", "cri.tra": "critic.train"}
+"""The call names of older labels (``act.gen=0-1``)."""
+
+
+def recorded_plan(row: dict[str, Any]) -> PlacementPlan:
+    """The plan a recorded row measured: its preset, or the plan its label names (the planner's choice, DDP)."""
+    n = row["processes"]
+    if row["plan"] in PRESETS:
+        return PRESETS[row["plan"]](n)
+    tokens = row["plan_label"].split()
+    calls: dict[str, tuple[int, ...]] = {}
+    for i, token in enumerate(tokens):
+        short, _, ranks = token.partition("=")
+        if short in SHORT_CALLS:  # act.gen=0-1
+            calls[SHORT_CALLS[short]] = _ranks(ranks)
+        elif token.endswith((".generate", ".forward", ".train")):  # actor.generate 0-1
+            calls[token] = _ranks(tokens[i + 1])
+    return PlacementPlan(n, calls, {"actor": "ddp", "critic": "ddp"}, name=tokens[0])
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    """``0-2,5`` -> ``(0, 1, 2, 5)``."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return tuple(out)
+
+
+def replayed_prediction(row: dict[str, Any], results: dict[str, Any]) -> float:
+    """Seconds per iteration the current cost model predicts for a recorded row, given what was measured with it
+    (the profile, the gloo bandwidths, each run's all-gather latency and compute shares): the mean over its runs.
+    A change of the cost model shows here without training again.
+
+    Args:
+        row: One of ``results["rows"]``.
+        results: What ``--json`` wrote (its ``profiles`` and ``profiled_on`` too).
+    """
+    n, workload = row["processes"], demo_workload(MODELS[row["model"]])
+    ops = results["profiles"][f"{row['model']} x{n}"]
+    used = row["planned_with"]
+    device = replace(DEVICE_TYPES["cpu"], intra_node_bandwidth=used["all_gather_bandwidth"],
+                     all_reduce_bandwidth=used["all_reduce_bandwidth"])
+    choice = PlanChoice(recorded_plan(row))
+    predictions = []
+    for run in row["runs"]:
+        at_run = replace(device, collective_latency_s=run["collective_latency_s"])
+        cluster = cluster_from_environment(n, at_run, cores=2, compute_shares=tuple(run["compute_shares"]))
+        model = CostModel(cluster, workload, Profile(results["profiled_on"], at_run, ops))
+        predictions.append(model.evaluate(choice).iteration_s)
+    return statistics.mean(predictions)
+
+
+def replay(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with every row's prediction (and error) made again by the current cost model
+    (:func:`replayed_prediction`); prints the rows as a markdown table."""
+    rows = []
+    print("| model | processes | plan | measured s/iter | predicted s/iter | error | was predicted |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for row in results["rows"]:
+        predicted = replayed_prediction(row, results)
+        error = (predicted - row["measured_s"]) / row["measured_s"]
+        rows.append({**row, "predicted_s": predicted, "error": error})
+        print(f"| {row['model']} | {row['processes']} | {row['plan']} | {row['measured_s']:.3f} | {predicted:.3f} | "
+              f"{error:+.0%} | {row['predicted_s']:.3f} |")
+    return {**results, "rows": rows}
+
+
 def _mean_phases(runs: Any) -> dict[str, float]:
     runs = list(runs)
     return {p: statistics.mean(r[p] for r in runs) for p in PHASES}
@@ -337,11 +410,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("--plot", type=Path, default=None, help="draw predicted vs measured here (a .png)")
     parser.add_argument("--plot-from", type=Path, default=None, help="only draw --plot from this --json file")
+    parser.add_argument("--replay", action="store_true",
+                        help="with --plot-from: predict every row again with the current cost model first")
     parser.add_argument("--curves", type=Path, default=None,
                         help="draw reward against training time per plan here (a .png)")
     args = parser.parse_args()
     if args.plot_from is not None:
         figures = json.loads(args.plot_from.read_text())
+        if args.replay:
+            figures = replay(figures)
         plot(figures, args.plot or args.plot_from.with_suffix(".png"))
         if args.curves is not None:
             plot_curves(figures, args.curves)
