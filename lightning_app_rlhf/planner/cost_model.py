@@ -956,7 +956,9 @@ def _shared_speeds(tasks: list[Task], running: set[int], cluster: Cluster) -> di
         own: dict[int, int] = {}
         for r in task.ranks:
             own[cluster.node_of(r)] = own.get(cluster.node_of(r), 0) + 1
-        speed[i] = min(min(1.0, cluster.compute_share(busy[node]) / cluster.compute_share(n)) for node, n in own.items())
+        # (at most full speed: measured shares can rise by a little with more busy ranks)
+        speed[i] = min(min(1.0, cluster.compute_share(busy[node]) / cluster.compute_share(n))
+                       for node, n in own.items())
     return speed
 
 
