@@ -75,3 +75,20 @@ def test_free_running_steps_are_collectives_of_their_side():
     assert held[plan.training_ranks[0]] == 3 * trained  # run_ahead + 1 = k + 2 versions, both roles
     assert held[0] == 2 * len(plan.training_ranks) * model.experience_bytes()  # rollouts sent, not yet received
     assert PlanChoice(plan).key != PlanChoice(fixed).key
+
+
+def test_the_search_prices_free_running_separation_when_staleness_is_allowed():
+    """``max_staleness`` above 0: beside the fixed schedule at staleness 1, a plan whose generation ranks hold every
+    generate and forward call is priced free-running too (no faster than the slower side allows, and here faster
+    than the fixed schedule: its generation side gathers among its own ranks)."""
+    from lightning_app_rlhf.planner import plan_placement
+    from lightning_app_rlhf.planner.search import staleness_variants
+
+    cluster, workload = parse_cluster("1x8xA100-80GB"), llama_workload("llama-7b")
+    on_policy = plan_placement(cluster, workload, search="presets")
+    assert not any(c.plan.free_running for c in on_policy.candidates)
+    variants = staleness_variants(CostModel(cluster, workload), list(on_policy.presets.values()))
+    free = [c for c in variants if c.plan.free_running]
+    assert [c.plan.name for c in free] == ["separation"] and free[0].plan.max_staleness == 1
+    fixed = next(c for c in variants if c.plan.name == "separation" and not c.plan.free_running)
+    assert free[0].estimate.iteration_s < fixed.estimate.iteration_s

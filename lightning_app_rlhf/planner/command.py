@@ -107,7 +107,7 @@ class PlanOptions:
     max_staleness: int = 0
     """The staleness bound the plans may use (SeparationStrategy(max_staleness=...)): above 0, plans whose training
     can run beside their generation are also priced training on the previous rollout (staleness 1, column
-    "stale"). 0: on-policy plans only."""
+    "stale"), and Separation plans free-running too ("1 free"). 0: on-policy plans only."""
     json: bool = False
     """Print JSON instead of tables."""
     realhf_sweep: bool = False
@@ -457,7 +457,7 @@ def print_report(report: PlanReport) -> None:
             c.source,
             c.plan.name,
             " ".join(role_wrappers(c.plan.wrappers)) + ("" if c.plan.unshard_for_generation else " gen:gather/step"),
-            str(c.plan.max_staleness),
+            f"{c.plan.max_staleness} free" if c.plan.free_running else str(c.plan.max_staleness),
             str(c.choice.generation_batch or "all"),
             str(c.choice.micro_batch or "all"),
             _seconds_per_iteration(e.iteration_s) if e.fits else "-",

@@ -268,8 +268,10 @@ def _searched_candidates(model: CostModel, presets: list[Candidate], search: str
 
 def staleness_variants(model: CostModel, candidates: list[Candidate]) -> list[Candidate]:
     """Each distinct candidate whose train calls can run beside its generation (disjoint ranks, no trainable role
-    scoring on its own train ranks), priced with ``max_staleness`` 1: the engine's schedule is lockstep (the groups
-    meet in every iteration's gathers), so a larger bound would cost the same and only train on older data."""
+    scoring on its own train ranks), priced with ``max_staleness`` 1 on the fixed schedule, and free-running where
+    its generation ranks hold every generate and forward call (a Separation plan, ``PlacementPlan.free_running``).
+    A larger bound would cost the same and only train on older data: the fixed schedule is lockstep (the groups
+    meet in every iteration's gathers), and free-running's two sides already run each at its own pace at 1."""
     out = []
     for candidate in _distinct(candidates, len(candidates)):
         plan = candidate.plan
@@ -277,6 +279,11 @@ def staleness_variants(model: CostModel, candidates: list[Candidate]) -> list[Ca
         if plan.overlap or training & set(plan.ranks(ACTOR.call("generate"))) or scores_on_train_ranks(plan):
             continue
         out.append(Candidate(evaluate(model, dataclasses.replace(plan, max_staleness=1)), candidate.source))
+        try:  # the plan validates the split: generate and forwards on the same ranks, no tensor-parallel copy there
+            free = dataclasses.replace(plan, max_staleness=1, free_running=True)
+        except ValueError:
+            continue
+        out.append(Candidate(evaluate(model, free), candidate.source))
     return out
 
 
