@@ -132,7 +132,8 @@ class FreeRunningLink:
     def send_experience(self, payload: dict[str, Any], iteration: int) -> None:
         """Generation leader: start sending rollout ``iteration``'s experience to every training rank."""
         for rank in self.placement.plan.training_ranks:
-            self.in_flight += self.placement.send_payload(payload, rank, iteration)
+            self.in_flight += self.placement.send_payload(payload, rank, iteration, f"the rollout of iteration {iteration}",
+                                                          ACTOR.call("generate"))
         self.in_flight = self.placement.pending_sends(self.in_flight)
 
     def receive_experience(self, iteration: int) -> dict[str, Any]:

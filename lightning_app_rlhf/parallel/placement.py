@@ -220,16 +220,19 @@ class Placement:
 
     # ---- free-running: the generation side and the training side apart (PlacementPlan.free_running) ----
 
-    def send_payload(self, payload: dict[str, Any], dst: int, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
+    def send_payload(self, payload: dict[str, Any], dst: int, tag: int, what: str,
+                     call: str) -> list[tuple[dist.Work, torch.Tensor]]:
         """Start sending ``payload`` (tensors, numbers, strings, in dicts and lists) to rank ``dst``, point to point:
         its size, then its bytes (``torch.save``). Returns the sends in flight with their buffers, which must stay
         alive until they complete (:meth:`pending_sends`, :meth:`finish_sends`); ``dst`` receives it with
-        :meth:`receive_payload` and the same ``tag``."""
+        :meth:`receive_payload` and the same ``tag``. A dead ``dst`` fails the send at once: a
+        :class:`PlacementError` naming ``what``, ``call`` and (from the heartbeats) the dead rank."""
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.long)
-        return [(dist.isend(size, dst, tag=2 * tag), size), (dist.isend(data, dst, tag=2 * tag + 1), data)]
+        with self.collective(call, f"send of {what} to rank {dst}"):
+            return [(dist.isend(size, dst, tag=2 * tag), size), (dist.isend(data, dst, tag=2 * tag + 1), data)]
 
     def receive_payload(self, src: int, tag: int, what: str, call: str) -> dict[str, Any]:
         """Receive what rank ``src`` sent with :meth:`send_payload` and ``tag``, waiting at most the placement's
