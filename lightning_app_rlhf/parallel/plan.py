@@ -255,6 +255,24 @@ class PlacementPlan:
     def ranks(self, call: str) -> tuple[int, ...]:
         return self.calls[call]
 
+    def for_roles(self, roles: tuple[str, ...]) -> PlacementPlan:
+        """This plan without the calls, wrappers and tensor-parallel degrees of the roles outside ``roles`` (an
+        algorithm's): a plan written for PPO's four roles places an algorithm with fewer (no critic; no reference at
+        KL 0) as it stands, so a config with a plan of its own runs every algorithm. A role it lacks stays missing
+        (:meth:`check_roles` names it).
+
+        Args:
+            roles: The roles the algorithm uses.
+        """
+        unused = set(self.roles) - set(roles)
+        if not unused:
+            return self
+        fields = self.to_dict()
+        fields["calls"] = {c: r for c, r in fields["calls"].items() if role_of(c) not in unused}
+        fields["wrappers"] = {role: w for role, w in fields["wrappers"].items() if role not in unused}
+        fields["tp"] = {c: t for c, t in fields["tp"].items() if role_of(c) not in unused}
+        return PlacementPlan.from_dict(fields)
+
     def check_roles(self, roles: tuple[str, ...], algorithm: str) -> None:
         """Raise a ``ValueError`` naming the fix unless the plan places exactly ``roles`` (an algorithm's)."""
         if set(self.roles) != set(roles):

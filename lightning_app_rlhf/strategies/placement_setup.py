@@ -172,11 +172,12 @@ def plan_for(
     plan: PlacementPlan | Callable[..., PlacementPlan], world_size: int, roles: tuple[str, ...]
 ) -> PlacementPlan:
     """``plan`` itself, or built by it: a builder ``(world_size, roles=...)`` gets the algorithm's ``roles``, a
-    user's ``(world_size)`` the world size alone."""
+    user's ``(world_size)`` the world size alone; either way without the calls of roles outside ``roles``
+    (:meth:`PlacementPlan.for_roles`: a plan written for PPO runs a critic-free algorithm too)."""
     if not callable(plan):
-        return plan
+        return plan.for_roles(roles)
     takes_roles = "roles" in inspect.signature(plan).parameters
-    return plan(world_size, roles=roles) if takes_roles else plan(world_size)
+    return (plan(world_size, roles=roles) if takes_roles else plan(world_size)).for_roles(roles)
 
 
 def place(
