@@ -124,7 +124,15 @@ class RLHFCLI(LightningCLI):
     @override
     def instantiate_classes(self) -> None:
         if self.subcommand != PLAN:
-            super().instantiate_classes()
+            try:
+                super().instantiate_classes()
+            except ValueError as err:  # jsonargparse re-raises the class's error with it as the cause
+                cause = err.__cause__ if isinstance(err.__cause__, ValueError) else err
+                if not _raised_here(cause):
+                    raise  # not a check of this package's: the traceback is the useful part
+                # A setting this package refused: its message names the fix, and 30 lines of jsonargparse and
+                # Lightning frames would bury it.
+                sys.exit(report_error(cause))
             return
         # No Trainer (the config's accelerator and devices need not exist on this machine) and no models:
         # RLHFModule builds them in configure_model, which planning never calls.
@@ -257,6 +265,15 @@ def _list_registered_backends(parser: LightningArgumentParser) -> None:
         if action.dest.endswith("generation.backend"):
             action.metavar = "{" + ",".join(names) + "}"
             action.help = f"{action.help or ''} Registered: {', '.join(names)}.".lstrip()
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether ``error`` was raised by this package's own code (its innermost frame is in it): a check of the
+    config's values, whose message says what to change."""
+    traceback, package = error.__traceback__, Path(__file__).resolve().parent
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    return traceback is not None and Path(traceback.tb_frame.f_code.co_filename).resolve().is_relative_to(package)
 
 
 def _first_sentence(method: Any) -> str:

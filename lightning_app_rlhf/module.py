@@ -59,10 +59,13 @@ class RLHFModule(pl.LightningModule):
         reward_model: A sequence classifier with one label. Give this or ``reward_fn``.
         reward_fn: ``(prompts, responses, **row_fields) -> scores`` on decoded text, or its import path. It also
             receives the prompt rows' other fields (e.g. ``answer``) when its signature names them.
-        generation: Sampling settings for rollouts (``num_samples`` responses per prompt).
-        ppo: Hyper-parameters of the update, for every algorithm.
+        generation: Sampling settings for rollouts (``num_samples`` responses per prompt; None: the algorithm's own).
+        ppo: Hyper-parameters of the update, for every algorithm; those of one family (``scale_rewards``,
+            ``whiten_advantages``) default to the algorithm's own, and ``per_algorithm`` scopes settings to algorithms.
         actor_optimizer: Builds the actor's optimizer from its parameters. Default: fused AdamW, lr 1e-5.
-        critic_optimizer: Builds the critic's optimizer (``ppo`` only). Default: fused AdamW, lr 1e-5.
+        critic_optimizer: Builds the critic's optimizer (``ppo`` only). Default: ``actor_optimizer`` (the same
+            optimizer and settings, as TRL's one learning rate for policy and value), else fused AdamW, lr 1e-5; so a
+            config need not name the critic, and every algorithm runs it.
         actor_scheduler: Builds the actor's LR scheduler; stepped once per iteration.
         critic_scheduler: Builds the critic's LR scheduler; stepped once per iteration.
         seed: Keys sampling noise and minibatch order. Default: the seed of ``seed_everything``, else 0.
@@ -106,7 +109,7 @@ class RLHFModule(pl.LightningModule):
         self.tokenizer = load_tokenizer(tokenizer)
         # Named `{role}_optimizer` / `{role}_scheduler`, as the arguments: configure_optimizers finds them by role.
         self.actor_optimizer = actor_optimizer or default_optimizer
-        self.critic_optimizer = (critic_optimizer or default_optimizer) if self.has_critic else None
+        self.critic_optimizer = (critic_optimizer or actor_optimizer or default_optimizer) if self.has_critic else None
         self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
         self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
         self.preemption_checkpoint = preemption_checkpoint

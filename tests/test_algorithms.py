@@ -537,8 +537,29 @@ def test_the_new_algorithms_take_their_papers_defaults_and_keep_what_the_user_se
         build_algorithm("dapo", PPOConfig(overlong_buffer=24), GenerationConfig(num_samples=2, max_new_tokens=24))
     with pytest.raises(ValueError, match="clip_ratio_low must be at most 1"):
         PPOConfig(clip_ratio_low=1.5)
-    with pytest.raises(ValueError, match="scale_rewards='batch' applies to GRPO's group advantages"):
+    with pytest.raises(ValueError, match="scale_rewards='batch' is a setting of .*not of algorithm 'rloo'"):
         algorithm("rloo", num_samples=2, scale_rewards="batch")
+
+
+def test_settings_of_some_algorithms_default_to_the_running_algorithms_own():
+    """None is each algorithm's own: GRPO's family scales by the group's std, PPO whitens, the algorithms that
+    compare a prompt's responses sample 4 of them and the others 1; a setting in ``ppo.per_algorithm`` applies only
+    to the algorithm it names, over the top-level one."""
+    for name in sorted(ALGORITHMS):
+        built = build_algorithm(name, PPOConfig(), GenerationConfig())
+        cls = ALGORITHMS[name]
+        assert built.generation.num_samples == (4 if cls.min_group_size > 1 else 1), name
+        assert built.config.scale_rewards == ("group" if cls.advantage_estimator == "grpo" else None), name
+        assert built.config.whiten_advantages == (True if name == "ppo" else None), name
+    scoped = {"grpo": {"scale_rewards": "batch", "clip_range": 0.1}, "ppo": {"whiten_advantages": False}}
+    assert build_algorithm("grpo", PPOConfig(per_algorithm=scoped), GenerationConfig()).config.scale_rewards == "batch"
+    assert build_algorithm("grpo", PPOConfig(per_algorithm=scoped), GenerationConfig()).config.clip_epsilons() == (
+        0.1, 0.1)
+    assert build_algorithm("dapo", PPOConfig(per_algorithm=scoped), GenerationConfig()).config.scale_rewards == "group"
+    assert build_algorithm("ppo", PPOConfig(per_algorithm=scoped), GenerationConfig()).config.whiten_advantages is False
+    rloo = build_algorithm("rloo", PPOConfig(per_algorithm=scoped), GenerationConfig())
+    assert rloo.config.scale_rewards is None and rloo.config.clip_epsilons() == (0.2, 0.2)
+    assert build_algorithm("ppo", PPOConfig(), GenerationConfig(num_samples=3)).generation.num_samples == 3
 
 
 @pytest.mark.parametrize("name", ["dapo", "gspo", "gspo_token", "cispo"])

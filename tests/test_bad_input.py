@@ -102,17 +102,39 @@ def test_prompt_capped_by_max_prompt_length_fits(tokenizer, tiny_gpt2_config):
 
 
 def test_scale_rewards_outside_its_values():
-    with pytest.raises(ValueError, match=r"ppo\.scale_rewards must be 'group', 'batch' or 'none', got 'std'"):
+    with pytest.raises(ValueError, match=r"ppo\.scale_rewards must be 'group', 'batch' or 'none' \(or None for the "
+                                         r"algorithm's own\), got 'std'"):
         PPOConfig(scale_rewards="std")
 
 
 def test_scale_rewards_on_an_algorithm_other_than_grpo():
     """Dr. GRPO never scales, RLOO and the others have no group std: a scale_rewards there would do nothing (it
-    applies to the algorithms with GRPO's advantages: grpo, dapo, gspo, gspo_token, cispo)."""
-    with pytest.raises(ValueError, match=r"applies to GRPO's group advantages \(\['cispo', 'dapo', 'grpo', 'gspo', "
-                                         r"'gspo_token'\]\), not to 'rloo': remove it, or use "):
+    applies to the algorithms with GRPO's advantages: grpo, dapo, gspo, gspo_token, cispo). The message says how a
+    config meant for several algorithms gives it."""
+    with pytest.raises(ValueError, match=r"ppo\.scale_rewards='batch' is a setting of \['cispo', 'dapo', 'grpo', "
+                                         r"'gspo', 'gspo_token'\], not of algorithm 'rloo'\. Remove it .*"
+                                         r"ppo\.per_algorithm: \{cispo: \{scale_rewards: batch\}"):
         make_module(reward_fn=lambda p, r: [0.0] * len(r), algorithm="rloo",
                     generation=GenerationConfig(num_samples=2), ppo=PPOConfig(scale_rewards="batch"))
+
+
+def test_whiten_advantages_on_an_algorithm_other_than_ppo():
+    with pytest.raises(ValueError, match=r"ppo\.whiten_advantages=False is a setting of \['ppo'\], not of "
+                                         r"algorithm 'reinforce_pp'"):
+        make_module(reward_fn=lambda p, r: [0.0] * len(r), algorithm="reinforce_pp",
+                    ppo=PPOConfig(whiten_advantages=False))
+
+
+def test_per_algorithm_names_and_settings():
+    """A typo in ``ppo.per_algorithm`` would leave its settings unused without a word: both kinds are refused."""
+    with pytest.raises(ValueError, match=r"ppo\.per_algorithm\.grpo sets \['scale_reward'\], which are not ppo "
+                                         r"settings"):
+        PPOConfig(per_algorithm={"grpo": {"scale_reward": "batch"}})
+    with pytest.raises(ValueError, match=r"ppo\.scale_rewards must be 'group', 'batch' or 'none'"):
+        PPOConfig(per_algorithm={"grpo": {"scale_rewards": "std"}})
+    with pytest.raises(ValueError, match=r"ppo\.per_algorithm names \['gpro'\], which are no registered algorithms"):
+        make_module(reward_fn=lambda p, r: [0.0] * len(r), algorithm="grpo",
+                    ppo=PPOConfig(per_algorithm={"gpro": {"scale_rewards": "batch"}}))
 
 
 # ---- batch shape ----

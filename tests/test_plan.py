@@ -227,7 +227,8 @@ def test_plan_reads_the_config_s_algorithm_and_callbacks(capsys):
     (["--trainer.accelerator", "gpu", "--trainer.devices", "4"], "pass --cluster 1x4xTYPE"),
     (["--cluster", "1x8xTPU-v9"], "Unknown device type 'TPU-v9'"),
     (["--data.prompts", "missing.jsonl"], "Prompt file 'missing.jsonl' does not exist"),
-    (["--model.algorithm", "grpo"], "error: Algorithm 'grpo'"),  # RLHFModule's own check, unwrapped
+    (["--model.algorithm", "grpo", "--model.generation.num_samples", "1"],  # RLHFModule's own check, unwrapped
+     "error: Algorithm 'grpo'"),
     (["--cluster", "1x4xcpu", "--data.batch_size", "31"], "is not divisible by num_minibatches"),
 ])
 def test_plan_errors_name_the_fix(capsys, args, message):

@@ -103,7 +103,8 @@ def gae(scored: ScoredRollout, config: PPOConfig) -> tuple[torch.Tensor, torch.T
     mask = scored.response_mask
     rewards = functional.token_rewards(scored.scores, scored.kl, scored.kl_coef, mask)
     advantages, returns = functional.gae_advantages(rewards, scored.values, mask, config.gamma, config.lam)
-    if config.whiten_advantages and mask.sum() > 1:  # every score skipped: nothing to whiten or learn
+    whiten = config.whiten_advantages is not False  # None (a config no algorithm resolved): PPO's own, whitened
+    if whiten and mask.sum() > 1:  # every score skipped: nothing to whiten or learn
         advantages = functional.masked_whiten(advantages, mask)
     return advantages, returns
 

@@ -10,7 +10,7 @@ loss, a function decorated with ``register_advantage_estimator`` / ``register_po
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -32,7 +32,12 @@ from lightning_app_rlhf.core.role_table import (
 if TYPE_CHECKING:  # calls.py imports the functional math from this package: no import back at runtime
     from lightning_app_rlhf.models.calls import Experience
 
-__all__ = ["ALGORITHMS", "Algorithm", "ScoredRollout", "build_algorithm", "register_algorithm"]
+__all__ = ["ALGORITHMS", "FAMILY_SETTINGS", "Algorithm", "ScoredRollout", "build_algorithm", "register_algorithm"]
+
+FAMILY_SETTINGS = ("scale_rewards", "whiten_advantages")
+"""The ``ppo`` settings only some algorithms have (:attr:`Algorithm.own_settings`). Their default, None, is the
+running algorithm's own value; a value given to an algorithm without the setting is refused, unless it is given in
+``ppo.per_algorithm`` for the algorithms that have it."""
 
 
 class Algorithm:
@@ -68,6 +73,12 @@ class Algorithm:
     """Its paper's ``ppo.overlong_buffer`` as a fraction of ``generation.max_new_tokens``, used when it is None."""
     default_dynamic_sampling: ClassVar[bool] = False
     """Its paper's ``ppo.dynamic_sampling``, used when it is None."""
+    default_num_samples: ClassVar[int | None] = None
+    """Its ``generation.num_samples``, used when that is None. None: 1, or ``max(4, min_group_size)`` when it compares
+    a prompt's responses (``min_group_size`` above 1; GRPO's paper uses more, 4 keeps a CPU demo fast)."""
+    own_settings: ClassVar[dict[str, Any]] = {}
+    """The family settings (:data:`FAMILY_SETTINGS`) it has, each with its own value, used where ``ppo`` leaves it
+    None; a family setting it does not list is refused when given."""
     policy_stats: ClassVar[tuple[str, ...]] = ("policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy")
     """The statistics its policy loss reports, besides ``policy/kl_loss`` (with a KL loss term), in a fixed order."""
     value_stats: ClassVar[tuple[str, ...]] = ("value/loss", "value/clipfrac")
@@ -76,16 +87,21 @@ class Algorithm:
     def __init__(self, config: PPOConfig, generation: GenerationConfig) -> None:
         self.config = config
         self.generation = generation
+        config.apply_per_algorithm(self.name)
         self.loss_agg_mode = config.loss_agg_mode or self.default_loss_agg_mode
         self._resolve_defaults(config, generation)
         if not self.uses_kl:
             self.roles = tuple(r for r in type(self).roles if r != REFERENCE.name)
+        if generation.num_samples is None:
+            own = 1 if self.min_group_size < 2 else max(4, self.min_group_size)
+            generation.num_samples = own if self.default_num_samples is None else self.default_num_samples
         if generation.num_samples < self.min_group_size:
             raise ValueError(
                 f"Algorithm {self.name!r} compares the responses of one prompt with each other and needs at least "
                 f"{self.min_group_size} per prompt; generation.num_samples is {generation.num_samples}. Set "
                 f"generation.num_samples to {max(self.min_group_size, 4)} or more (e.g. --model.generation.num_samples "
-                f"{max(self.min_group_size, 4)}), or use algorithm 'ppo' or 'reinforce_pp'."
+                f"{max(self.min_group_size, 4)}), or leave it unset for the algorithm's own, or use algorithm 'ppo' or "
+                "'reinforce_pp'."
             )
         # Looked up once: a name unregistered since the class was registered fails here, not mid-iteration.
         self._estimator = get_advantage_estimator(self.advantage_estimator)
@@ -105,6 +121,7 @@ class Algorithm:
         low, high = self.default_clip_ratio or (config.clip_range, config.clip_range)
         config.clip_ratio_low = low if config.clip_ratio_low is None else config.clip_ratio_low
         config.clip_ratio_high = high if config.clip_ratio_high is None else config.clip_ratio_high
+        self._resolve_family_settings(config)
         if config.dynamic_sampling is None:
             config.dynamic_sampling = self.default_dynamic_sampling
         if config.dynamic_sampling and self.min_group_size < 2:
@@ -117,6 +134,23 @@ class Algorithm:
             raise ValueError(f"ppo.overlong_buffer ({config.overlong_buffer}) must be below generation.max_new_tokens "
                              f"({generation.max_new_tokens}): the penalty starts that many tokens before the limit. "
                              f"Lower it, e.g. to {generation.max_new_tokens // 5}.")
+
+    def _resolve_family_settings(self, config: PPOConfig) -> None:
+        """Its own value of each family setting ``config`` leaves None; a ``ValueError`` naming the fix for one it
+        does not have."""
+        for setting in FAMILY_SETTINGS:
+            value = getattr(config, setting)
+            if setting in self.own_settings:
+                setattr(config, setting, self.own_settings[setting] if value is None else value)
+                continue
+            if value is None:
+                continue
+            owners = sorted(name for name, cls in ALGORITHMS.items() if setting in cls.own_settings)
+            example = ", ".join(f"{name}: {{{setting}: {value}}}" for name in owners[:2])
+            raise ValueError(
+                f"ppo.{setting}={value!r} is a setting of {owners}, not of algorithm {self.name!r}. Remove it (each "
+                f"algorithm then uses its own), or, in a config meant for several algorithms, give it for those that "
+                f"have it only: ppo.per_algorithm: {{{example}, ...}}.")
 
     @property
     def uses_kl(self) -> bool:
@@ -228,9 +262,9 @@ def build_algorithm(name: str, config: PPOConfig, generation: GenerationConfig) 
         config: Hyper-parameters of the update.
         generation: Sampling settings.
     """
-    algorithm = ALGORITHMS.lookup(name)(config, generation)
-    if config.scale_rewards != "group" and algorithm.advantage_estimator != "grpo":
-        users = sorted(n for n, cls in ALGORITHMS.items() if cls.advantage_estimator == "grpo")
-        raise ValueError(f"ppo.scale_rewards={config.scale_rewards!r} applies to GRPO's group advantages ({users}), "
-                         f"not to {algorithm.name!r}: remove it, or use --model.algorithm grpo.")
-    return algorithm
+    cls = ALGORITHMS.lookup(name)
+    unknown = sorted(set(config.per_algorithm or {}) - set(ALGORITHMS))
+    if unknown:  # a typo there would leave its settings unused without a word
+        raise ValueError(f"ppo.per_algorithm names {unknown}, which are no registered algorithms: use names of "
+                         f"{sorted(ALGORITHMS)}.")
+    return cls(config, generation)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
 
 
@@ -17,5 +19,6 @@ class GRPO(Algorithm):
     name = "grpo"
     advantage_estimator = "grpo"
     min_group_size = 2
+    own_settings: ClassVar[dict[str, Any]] = {"scale_rewards": "group"}
     default_kl = (0.0, 0.04)
     default_loss_agg_mode = "seq_mean_token_mean"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from lightning_app_rlhf.algorithms.base import Algorithm, register_algorithm
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
 
@@ -16,3 +18,4 @@ class PPO(Algorithm):
     roles = ROLE_NAMES
     advantage_estimator = "gae"
     value_loss_mode = "clipped_mse"
+    own_settings: ClassVar[dict[str, Any]] = {"whiten_advantages": True}

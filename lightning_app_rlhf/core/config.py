@@ -39,9 +39,11 @@ class GenerationConfig:
     """Keep only the k most likely tokens when sampling (0 disables)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 disables)."""
-    num_samples: int = 1
+    num_samples: int | None = None
     """Responses sampled per prompt (the group size G of GRPO, RLOO and REINFORCE++-baseline). Each response's draws
-    are keyed by (seed, iteration, prompt index, sample index)."""
+    are keyed by (seed, iteration, prompt index, sample index). None: the algorithm's own: 4 for the algorithms that
+    compare a prompt's responses (the GRPO family, ``rloo``, ``reinforce_pp_baseline``), 1 for the others; so a
+    config switches between the two kinds with ``--model.algorithm`` alone."""
     batch_size: int | None = None
     """Rows sampled, and scored by each forward call (reference, critic, reward model), at once on a rank; None: the
     rank's whole shard at once. A shard is split into ceil(rows / batch_size) consecutive chunks of near-equal size
@@ -90,8 +92,9 @@ class GenerationConfig:
             raise ValueError(f"generation.top_k must be >= 0 (0 disables it), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}.")
-        if self.num_samples < 1:
-            raise ValueError(f"generation.num_samples must be >= 1 (responses per prompt), got {self.num_samples}.")
+        if self.num_samples is not None and self.num_samples < 1:
+            raise ValueError(f"generation.num_samples must be >= 1 (responses per prompt), or None for the algorithm's "
+                             f"own, got {self.num_samples}.")
         if self.batch_size is not None and (
             isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1
         ):
@@ -193,9 +196,10 @@ class PPOConfig:
     """Discount of GAE (``ppo``) and of the returns of REINFORCE++."""
     lam: float = 0.95
     """GAE lambda."""
-    whiten_advantages: bool = True
-    """``ppo``: normalise advantages over the valid response tokens of the rollout batch (REINFORCE++ always
-    does; the group algorithms never do)."""
+    whiten_advantages: bool | None = None
+    """``ppo`` only: normalise advantages over the valid response tokens of the rollout batch. None: the algorithm's
+    own (``ppo``: true; REINFORCE++ always whitens and the group algorithms never do, so they have no such setting:
+    a value given to them is refused, see ``per_algorithm``)."""
     kl_coef: float | None = None
     """Initial (or fixed) coefficient of the KL penalty in the reward: per token for ``ppo`` and REINFORCE++, summed
     over the response into the sequence reward for the group algorithms. 0 turns it off. None: the algorithm's
@@ -216,11 +220,13 @@ class PPOConfig:
     ``seq_mean_token_mean`` or ``seq_mean_token_sum_norm`` (Dr. GRPO's constant normaliser; veRL's hyphenated
     spellings work too). None: the algorithm's own (GRPO: seq_mean_token_mean; Dr. GRPO: seq_mean_token_sum_norm;
     the others: token_mean)."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """``grpo``: what the group-centred rewards are divided by (TRL's ``scale_rewards``): ``group``, each group's std
-    (the paper); ``batch``, the std of every valid reward of the rollout batch (one scale for all groups, as "Tricks or
-    Traps" / Lite PPO recommend: a group whose responses differ by a tiny penalty is not blown up to unit advantages);
-    ``none``, nothing (Dr. GRPO's advantage)."""
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    """The GRPO advantage's algorithms only (``grpo``, ``dapo``, ``gspo``, ``gspo_token``, ``cispo``): what the
+    group-centred rewards are divided by (TRL's ``scale_rewards``): ``group``, each group's std (the paper);
+    ``batch``, the std of every valid reward of the rollout batch (one scale for all groups, as "Tricks or Traps" /
+    Lite PPO recommend: a group whose responses differ by a tiny penalty is not blown up to unit advantages);
+    ``none``, nothing (Dr. GRPO's advantage). None: the algorithm's own (``group``). The other algorithms have no
+    such setting and refuse a value: give it in ``per_algorithm`` in a config meant for several algorithms."""
     dynamic_sampling: bool | None = None
     """DAPO's dynamic sampling, for an algorithm that compares the responses of a prompt (the GRPO family, RLOO):
     a group whose raw scores are all equal has no advantage signal and is dropped; within the same ``training_step``
@@ -271,6 +277,12 @@ class PPOConfig:
     max_grad_norm: float | None = 1.0
     """Gradient clipping by global norm for actor and critic (None disables; the norm is still measured, for
     ``max_consecutive_skipped_updates``)."""
+    per_algorithm: dict[str, dict[str, Any]] | None = None
+    """Settings of this config for particular algorithms: ``{algorithm name: {setting: value}}``, applied over the
+    others when ``model.algorithm`` is that name and unused otherwise. For the settings only some algorithms have
+    (``scale_rewards``, ``whiten_advantages``): set at the top level they are refused by an algorithm that does not
+    have them; here a config tuned for one family still runs every algorithm with ``--model.algorithm`` alone, e.g.
+    ``{grpo: {scale_rewards: batch}}`` (the GRPO demo's). None: none."""
     max_consecutive_skipped_updates: int = 3
     """A minibatch whose loss (policy, KL or value loss) or gradient norm is NaN or infinite takes no optimizer
     step: its gradients are zeroed, the weights and optimizer state stay as they were, a warning names it, and
@@ -326,8 +338,10 @@ class PPOConfig:
                              f"{self.rollout_is_threshold}.")
         if self.overlong_penalty_factor < 0:
             raise ValueError(f"ppo.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}.")
-        if self.scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"ppo.scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
+        if self.scale_rewards not in ("group", "batch", "none", None):
+            raise ValueError(f"ppo.scale_rewards must be 'group', 'batch' or 'none' (or None for the algorithm's "
+                             f"own), got {self.scale_rewards!r}.")
+        self._check_per_algorithm()
         if self.loss_agg_mode is not None:
             self.loss_agg_mode = self.loss_agg_mode.replace("-", "_")
             if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -343,6 +357,34 @@ class PPOConfig:
                              f"before the run stops), got {limit!r}.")
         if self.nonfinite_rewards not in ("raise", "skip"):
             raise ValueError(f"ppo.nonfinite_rewards must be 'raise' or 'skip', got {self.nonfinite_rewards!r}.")
+
+    def _check_per_algorithm(self) -> None:
+        """Each entry's settings are fields of this class, valid together with the others (the algorithm names are
+        checked when the algorithm is built: the registry is not known here)."""
+        if self.per_algorithm is None:
+            return
+        if not isinstance(self.per_algorithm, dict) or not all(
+                isinstance(name, str) and isinstance(entry, dict) for name, entry in self.per_algorithm.items()):
+            raise ValueError(f"ppo.per_algorithm must map algorithm names to settings, e.g. {{grpo: {{scale_rewards: "
+                             f"batch}}}}, got {self.per_algorithm!r}.")
+        known = {f.name for f in dataclasses.fields(self)} - {"per_algorithm"}
+        for name, entry in self.per_algorithm.items():
+            unknown = sorted(set(entry) - known)
+            if unknown:
+                raise ValueError(f"ppo.per_algorithm.{name} sets {unknown}, which are not ppo settings: use names of "
+                                 f"{sorted(known)}.")
+            dataclasses.replace(self, per_algorithm=None, **entry)  # the checks above, on the merged settings
+
+    def apply_per_algorithm(self, algorithm: str) -> None:
+        """Write ``per_algorithm[algorithm]``'s settings over these (nothing when it has no entry).
+
+        Args:
+            algorithm: The name of the algorithm that runs.
+        """
+        for name, value in ((self.per_algorithm or {}).get(algorithm) or {}).items():
+            setattr(self, name, value)
+        if self.loss_agg_mode is not None:  # the spellings __post_init__ accepts
+            self.loss_agg_mode = self.loss_agg_mode.replace("-", "_")
 
 
 Config = TypeVar("Config", GenerationConfig, PPOConfig)
