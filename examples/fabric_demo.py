@@ -28,13 +28,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50, help="PPO iterations")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts per iteration")
     parser.add_argument("--log-dir", default="runs")
+    parser.add_argument("--flush-logs-every", type=int, default=100,
+                        help="write the CSV log to disk every this many iterations (and at the end)")
     parser.add_argument("--save", help="write a checkpoint here after the last iteration")
     parser.add_argument("--resume", help="continue from this checkpoint (saved with the same --strategy, --devices)")
     args = parser.parse_args()
 
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy,
-                    loggers=CSVLogger(args.log_dir, name=f"fabric_{args.strategy}"))
+                    loggers=CSVLogger(args.log_dir, name=f"fabric_{args.strategy}",
+                                      flush_logs_every_n_steps=args.flush_logs_every))
     fabric.launch()
     fabric.seed_everything(0)
     tokenizer = demo.build_tokenizer()
@@ -51,7 +55,7 @@ def main() -> None:
     module = fabric.strategy.setup_rlhf(fabric, module)
     if args.resume:
         fabric.load(args.resume, {"model": module})
-    data = PromptDataModule(demo.prompts(), tokenizer, batch_size=32)
+    data = PromptDataModule(demo.prompts(), tokenizer, batch_size=args.batch_size)
     data.setup("fit")
     loader = data.train_dataloader()
     loader.sampler.start_batch = module.iteration  # a resumed run reads the prompts the saved run would have read
@@ -59,7 +63,10 @@ def main() -> None:
     while module.iteration < args.steps:
         for batch in loader:  # every rank reads the same global batch; each pass is the next epoch
             module.training_step(fabric.to_device(batch), module.iteration)
-            rewards.append(float(fabric.logger.experiment.metrics[-1]["reward/mean"]) if fabric.is_global_zero else 0.0)
+            # The iteration's raw scores, which every rank holds (reward/mean as logged). Not the CSV logger's
+            # list of metrics: it empties that list each time it writes to disk (every 100 steps).
+            scores = [row["reward"] for row in module.latest_completions()]
+            rewards.append(sum(scores) / len(scores))
             if module.iteration >= args.steps:
                 break
     if args.save:

@@ -317,6 +317,23 @@ def test_fabric_example_matches_the_trainer(tmp_path):
                 assert got[metric] == pytest.approx(want[metric], rel=1e-4, abs=1e-6), (strategy, metric)
 
 
+@pytest.mark.parametrize("steps,flush_every", [
+    (3, 2),  # the default run: past a flush of the CSV log, which empties its list of metrics
+    pytest.param(101, 100, marks=pytest.mark.slow),  # the example's defaults, past its 100th iteration
+])
+def test_fabric_example_runs_past_a_flush_of_its_log(tmp_path, steps, flush_every):
+    """examples/fabric_demo.py reads each iteration's reward from the module, not from the CSV logger's list of
+    metrics, which the logger empties whenever it writes to disk: it crashed after 100 iterations."""
+    result = run_python(ROOT / "examples/fabric_demo.py", "--devices", "1", "--steps", str(steps), "--batch-size", "4",
+                        "--max-new-tokens", "2", "--flush-logs-every", str(flush_every), "--log-dir", tmp_path,
+                        cwd=tmp_path, timeout=900)
+    assert f"rlhf_flattening on 1 processes, {steps} PPO iterations: reward/mean" in result.stdout
+    rows = metrics_rows(tmp_path / "fabric_rlhf_flattening")
+    assert [r["step"] for r in rows] == list(range(steps))
+    first = sum(r["reward/mean"] for r in rows[:min(10, steps // 2 or 1)]) / min(10, steps // 2 or 1)
+    assert f"reward/mean {first:.3f} ->" in result.stdout  # the summary's figures are the logged ones
+
+
 def test_separation_overlap_trains_one_step_behind(tmp_path):
     """overlap=True: iteration k trains on the rollout of k-1 (staleness 1), generated with the weights on-policy
     training had then; the first rollout and the first update equal the on-policy run's."""
