@@ -88,15 +88,15 @@ def _record_iterations(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
          lambda self, role, *a, **k: ("call", f"{role}.forward") if runs(self, f"{role}.forward") else None)
     wrap(UpdateLoop, "update", lambda self, role, *a, **k: ("call", f"{role}.train"))
     wrap(Placement, "gather_to_world",
-         lambda self, call, local, specs, among=None: ("gather", call, *_among(among)))
+         lambda self, call, local, specs, among=None, *a, **k: ("gather", call, *_among(among)))
     wrap(Placement, "broadcast_stats",
-         lambda self, call, stats, names, among_call_ranks=False: (
+         lambda self, call, stats, names, among_call_ranks=False, *a, **k: (
              "broadcast", call, "lr" if next(iter(names)).startswith("lr-") else "stats",
              *_among(call if among_call_ranks else None)))
     wrap(Placement, "reallocate_weights", lambda self, role, *a, **k: ("reallocate", role))
     # The generation leader sends to every training rank; each training rank receives (it waits for the send).
     wrap(Placement, "send_payload",
-         lambda self, payload, dst, tag: ("send", "experience") if dst == self.plan.training_ranks[0] else None)
+         lambda self, payload, dst, *a, **k: ("send", "experience") if dst == self.plan.training_ranks[0] else None)
     wrap(Placement, "receive_payload", lambda self, *a, **k: ("receive", "experience"))
     wrap(Placement, "publish_weights", lambda self, role, *a, **k: ("publish", role))
     _record_takes(monkeypatch, record, active)
