@@ -157,13 +157,18 @@ def test_without_kl_no_reference_is_built_placed_or_run(tmp_path):
     logged = [r for r in rows if "reward/mean" in r]
     assert len(logged) == 2 and not any("kl/mean" in r for r in rows)
     memory = next(r for r in rows if "memory/param_bytes_rank1" in r)
-    assert memory["memory/param_bytes_rank0"] == memory["memory/param_bytes_rank1"]  # the actor alone on each_for_the_trainer_and_fabric():
-    """``register_preset`` makes a plan builder a strategy name under both: each builds the builder's plan for the
-    world size and the algorithm's roles (no critic calls for GRPO); the built-in names keep their typed classes."""
+    assert memory["memory/param_bytes_rank0"] == memory["memory/param_bytes_rank1"]  # the actor alone on each
+
+
+def test_a_registered_preset_is_a_strategy_name_for_the_trainer_and_fabric():
+    """``register_preset`` makes a plan builder a strategy name under both, and a placement preset the planner prices:
+    each builds the builder's plan for the world size and the algorithm's roles (no critic calls for GRPO); the
+    built-in names keep their typed classes."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_app_rlhf.core.role_table import ROLE_NAMES
+    from lightning_app_rlhf.parallel.placement_presets import PLACEMENT_PRESETS, placement_preset
     from lightning_app_rlhf.strategies import (
         FabricPlacementStrategy,
         InterleavingStrategy,
@@ -185,9 +190,11 @@ def test_without_kl_no_reference_is_built_placed_or_run(tmp_path):
         assert "critic.train" in trainer_side.build_plan(4).calls
         assert not any(call.startswith("critic") for call in trainer_side.build_plan(4, roles=critic_free).calls)
         assert fabric_side._plan(4, roles=critic_free) == reference_apart(4, roles=critic_free)
+        assert placement_preset("reference_apart").build_plan is reference_apart
     finally:
         StrategyRegistry.remove("rlhf_reference_apart")
         FABRIC_STRATEGY_REGISTRY.remove("rlhf_reference_apart")
+        PLACEMENT_PRESETS.unregister("reference_apart")
     assert type(StrategyRegistry.get("rlhf_interleaving")) is InterleavingStrategy
     with pytest.raises(ValueError, match="Name it 'rlhf_mine'"):
         register_preset("mine", reference_apart, "")

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, run_cli, run_ranks
 
-from lightning_app_rlhf.parallel.plan import flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.core.role_table import ROLE_NAMES
+from lightning_app_rlhf.parallel.placement_presets import (
+    PLACEMENT_PRESETS,
+    placement_preset,
+    register_placement_preset,
+)
+from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
 from lightning_app_rlhf.planner import (
     CostModel,
     PlanChoice,
@@ -842,3 +848,38 @@ def test_the_search_prices_a_staleness_bound_only_when_allowed():
     result = run_cli("plan", "--cluster", "1x4xcpu", "--actor", "gpt2-tiny", "--search", "presets",
                      "--max_staleness", "1", timeout=120)
     assert "stale" in result.stdout
+
+
+def reward_on_half_plan(world_size: int, wrapper: str = "ddp", roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+    """A Flattening variant: every call on every rank but the reward model's forward, on the first half of the ranks
+    (the reward model held by half the ranks, its forward not beside the other forwards' ranks)."""
+    plan = flattening_plan(world_size, wrapper, roles=roles)
+    calls = {**plan.calls, "reward.forward": tuple(range(world_size // 2))}
+    return PlacementPlan(world_size, calls, plan.wrappers, name="reward_on_half")
+
+
+def test_a_registered_preset_is_priced_by_the_planner_without_a_planner_edit():
+    """One ``register_placement_preset`` call: ``plan_placement`` evaluates the new preset (its best wrapper and
+    batches, as for the built-in ones) beside the built-in presets, whose prices do not change; below its
+    ``min_world_size`` it is left out; an unknown preset name lists the registered ones."""
+    cluster, workload = parse_cluster("1x8xA100-80GB"), llama_workload("llama-7b", wrappers=("ddp", "fsdp2"))
+    before = plan_placement(cluster, workload, search="presets")
+    register_placement_preset("reward_on_half", reward_on_half_plan, "reward on half the ranks", min_world_size=2)
+    try:
+        after = plan_placement(cluster, workload, search="presets")
+        assert list(after.presets) == ["flattening", "interleaving", "separation", "reward_on_half"]
+        mine = after.presets["reward_on_half"]
+        assert mine.source == "preset" and mine.plan.name == "reward_on_half" and mine.estimate.fits
+        assert mine.plan.ranks("reward.forward") == (0, 1, 2, 3) and mine.plan.ranks("actor.train") == tuple(range(8))
+        assert mine.plan.wrappers["actor"] in ("ddp", "fsdp2") and mine.iteration_s > 0
+        assert mine.plan.name in {c.plan.name for c in after.candidates}
+        for name, candidate in before.presets.items():
+            assert after.presets[name].to_dict() == candidate.to_dict()
+        one_device = plan_placement(parse_cluster("1x1xcpu"), demo_workload(), search="presets")
+        assert list(one_device.presets) == ["flattening"]
+    finally:
+        PLACEMENT_PRESETS.unregister("reward_on_half")
+    assert list(plan_placement(cluster, workload, search="presets").presets) == list(before.presets)
+    with pytest.raises(ValueError, match=r"must be one of \['flattening', 'interleaving', 'separation'\], got "
+                                         r"'interleave'\. Did you mean 'interleaving'\?.*register_placement_preset"):
+        placement_preset("interleave")

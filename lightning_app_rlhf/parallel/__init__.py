@@ -1,1 +1,2 @@
-"""Where each call runs: the plan, the placement and its groups, the heartbeat, wrappers, tensor-parallel copies."""
+"""Where each call runs: the plan, the registered placement presets, the placement and its groups, the heartbeat,
+wrappers, tensor-parallel copies."""

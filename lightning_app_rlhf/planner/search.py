@@ -1,6 +1,8 @@
 """Plan search: APP's two-phase grid and ReaLHF's Metropolis MCMC, over the cost model. Plain Python.
 
-:func:`plan_placement` evaluates the three presets, runs the searches, and returns a :class:`PlannerResult` whose
+:func:`plan_placement` evaluates the registered placement presets
+(:data:`~lightning_app_rlhf.parallel.placement_presets.PLACEMENT_PRESETS`: the three APP placements and any of the
+user's), runs the searches, and returns a :class:`PlannerResult` whose
 ``best`` is a :class:`~lightning_app_rlhf.planner.cost_model.PlanChoice` (a ``PlacementPlan`` plus batch sizes).
 Both searches are deterministic: the grid has no randomness, and the MCMC chain runs exactly its ``steps`` proposals
 under a seed and reads no clock (an optional wall-time limit is an outer safety, reported in the result's rules
@@ -29,6 +31,7 @@ from lightning_app_rlhf.core.role_table import (
     role_of,
 )
 from lightning_app_rlhf.engine.iteration import scores_on_train_ranks
+from lightning_app_rlhf.parallel.placement_presets import PLACEMENT_PRESETS
 from lightning_app_rlhf.parallel.plan import (
     PlacementPlan,
     flattening_plan,
@@ -47,7 +50,6 @@ from lightning_app_rlhf.planner.profiler import Profile
 from lightning_app_rlhf.planner.workload import Workload, ceil_div
 
 SEARCHES = ("app", "mcmc", "both", "presets")
-PRESETS = ("flattening", "interleaving", "separation")
 OVERFLOW_PENALTY = 2.0
 """MCMC cost of a plan that does not fit: its time x (1 + OVERFLOW_PENALTY x the fraction it overflows by)."""
 
@@ -207,8 +209,8 @@ def plan_placement(
     start = time.perf_counter()
     model = CostModel(cluster, workload, profile)
     _check_replica_fits(model)
-    presets = {name: _best_of(model, plans, "preset") for name, plans in _preset_plans(model).items()}
     rules: list[str] = []
+    presets = {name: _best_of(model, plans, "preset") for name, plans in _preset_plans(model, rules).items()}
     searched = _searched_candidates(model, list(presets.values()), search, rules, seed=seed,
                                     time_budget_s=time_budget_s, top_k=top_k, mcmc_steps=mcmc_steps, beta=beta,
                                     max_staleness=max_staleness)
@@ -222,15 +224,18 @@ def plan_placement(
         )
     top = _distinct(sorted(searched, key=_cost), top_k)
     rejected = [c for c in presets.values() if not c.estimate.fits]
+    # Room for every preset beside the searched plans; at least 3 (the built-in presets), so that a cluster where
+    # fewer presets apply (one device) keeps as many searched plans.
+    shown = 2 * top_k + max(3, len(presets))
     result = PlannerResult(
         fitting[0],
-        [*_distinct([*presets.values(), *top], 2 * top_k + 3)] + rejected,
+        [*_distinct([*presets.values(), *top], shown)] + rejected,
         presets,
         cluster,
         workload,
         rules,
     )
-    result.candidates = sorted(_distinct(result.candidates, 2 * top_k + 3), key=_cost)
+    result.candidates = sorted(_distinct(result.candidates, shown), key=_cost)
     result.search_s = time.perf_counter() - start
     return result
 
@@ -488,20 +493,24 @@ def with_frozen(plan: PlacementPlan, frozen: dict[str, str]) -> PlacementPlan:
     return dataclasses.replace(plan, wrappers={**plan.wrappers, **frozen})
 
 
-def _preset_plans(model: CostModel) -> dict[str, list[PlacementPlan]]:
-    n, roles = model.cluster.world_size, model.workload.roles
-    plans = {"flattening": [flattening_plan(n, w, roles=roles) for w in _wrappers(model)]}
-    if n >= 2:
-        plans["interleaving"] = (
-            [interleaving_plan(n, 0.5, 0.5, w, roles=roles) for w in _wrappers(model)]
-            if n % 2 == 0
-            else [interleaving_plan(n, (n // 2) / n, (n - n // 2) / n, w, roles=roles) for w in _wrappers(model)]
-        )
-        plans["separation"] = [
-            separation_plan(n, generation_ratio=(n // 2) / n, wrapper=w, roles=roles) for w in _wrappers(model)
-        ]
+def _preset_plans(model: CostModel, rules: list[str] | None = None) -> dict[str, list[PlacementPlan]]:
+    """Every registered placement preset's variants (:data:`PLACEMENT_PRESETS`, in registration order), each with
+    every frozen-role wrapper option.
+
+    A preset without variants on this cluster (fewer ranks than its ``min_world_size``) is left out; so is one whose
+    plan builder refuses the cluster or the workload's roles (a ``ValueError``, e.g. a preset registered for the
+    Trainer without a ``min_world_size``), with the reason appended to ``rules``.
+    """
+    n, roles, wrappers = model.cluster.world_size, model.workload.roles, _wrappers(model)
+    plans: dict[str, list[PlacementPlan]] = {}
+    for preset in PLACEMENT_PRESETS.entries():
+        try:
+            plans[preset.name] = preset.candidate_plans(n, wrappers, roles)
+        except ValueError as err:
+            if rules is not None:
+                rules.append(f"preset {preset.name} left out: {err}")
     frozen = _frozen_options(model)
-    return {name: [with_frozen(p, f) for p in group for f in frozen] for name, group in plans.items()}
+    return {name: [with_frozen(p, f) for p in group for f in frozen] for name, group in plans.items() if group}
 
 
 # ---------------------------------------------------------------- APP: prior rules, then a grid

@@ -1,6 +1,6 @@
 """Placement strategies for Lightning's Trainer and Fabric, registered as ``rlhf_flattening``, ``rlhf_interleaving``,
 ``rlhf_separation`` (and ``PlacementStrategy(plan=...)`` for a custom plan, or :func:`register_preset` to name
-one)."""
+one: a strategy name, and a placement preset the planner prices)."""
 
 from lightning_app_rlhf.strategies.fabric_placement_strategy import FabricPlacementStrategy
 from lightning_app_rlhf.strategies.flattening import FlatteningStrategy

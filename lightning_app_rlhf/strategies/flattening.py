@@ -7,7 +7,8 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
-from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
+from lightning_app_rlhf.parallel.placement_presets import placement_preset
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
@@ -27,4 +28,4 @@ class FlatteningStrategy(PlacementStrategy):
 
     @override
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
-        return flattening_plan(world_size, self.wrapper, roles=roles)
+        return placement_preset("flattening").build_plan(world_size, self.wrapper, roles=roles)

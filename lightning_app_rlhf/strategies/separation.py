@@ -7,7 +7,8 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
-from lightning_app_rlhf.parallel.plan import PlacementPlan, separation_plan
+from lightning_app_rlhf.parallel.placement_presets import placement_preset
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
@@ -59,5 +60,6 @@ class SeparationStrategy(PlacementStrategy):
 
     @override
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
-        return separation_plan(world_size, self.generation_ranks, self.training_ranks, self.generation_ratio,
-                               self.wrapper, self.max_staleness, roles=roles, free_running=self.free_running)
+        return placement_preset("separation").build_plan(
+            world_size, self.generation_ranks, self.training_ranks, self.generation_ratio, self.wrapper,
+            self.max_staleness, roles=roles, free_running=self.free_running)
