@@ -62,6 +62,11 @@ KILLED = {  # (placement, phase) -> the rank that dies: one that takes part in t
 DEFAULT_CELLS = {("rlhf_separation", "reallocate")}  # the one with shadows, and the exact resume; the rest slow
 ERROR = re.compile(r"PlacementError: Rank (\d): the (gather of results|broadcast of statistics|all-reduce|weight "
                    r"reallocation) of call '(\w+)\.(\w+)' \(role '(\w+)', ranks \[([\d, ]+)\]")
+FREE_RUNNING = ("--trainer.strategy.free_running", "true", "--trainer.strategy.max_staleness", "1")
+ANY_COLLECTIVE = re.compile(r"PlacementError: Rank (\d): the (.+?) of (?:call '(\w+)\.(\w+)' \(role '(\w+)'|the whole "
+                            r"world)")
+"""A survivor's error under free-running: a call's collective, a send or a wait of its side, or a collective of the
+whole world that Lightning asks of the strategy (a checkpoint the generation side ran ahead to)."""
 COMMON = ("--model.ppo.kl_target", "1.0", "--model.ppo.kl_horizon", "100", "--model.ppo.reward_norm", "true",
           "--model.generation.max_new_tokens", "8")
 COMPARED = ("reward/mean", "reward/std", "kl/mean", "kl/coef", "policy/loss", "policy/clipfrac", "policy/approx_kl",
@@ -139,13 +144,22 @@ def test_killed_rank_stops_every_rank_with_named_errors(tmp_path, placement, pha
     kill_a_rank(tmp_path, placement, phase)
 
 
-def kill_a_rank(tmp_path: Path, placement: str, phase: str) -> Path:
-    """Run the cell: kill its rank at step 2, check every rank's exit and error and the checkpoint it leaves. That
-    checkpoint's path."""
-    killed = KILLED[placement, phase]
+def test_under_free_running_the_side_waiting_on_a_dead_rank_names_it(tmp_path):
+    """Free-running (k=1, generation on ranks 0-1, training on 2-3): training rank 3 dies inside its update at step 2.
+    Rank 2 waits on it in the train group's all-reduce; the generation side, running ahead, fails sending it the next
+    rollout, waiting for the policy version it would have published, or in the next checkpoint's collectives. Every
+    survivor, on either side, names rank 3 within the timeout."""
+    kill_a_rank(tmp_path, "rlhf_separation", "train", killed=3, extra=FREE_RUNNING, error=ANY_COLLECTIVE)
+
+
+def kill_a_rank(tmp_path: Path, placement: str, phase: str, killed: int | None = None, extra: tuple[str, ...] = (),
+                error: re.Pattern[str] = ERROR) -> Path:
+    """Run the cell: kill its rank (``KILLED``'s, or ``killed``) at step 2, check every rank's exit and its ``error``
+    and the checkpoint it leaves. That checkpoint's path. ``extra``: more of the command line's arguments."""
+    killed = KILLED[placement, phase] if killed is None else killed
     started = time.monotonic()
     cmd = command(tmp_path, placement, 5, "--trainer.logger.init_args.name", "killed",
-                  "--trainer.callbacks+=fault_injection.KillAtPhase")
+                  "--trainer.callbacks+=fault_injection.KillAtPhase", *extra)
     env = {"RLHF_KILL_RANK": str(killed), "RLHF_KILL_PHASE": phase, "RLHF_KILL_STEP": str(KILL_STEP)}
     codes, ended = launch_ranks(tmp_path, cmd, env, "rank")
     errors = [(tmp_path / f"rank{rank}.err").read_text() for rank in range(4)]
@@ -158,7 +172,7 @@ def kill_a_rank(tmp_path: Path, placement: str, phase: str) -> Path:
     for rank in survivors:
         assert codes[rank] != 0, errors[rank][-3000:]
         assert ended[rank] - ended[killed] < TIMEOUT_S + MARGIN_S, (rank, ended[rank] - ended[killed])
-        match = ERROR.search(errors[rank])
+        match = error.search(errors[rank])
         assert match, errors[rank][-3000:]
         line = errors[rank][match.start():].splitlines()[0]
         print(f"  rank {rank}: {line[:400]}")

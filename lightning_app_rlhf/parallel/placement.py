@@ -29,6 +29,30 @@ class PlacementError(RuntimeError):
     """A collective of a call failed: another rank died, failed, or did not answer within the timeout."""
 
 
+@contextlib.contextmanager
+def named_failure(where: str, timeout: datetime.timedelta) -> Iterator[None]:
+    """Turn a failed collective into a :class:`PlacementError` that starts with ``where`` (this rank and what it was
+    doing) and names the rank that stopped, from the heartbeats; the heartbeat counts the time inside it as waiting
+    (a stuck peer is named after ``heartbeat_timeout``). On rank 0, which hosts the store, the store stays up a little
+    (at most ``timeout``) so that the other ranks can still read who died."""
+    try:
+        with waiting():
+            yield
+    except (RuntimeError, dist.DistError) as err:
+        heard = stopped_ranks()  # which rank stopped, from the heartbeats ("" without them)
+        message = (f"{where} failed: another rank died, raised, or did not answer within the timeout of {timeout}. "
+                   f"{heard + ' ' if heard else ''}Look for the first error in the other ranks' logs. Cause: {err}")
+        keep_store_up(timeout)
+        raise PlacementError(message) from err
+
+
+def world_collective(rank: int, what: str, timeout: datetime.timedelta) -> contextlib.AbstractContextManager[None]:
+    """:func:`named_failure` around a collective of the whole world that Lightning asks of a placement strategy
+    (``what``: a barrier, a broadcast or a reduce, for a checkpoint, a logged metric or a callback)."""
+    return named_failure(f"Rank {rank}: the {what} of the whole world (Lightning's, for a checkpoint, a logged metric "
+                         "or a callback)", timeout)
+
+
 @dataclass
 class TensorSpec:
     """What every rank must know about a tensor that only some ranks produce."""
@@ -136,23 +160,12 @@ class Placement:
         """The process group of this rank's replica of ``call`` (None without tensor parallelism)."""
         return self.tp_groups.get(call)
 
-    @contextlib.contextmanager
-    def collective(self, call: str, what: str) -> Iterator[None]:
-        """Turn a failed collective into an error that names this rank, the call, its role and its ranks; the heartbeat
-        counts the time inside it as waiting (a stuck peer is named after ``heartbeat_timeout``)."""
-        try:
-            with waiting():
-                yield
-        except (RuntimeError, dist.DistError) as err:
-            heard = stopped_ranks()  # which rank stopped, from the heartbeats ("" without them)
-            message = (
-                f"Rank {self.rank}: the {what} of call {call!r} (role {call.split('.')[0]!r}, ranks "
-                f"{list(self.plan.ranks(call))}, plan {self.plan.name!r}) failed: another rank died, raised, or did "
-                f"not answer within the timeout of {self.timeout}. {heard + ' ' if heard else ''}Look for the first "
-                f"error in the other ranks' logs. Cause: {err}"
-            )
-            keep_store_up(self.timeout)
-            raise PlacementError(message) from err
+    def collective(self, call: str, what: str) -> contextlib.AbstractContextManager[None]:
+        """Turn a failed collective into an error that names this rank, the call, its role and its ranks
+        (:func:`named_failure`)."""
+        where = (f"Rank {self.rank}: the {what} of call {call!r} (role {call.split('.')[0]!r}, ranks "
+                 f"{list(self.plan.ranks(call))}, plan {self.plan.name!r})")
+        return named_failure(where, self.timeout)
 
     # ---- data movement ----
 

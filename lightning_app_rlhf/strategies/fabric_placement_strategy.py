@@ -21,7 +21,6 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -282,5 +281,5 @@ class FabricPlacementStrategy(PlacementProcesses, ParallelStrategy):
 
     @override
     def all_reduce(self, tensor: torch.Tensor, group: Any | None = None, reduce_op: Any = "mean") -> torch.Tensor:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return self.reduce_tensor(tensor, group, reduce_op)
 

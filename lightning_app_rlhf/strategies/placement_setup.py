@@ -13,13 +13,14 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lightning_app_rlhf.parallel.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, start_heartbeat
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
-from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement
+from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement, world_collective
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_node_boundaries, check_tensor_parallel
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
@@ -136,14 +137,23 @@ class PlacementProcesses:
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if _distributed_is_initialized():
-            torch.distributed.barrier()
+            with world_collective(self.global_rank, "barrier", self._timeout):
+                torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
+        with world_collective(self.global_rank, "broadcast", self._timeout):
+            torch.distributed.broadcast_object_list(box, src)
         return box[0]
+
+    def reduce_tensor(self, tensor: torch.Tensor, group: Any | None, reduce_op: Any) -> torch.Tensor:
+        """Lightning's reduce (the Trainer's ``reduce``, Fabric's ``all_reduce``), its failure naming the dead rank."""
+        if not _distributed_is_initialized():
+            return tensor
+        with world_collective(self.global_rank, "reduce", self._timeout):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def _start_distributed(self) -> None:
         """Initialise torch.distributed and this rank's heartbeat (:func:`start_distributed`)."""
