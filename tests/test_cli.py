@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 from helpers import ROOT, run_cli
@@ -67,12 +68,15 @@ def test_unknown_strategy_name_suggests_the_right_one():
         main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.strategy", "rlhf_seperation"])
 
 
-def test_unknown_generation_backend_is_refused_with_the_registered_names(monkeypatch):
+def test_unknown_generation_backend_is_refused_with_the_registered_names(monkeypatch, capsys):
     """``generation.backend`` is a plain string checked against the backend registry: a mistyped name fails before
-    any model is built, naming the closest registered backend, all of them, and how to register another."""
+    any model is built, as one ``error:`` line naming the closest registered backend, all of them, and how to
+    register another."""
     from lightning_app_rlhf.cli import main
 
     monkeypatch.setattr("sys.argv", ["lightning-app-rlhf"])  # pytest's own arguments are not the command line
-    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static'\], got 'statik'\. Did you mean "
-                                         r"'static'\?.*register_backend"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--model.generation.backend", "statik"])
+    assert exit_info.value.code == 2
+    assert re.search(r"^error: generation.backend must be one of \['eager', 'static'\], got 'statik'\. Did you mean "
+                     r"'static'\?.*register_backend", capsys.readouterr().err, re.MULTILINE)

@@ -17,7 +17,12 @@ from lightning_app_rlhf.parallel.placement_presets import (
     placement_preset,
     register_placement_preset,
 )
-from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import (
+    PlacementPlan,
+    flattening_plan,
+    interleaving_plan,
+    separation_plan,
+)
 from lightning_app_rlhf.planner import (
     CostModel,
     PlanChoice,
