@@ -42,6 +42,7 @@ from lightning_app_rlhf.core.role_table import ACTOR
 from lightning_app_rlhf.engine.iteration import published_roles
 from lightning_app_rlhf.engine.iteration_state import IterationResult, IterationState
 from lightning_app_rlhf.engine.update_guard import DivergenceError
+from lightning_app_rlhf.parallel.heartbeat import job_store
 from lightning_app_rlhf.parallel.placement import Placement
 
 ROLLOUT_FIELDS = ("sequences", "attention_mask", "response_mask", "logprobs", "prompt_length", "stopped")
@@ -82,7 +83,7 @@ class FreeRunningLink:
             oldest: The oldest version the next rollout may be generated with (``i - k``).
             shadow_buckets: ``role -> buckets`` of the role's shadow parameters (the broadcasts' receive buffers).
         """
-        store, placement = _store(), self.placement
+        store, placement = job_store(), self.placement
         if oldest > held:
             keys = [_key(placement.namespace, role, oldest) for role in self.roles]
             with placement.collective(ACTOR.call("train"), f"wait for policy version {oldest} (max_staleness)"):
@@ -108,7 +109,7 @@ class FreeRunningLink:
         self.in_flight += self.placement.publish_weights(role, buckets)
         if self.placement.rank == self.placement.leader(role + ".train"):
             announcement = {"stats": stats, "diverged": diverged}
-            _store().set(_key(self.placement.namespace, role, version), json.dumps(announcement))
+            job_store().set(_key(self.placement.namespace, role, version), json.dumps(announcement))
         self.in_flight = self.placement.pending_sends(self.in_flight)
 
     def stats_of_version(self, version: int) -> dict[str, float]:
@@ -118,7 +119,7 @@ class FreeRunningLink:
         one."""
         if version < self.first_announced:
             return dict(self.train_stats)
-        placement, store = self.placement, _store()
+        placement, store = self.placement, job_store()
         keys = [_key(placement.namespace, role, version) for role in self.roles]
         with placement.collective(ACTOR.call("train"), f"wait for policy version {version} (a checkpoint)"):
             store.wait(keys, placement.timeout)
@@ -132,8 +133,8 @@ class FreeRunningLink:
     def send_experience(self, payload: dict[str, Any], iteration: int) -> None:
         """Generation leader: start sending rollout ``iteration``'s experience to every training rank."""
         for rank in self.placement.plan.training_ranks:
-            self.in_flight += self.placement.send_payload(payload, rank, iteration, f"the rollout of iteration {iteration}",
-                                                          ACTOR.call("generate"))
+            self.in_flight += self.placement.send_payload(payload, rank, iteration,
+                                                          f"the rollout of iteration {iteration}", ACTOR.call("generate"))
         self.in_flight = self.placement.pending_sends(self.in_flight)
 
     def receive_experience(self, iteration: int) -> dict[str, Any]:
@@ -177,13 +178,6 @@ def experience_payload(experience_fields: dict[str, Any], rollout: Any, scores: 
 
 def _key(namespace: str, role: str, version: int) -> str:
     return f"{namespace}/{role}/{version}"
-
-
-def _store() -> dist.Store:
-    """The job's store (the default process group's), which the heartbeat also uses."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
 
 
 def free_running_result(state: IterationState, link: FreeRunningLink, policy_version: int,

@@ -379,6 +379,15 @@ def _thread_cpu_clock(thread: threading.Thread) -> int | None:
 _heartbeat: Heartbeat | None = None
 
 
+def job_store() -> dist.Store:
+    """The job's key-value store: the default process group's (rank 0 hosts it), which the heartbeats and a
+    free-running plan's version announcements use. torch has no public accessor for it; this is the one place that
+    reaches for the private one."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def start_heartbeat(rank: int, world_size: int, interval: float = 1.0,
                     heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT) -> Heartbeat | None:
     """Start this process's :class:`Heartbeat` through the default process group's store (once per process; None
@@ -387,9 +396,7 @@ def start_heartbeat(rank: int, world_size: int, interval: float = 1.0,
     global _heartbeat
     if world_size < 2 or not dist.is_initialized():
         return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
+    store = job_store()
     wanted = (store, rank, world_size, heartbeat_timeout)
     if _heartbeat is None or (_heartbeat.store, _heartbeat.rank, _heartbeat.world_size,
                               _heartbeat.heartbeat_timeout) != wanted:
