@@ -278,7 +278,7 @@ def _two_ranks(rank: int, port: int, out: str, wrappers: list[str], tiny_gpt2: d
         calls.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            stats = engine._broadcast_train_stats("actor", engine.updates.update("actor", experience, wrapper))
+            stats = engine.updates.broadcast_stats("actor", engine.updates.update("actor", experience, wrapper))
         trained = torch.cat([p.detach().flatten().clone() for bucket in wrapper.full_parameter_buckets()
                              for p in bucket])
         results[name] = {
