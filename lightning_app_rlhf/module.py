@@ -29,6 +29,7 @@ from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
 from lightning_app_rlhf.generation import Rollout
+from lightning_app_rlhf.models.reward_args import check_reward_fields
 from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
 from lightning_app_rlhf.models.roles import (
     RewardFunction,
@@ -57,8 +58,10 @@ class RLHFModule(pl.LightningModule):
             to the actor's own base model with its adapters disabled (no second copy). ``{"precision": "bf16-true"}``
             (no path or config): the actor's copy at that precision.
         reward_model: A sequence classifier with one label. Give this or ``reward_fn``.
-        reward_fn: ``(prompts, responses, **row_fields) -> scores`` on decoded text, or its import path. It also
-            receives the prompt rows' other fields (e.g. ``answer``) when its signature names them.
+        reward_fn: ``(prompts, responses, **row_fields) -> scores`` on decoded text, or its import path; a reward
+            function written for TRL's ``GRPOTrainer`` (``(completions, answer, **kwargs)``, all by name) works as it
+            is. It also receives the prompt rows' other fields (e.g. ``answer``) when its signature names them or
+            takes ``**kwargs``; parameters the rows cannot fill fail in ``setup``, naming the rows' fields.
         generation: Sampling settings for rollouts (``num_samples`` responses per prompt; None: the algorithm's own).
         ppo: Hyper-parameters of the update, for every algorithm; those of one family (``scale_rewards``,
             ``whiten_advantages``) default to the algorithm's own, and ``per_algorithm`` scopes settings to algorithms.
@@ -179,6 +182,8 @@ class RLHFModule(pl.LightningModule):
         if self._trainer is None:
             return
         module_trainer.check_trainer(self.trainer, stage, lambda: self.engine)
+        if self.reward_fn is not None:  # before any generation: the reward's parameters against the rows' fields
+            check_reward_fields(self.reward_fn, module_trainer.stage_datasets(self.trainer.datamodule, stage))
         if stage == "fit":
             self._more_prompts()  # dynamic sampling without a source of prompts fails now, not at iteration 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -67,6 +67,24 @@ def check_trainer(trainer: pl.Trainer, stage: str, engine: Callable[[], RLHFEngi
         trainer.limit_val_batches = 0  # no held-out prompts: no validation, and no warning about it
     if trainer.ckpt_path is not None and "://" not in str(trainer.ckpt_path):
         check_checkpoint_file(trainer.ckpt_path)  # a bare EOFError would name no file
+
+
+_HELD_OUT = "the held-out rows (data.val_prompts / data.val_split)"
+STAGE_DATASETS = {
+    "fit": (("dataset", "the training rows (data.prompts)"), ("val_dataset", _HELD_OUT)),
+    "validate": (("val_dataset", _HELD_OUT),),
+    "test": (("val_dataset", _HELD_OUT),),
+    "predict": (("predict_dataset", "the predict rows (data.predict_prompts)"),),
+}
+"""Per stage, the datamodule's datasets whose rows the stage scores (``PromptDataModule``'s attributes), each with
+how the errors name them."""
+
+
+def stage_datasets(datamodule: object | None, stage: str) -> list[tuple[str, Any]]:
+    """``(description, dataset)`` of each dataset ``stage`` scores that the datamodule has built (its ``setup`` runs
+    before the module's); none without a datamodule (bare dataloaders: the reward is checked on the first batch)."""
+    built = [(where, getattr(datamodule, name, None)) for name, where in STAGE_DATASETS.get(stage, ())]
+    return [(where, dataset) for where, dataset in built if dataset is not None]
 
 
 def added_callbacks(callbacks: list[pl.Callback], preemption_checkpoint: bool) -> list[pl.Callback]:

@@ -7,7 +7,6 @@ tensors it needs, so a placement can run it on any group of ranks. Plain PyTorch
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.generation import Rollout, position_ids_from_mask, row_chunks
 from lightning_app_rlhf.models.packing import pack_rows, padding_free_logprobs, padding_free_logprobs_and_entropy
+from lightning_app_rlhf.models.reward_args import RewardSignature
 from lightning_app_rlhf.models.roles import RewardFunction
 
 
@@ -164,16 +164,19 @@ def reward_forward(
     called once on the whole rollout whatever ``batch_size``: decoded text is small, and the function sees every
     response of the shard (and its row fields) at once, as without chunks.
 
-    A reward function also receives the dataset rows' other fields (e.g. ``answer=[...]``, one entry per response)
-    as keyword arguments, when its signature takes them by name or takes ``**kwargs`` (TRL's convention). It may
-    return a list (or tuple) of numbers (floats, ints, bools), a 1-D tensor or a numpy array (a ``[B, 1]`` column
-    too), one score per response.
+    A reward function is called ``(prompts, responses, **fields)``, or by name as TRL's ``GRPOTrainer`` calls it
+    (``prompts=``, ``completions=``, the fields, ``completion_ids=`` and ``trainer_state=`` when taken) when its
+    signature names ``completions`` (see :class:`~lightning_app_rlhf.models.reward_args.RewardSignature`). The
+    dataset rows' other fields (e.g. ``answer=[...]``, one entry per response) come as keyword arguments when its
+    signature names them or takes ``**kwargs``. It may return a list (or tuple) of numbers (floats, ints, bools), a
+    1-D tensor or a numpy array (a ``[B, 1]`` column too), one score per response.
 
     Args:
         iteration: The iteration being scored, named by the errors below (None: not named).
 
     Raises:
         RewardFunctionError: The reward function raised; its exception is chained as the cause.
+        RewardSignatureError: The reward function's parameters cannot take the call (checked before calling it).
         ValueError: The reward function returned something else than one number per response.
     """
     if isinstance(reward, nn.Module):
@@ -189,8 +192,12 @@ def reward_forward(
         return _in_chunks(forward, rollout, batch_size, lockstep_group, inference_mode)
     prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
     responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
+    signature = RewardSignature.of(reward)
+    signature.check(reward, (row_fields or {}).keys(), "this batch's rows")  # not a TypeError from inside the call
+    args, kwargs = signature.arguments(prompts, responses, row_fields or {}, lambda: _completion_ids(rollout),
+                                       iteration)
     try:
-        returned = reward(prompts, responses, **_accepted(reward, row_fields or {}))
+        returned = reward(*args, **kwargs)
     except Exception as err:  # user code: say which call failed; the cause keeps its traceback
         raised = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         raise RewardFunctionError(
@@ -281,16 +288,9 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _accepted(function: Any, row_fields: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    """The row fields ``function`` can take as keyword arguments."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # builtins and some callables have no signature: pass nothing extra
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return row_fields
-    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in row_fields.items() if k in names}
+def _completion_ids(rollout: Rollout) -> list[list[int]]:
+    """Each response's token ids without padding (TRL's ``completion_ids``)."""
+    return [row[mask.bool()].tolist() for row, mask in zip(rollout.responses, rollout.response_mask)]
 
 
 @dataclass

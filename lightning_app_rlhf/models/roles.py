@@ -17,6 +17,7 @@ import copy
 import importlib
 import importlib.util
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -407,16 +408,81 @@ def build_reward_model(spec: ModelSpec, pad_token_id: int) -> PreTrainedModel:
 
 
 def resolve_import(target: str) -> Any:
-    """Import ``"package.module:attr"`` or ``"package.module.attr"``."""
+    """Import ``"package.module:attr"`` or ``"package.module.attr"``.
+
+    A module in the current folder imports under the console script (``lightning-app-rlhf fit ...``, whose
+    ``sys.path[0]`` is the script's folder) as under ``python -m lightning_app_rlhf`` (whose ``sys.path[0]`` is the
+    current folder): when the top-level module is found nowhere on ``sys.path`` but ``<module>.py`` or a
+    ``<module>/`` package is in the current folder, that folder is added to the end of ``sys.path`` and the import
+    retried.
+
+    Raises:
+        ValueError: ``target`` is not an import path, its module is not found (the message lists the folders
+            searched), importing it failed, or it has no such attribute.
+    """
     module_name, sep, attr = target.partition(":")
     if not sep:
         module_name, _, attr = target.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"{target!r} is not an import path: write it as 'package.module:name'.")
+    module = _import_module(target, module_name)
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"Cannot import {target!r}: {err}. Write it as 'package.module:name'.") from err
+        return getattr(module, attr)
+    except AttributeError:
+        where = getattr(module, "__file__", None) or module_name
+        own = sorted(name for name, value in vars(module).items() if not name.startswith("_") and callable(value)
+                     and getattr(value, "__module__", None) == module.__name__)
+        shown = ("the module defines: " + ", ".join(own[:20]) + (", ..." if len(own) > 20 else "") if own else
+                 "the module defines no public function or class")
+        raise ValueError(f"Cannot import {target!r}: module {module_name!r} ({where}) has no attribute {attr!r}. "
+                         f"The path's syntax ('package.module:name') is right; {shown}.") from None
+
+
+def _import_module(target: str, module_name: str) -> Any:
+    """``importlib.import_module(module_name)``, retried with the current folder on ``sys.path`` (see
+    :func:`resolve_import`); a ``ValueError`` naming the folders searched when the module is not found."""
+    top = module_name.partition(".")[0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name not in (top, module_name) and not module_name.startswith(f"{err.name}."):
+            raise ValueError(f"Cannot import {target!r}: importing module {module_name!r} failed with {err} (an "
+                             "import inside it). Install the missing package.") from err
+        if err.name == top and _in_cwd(top) and not _cwd_on_path():
+            sys.path.append(os.getcwd())  # as `python -m` has it, but last: installed packages keep precedence
+            importlib.invalidate_caches()
+            return _import_module(target, module_name)
+        raise ValueError(_not_found(target, module_name, err)) from err
+    except ImportError as err:
+        raise ValueError(f"Cannot import {target!r}: importing module {module_name!r} failed with {err}. The path's "
+                         "syntax ('package.module:name') is right: fix the module.") from err
+
+
+def _in_cwd(top: str) -> bool:
+    """Whether the current folder holds ``<top>.py`` or a ``<top>/`` package."""
+    return Path(f"{top}.py").is_file() or Path(top).is_dir()
+
+
+def _cwd_on_path() -> bool:
+    """Whether the current folder is on ``sys.path`` (``""`` stands for it too)."""
+    cwd = os.path.realpath(os.getcwd())
+    return any(os.path.realpath(entry or os.curdir) == cwd for entry in sys.path)
+
+
+def _not_found(target: str, module_name: str, err: ModuleNotFoundError) -> str:
+    """The message for a module found nowhere: the folders searched, and that the path's syntax is right."""
+    top = module_name.partition(".")[0]
+    if err.name == top:
+        folders = [entry or os.getcwd() for entry in sys.path]
+        shown = ", ".join(folders[:6]) + (f", and {len(folders) - 6} more" if len(folders) > 6 else "")
+        where = (f"the current folder ({os.getcwd()}) and sys.path ({shown})" if not _cwd_on_path() else
+                 f"sys.path ({shown}), which includes the current folder")
+        return (f"Cannot import {target!r}: no module {top!r} in {where}. The path's syntax ('package.module:name') is "
+                f"right: put {top}.py in the current folder, run from the folder that holds it, add that folder to "
+                "PYTHONPATH, or install its package.")
+    parent = err.name.rpartition(".")[0] if err.name else top
+    return (f"Cannot import {target!r}: {err}. The path's syntax ('package.module:name') is right: check the "
+            f"submodule's name in package {parent!r}.")
 
 
 def load_tokenizer(spec: str | PreTrainedTokenizerBase | dict[str, str]) -> PreTrainedTokenizerBase:
