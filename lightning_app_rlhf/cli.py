@@ -22,12 +22,14 @@ import torch
 from jsonargparse import ActionYesNo, Namespace, set_parsing_settings
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
+from lightning_app_rlhf.callbacks.prediction_writer import PredictionWriter
 from lightning_app_rlhf.checkpoint.format import (
     CheckpointError,
     is_sharded_checkpoint,
@@ -95,6 +97,8 @@ class RLHFCLI(LightningCLI):
                 subparser_kwargs.setdefault("description", description)
                 subparser = self._prepare_subcommand_parser(self.trainer_class, name, **subparser_kwargs)
             _list_registered_backends(subparser)
+            if name == "predict":
+                _add_predictions_option(subparser)
             self._subcommand_parsers[name] = subparser
             subcommands.add_subcommand(name, subparser, help=description)
 
@@ -213,6 +217,14 @@ class RLHFCLI(LightningCLI):
                          f"{', '.join(ours)}; Lightning's own include 'auto', 'ddp' and 'fsdp'. A custom plan: "
                          "class_path lightning_app_rlhf.PlacementStrategy with init_args.plan.")
 
+    def before_predict(self) -> None:
+        """Add the default :class:`PredictionWriter` (``--predictions``) unless the trainer has a prediction writer
+        of its own (``--trainer.callbacks``)."""
+        setting = self.config_init[self.subcommand].get("predictions", True)
+        if setting is False or any(isinstance(c, BasePredictionWriter) for c in self.trainer.callbacks):
+            return
+        self.trainer.callbacks.append(PredictionWriter(None if setting is True else setting))
+
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path auto``; a PlacementTuner must see ``--ckpt_path`` before the models are built, to
         reuse the saved plan."""
@@ -265,6 +277,15 @@ def _list_registered_backends(parser: LightningArgumentParser) -> None:
         if action.dest.endswith("generation.backend"):
             action.metavar = "{" + ",".join(names) + "}"
             action.help = f"{action.help or ''} Registered: {', '.join(names)}.".lstrip()
+
+
+def _add_predictions_option(parser: LightningArgumentParser) -> None:
+    """``predict --predictions``: where the default :class:`PredictionWriter` writes the completions as JSONL."""
+    parser.add_argument(
+        "--predictions", type=bool | str, default=True,
+        help="Write the completions, one JSON line per prompt (index, prompt, completion, reward): true (default) to "
+             "predictions.jsonl in the run's log directory, a file path, or false to write none. A prediction "
+             "writer in --trainer.callbacks replaces it.")
 
 
 def _raised_here(error: BaseException) -> bool:

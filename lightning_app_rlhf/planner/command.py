@@ -15,6 +15,7 @@ the named-size workloads, the search, and the printing::
 from __future__ import annotations
 
 import json as json_module
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -74,6 +75,11 @@ CONFIG_KEYS: dict[str, str] = {
     "lora_rank": "--model.actor.lora (peft LoraConfig fields, e.g. r)",
 }
 """Each named-size flag, and what sets the same thing in a training config."""
+FIT_STRATEGY = "lightning_app_rlhf.strategies.PlacementStrategy"
+"""The strategy class that runs any plan given as ``--trainer.strategy.plan`` (the presets only build theirs)."""
+PLAN_DEFAULTS: dict[str, Any] = {"wrappers": {}, "name": "custom", "max_staleness": 0, "tp": {},
+                                 "unshard_for_generation": True, "free_running": False}
+""":meth:`PlacementPlan.to_dict` fields left out of the printed flags when they hold the plan's default."""
 
 
 @dataclass(frozen=True)
@@ -203,8 +209,30 @@ class PlanReport:
             **self.result.to_dict(),
             "configured_strategy": self.configured_strategy,
             "configured": self.configured.to_dict() if self.configured is not None else None,
+            "fit_flags": fit_flags(self.result.best, self.result.cluster),
             "notes": self.notes,
         }
+
+
+def fit_flags(candidate: Candidate, cluster: Cluster) -> list[str]:
+    """The ``fit`` command-line arguments that run ``candidate`` on ``cluster``: the trainer's accelerator, nodes and
+    devices, :data:`FIT_STRATEGY` with the plan as JSON (``--trainer.strategy.plan``), and the plan's generation and
+    micro-batch sizes where it sets them. Appended to a ``fit`` command with the same training config, they
+    override its ``trainer.strategy``.
+
+    Args:
+        candidate: A priced plan (the planner's best, usually).
+        cluster: The cluster it was planned for.
+    """
+    plan = {k: v for k, v in candidate.plan.to_dict().items() if k not in PLAN_DEFAULTS or v != PLAN_DEFAULTS[k]}
+    flags = ["--trainer.accelerator", "cpu" if cluster.cores_per_node is not None else "gpu",
+             "--trainer.num_nodes", str(cluster.nodes), "--trainer.devices", str(cluster.devices_per_node),
+             "--trainer.strategy", FIT_STRATEGY, "--trainer.strategy.plan", json_module.dumps(plan)]
+    if candidate.choice.generation_batch is not None:
+        flags += ["--model.generation.batch_size", str(candidate.choice.generation_batch)]
+    if candidate.choice.micro_batch is not None:
+        flags += ["--model.ppo.micro_batch_size", str(candidate.choice.micro_batch)]
+    return flags
 
 
 # ---------------------------------------------------------------- the workload
@@ -377,9 +405,9 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         )
     else:
         report.notes.append(
-            "To run the planner's choice, fit with a placement strategy and the PlacementTuner callback "
-            "(--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner): it searches again at fit start, "
-            "with a profile of the machine."
+            "The fit flags printed last (fit_flags in --json) run the best plan as priced here. To search again at fit "
+            "start with a profile of the machine, fit with a placement strategy and the PlacementTuner callback "
+            "instead (--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner)."
         )
     return report
 
@@ -473,6 +501,9 @@ def print_report(report: PlanReport) -> None:
     console.print(ranks)
     for line in summary_lines(report, candidates):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    number = candidates.index(result.best) + 1
+    print(f"fit flags that run #{number} (append them to a fit command of this training config):")
+    print(shlex.join(fit_flags(result.best, result.cluster)))
 
 
 def _call_cell(plan: PlacementPlan, call: str) -> str:
