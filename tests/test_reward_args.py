@@ -185,3 +185,23 @@ def test_reward_fn_import_path_from_the_current_folder(console_script_cwd):
     module = make_module(reward_fn="cwd_reward_d4.reward")
     assert module.reward_fn.__module__ == "cwd_reward_d4" and RewardSignature.of(module.reward_fn).trl_style
     assert Path(sys.modules["cwd_reward_d4"].__file__).parent == folder
+
+
+def test_profiler_times_a_reward_that_reads_fields(tokenizer):
+    """The PlacementTuner's reward timing hands the rows' fields over, so a reward needing `answer` can be timed."""
+    from types import SimpleNamespace
+
+    from lightning_app_rlhf.planner.profiler import measure_reward_fn
+
+    answers: list[list[str]] = []
+
+    def reward(completions, answer, **kwargs):
+        answers.append(answer)
+        return [0.0] * len(completions)
+
+    workload = SimpleNamespace(prompt_length=4, generation_length=3)
+    rows = [{"answer": row["answer"]} for row in ROWS]
+    seconds = measure_reward_fn(reward, tokenizer, workload, [row["prompt"] for row in ROWS], fields=rows)
+    assert seconds > 0 and answers[0][:5] == ["r", "f", "b", "a", "r"]
+    with pytest.raises(RewardSignatureError, match=r"needs 'answer', but this batch's rows have the fields \[\]"):
+        measure_reward_fn(reward, tokenizer, workload, None)

@@ -141,7 +141,8 @@ class PlacementTuner(Callback):
             profile = None
             if self.profile:
                 profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,
-                                           prompts=datamodule.dataset.prompts[:64], device=device)
+                                           prompts=datamodule.dataset.prompts[:64], device=device,
+                                           fields=datamodule.dataset.fields[:64])
             if self.cluster is not None:
                 cluster = parse_cluster(self.cluster)
             else:

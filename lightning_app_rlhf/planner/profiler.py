@@ -19,7 +19,7 @@ import os
 import platform
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -462,6 +462,7 @@ def profile_workload(
     prompts: list[str] | None = None,
     statistic: str = "min",
     device: DeviceType | None = None,
+    fields: Sequence[Mapping[str, Any]] | None = None,
 ) -> Profile:
     """Measure the shape of every role of ``workload`` (cached per hardware and shape; a critic-free workload has no
     critic to measure) and this device's ceilings.
@@ -475,6 +476,8 @@ def profile_workload(
         reward_fn: A Python reward function to time per sample (with ``tokenizer``).
         tokenizer: Decodes responses for ``reward_fn``.
         prompts: Real prompts for ``reward_fn`` (some functions read them); default random tokens.
+        fields: Each prompt's row fields (aligned with ``prompts``), which ``reward_fn`` receives by name (e.g.
+            ``answer``); None: none.
         statistic: ``min`` (the fastest wall time counts) or ``cpu`` (the median CPU time; use it on a shared
             machine, with ``threads=1``).
         device: This device's ceilings, already measured (e.g. with :func:`measure_collectives`); None: measure
@@ -506,7 +509,7 @@ def profile_workload(
         profile = profile.merge(measured)
     if reward_fn is not None and tokenizer is not None:
         with _threads(threads):
-            per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts, statistic)
+            per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts, statistic, fields)
         profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
     return profile
 
@@ -754,8 +757,10 @@ def measure_reward_fn(
     workload: Workload,
     prompts: list[str] | None,
     statistic: str = "min",
+    fields: Sequence[Mapping[str, Any]] | None = None,
 ) -> float:
-    """Seconds per sample of decoding and scoring with a Python reward function."""
+    """Seconds per sample of decoding and scoring with a Python reward function; row ``i`` reads prompt
+    ``i % len(prompts)`` and that prompt's ``fields``."""
     import torch
 
     from lightning_app_rlhf.generation import Rollout
@@ -770,4 +775,6 @@ def measure_reward_fn(
             sequences[row, p - len(ids) : p] = torch.tensor(ids)
     mask = torch.ones_like(sequences)
     rollout = Rollout(sequences, mask, mask[:, p:], torch.zeros(b, g), p)
-    return _best_of(lambda: reward_forward(reward_fn, rollout, tokenizer), 3, statistic) / b
+    rows = [fields[row % len(fields)] for row in range(b)] if fields else []
+    row_fields = {name: [row[name] for row in rows] for name in rows[0]} if rows else None
+    return _best_of(lambda: reward_forward(reward_fn, rollout, tokenizer, row_fields), 3, statistic) / b
