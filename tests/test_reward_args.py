@@ -205,3 +205,13 @@ def test_profiler_times_a_reward_that_reads_fields(tokenizer):
     assert seconds > 0 and answers[0][:5] == ["r", "f", "b", "a", "r"]
     with pytest.raises(RewardSignatureError, match=r"needs 'answer', but this batch's rows have the fields \[\]"):
         measure_reward_fn(reward, tokenizer, workload, None)
+
+
+def test_a_field_named_like_a_positional_parameter_is_named():
+    """A row field that the positional convention also fills (`prompts`) is named in the error; TRL-style, the call's
+    own `prompts` wins over a field of that name, as TRL drops its prompt column."""
+    with pytest.raises(RewardSignatureError, match=r"takes the prompts positionally in its parameter 'prompts'.*"
+                                                   r"Rename that field"):
+        RewardSignature.of(ours).check(ours, ["prompts"])
+    _, kwargs = RewardSignature.of(trl).arguments(["p"], ["c"], {"prompts": ["field"], "answer": ["a"]})
+    assert kwargs["prompts"] == ["p"] and kwargs["answer"] == ["a"]

@@ -107,9 +107,10 @@ class RewardSignature:
                 takes ``completion_ids`` (TRL-style).
             iteration: The iteration being scored, as ``trainer_state.global_step`` (TRL-style).
         """
-        kwargs = {name: values for name, values in fields.items() if self.accepts(name) and name not in TRL_KEYS}
+        kwargs = {name: values for name, values in fields.items() if self.accepts(name)}
         if not self.trl_style:
             return (prompts, completions), kwargs
+        kwargs = {name: values for name, values in kwargs.items() if name not in TRL_KEYS}  # TRL's own come next
         kwargs.update(prompts=prompts, completions=completions)
         if completion_ids is not None and self.accepts("completion_ids"):
             kwargs["completion_ids"] = completion_ids()
@@ -157,6 +158,10 @@ class RewardSignature:
             return (f"{name} needs {need}, but {where} have the fields {fields} besides the prompt (it is called "
                     f"{convention}). Add {need} to every row, rename the parameter to one of the fields, or give it "
                     "a default.")
+        if clash and clash[0] == slots[0].name:
+            return (f"{name} takes the prompts positionally in its parameter {clash[0]!r} (it is called "
+                    f"{convention}), but {clash[0]!r} is also a field of {where}, whose fields are {fields}. Rename "
+                    "that field in the rows, or the parameter.")
         if clash:
             return (f"{name} takes the responses positionally in its parameter {clash[0]!r} (it is called "
                     f"{convention}), but {clash[0]!r} is also a field of {where}, whose fields are {fields}. Name the responses "
