@@ -58,9 +58,8 @@ def test_arguments_of_each_convention():
     assert args == () and kwargs == {"prompts": ["p", "q"], "completions": ["a", "b"], "completion_ids": [[1], [2]],
                                      "trainer_state": RewardState(global_step=3), **fields}
     args, kwargs = RewardSignature.of(trl_keyword_only).arguments(["p"], ["a"], {"answer": ["x"]}, None, None)
-    assert kwargs == {"completions": ["a"], "answer": ["x"], "prompts": ["p"]}
-    with pytest.raises(RewardSignatureError):  # prompts= is passed, and trl_keyword_only does not take it
-        RewardSignature.of(trl_keyword_only).check(trl_keyword_only, ["answer"])
+    assert kwargs == {"completions": ["a"], "answer": ["x"]}  # no **kwargs: only what it names
+    RewardSignature.of(trl_keyword_only).check(trl_keyword_only, ["answer"])
 
 
 # ---- a TRL reward, unchanged, in a run ----

@@ -6,8 +6,8 @@ from its signature, and checked against the dataset's fields before any generati
 - TRL's (``GRPOTrainer``'s ``reward_funcs``): ``reward(prompts=..., completions=..., completion_ids=...,
   **dataset_columns, trainer_state=...)``, everything by name. Chosen when the function has a parameter named
   ``completions``, or one named ``prompts`` and no room for a second positional argument (``(prompts, **kwargs)``).
-  ``prompts`` and ``completions`` are plain text (TRL's standard format); ``completion_ids`` and ``trainer_state``
-  are passed only when the function names them or takes ``**kwargs``.
+  ``prompts`` and ``completions`` are plain text (TRL's standard format). Each keyword is passed only when the
+  function names it or takes ``**kwargs`` (TRL would refuse ``(completions, answer)``; here it gets just those).
 
 Plain Python, no torch.
 """
@@ -111,7 +111,8 @@ class RewardSignature:
         if not self.trl_style:
             return (prompts, completions), kwargs
         kwargs = {name: values for name, values in kwargs.items() if name not in TRL_KEYS}  # TRL's own come next
-        kwargs.update(prompts=prompts, completions=completions)
+        kwargs.update({key: value for key, value in (("prompts", prompts), ("completions", completions))
+                       if self.accepts(key)})  # TRL passes both; a function that takes one only gets it alone
         if completion_ids is not None and self.accepts("completion_ids"):
             kwargs["completion_ids"] = completion_ids()
         if self.accepts("trainer_state"):
