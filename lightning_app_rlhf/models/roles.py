@@ -1,9 +1,13 @@
-"""The four RLHF roles built from Hugging Face models, offline. Plain PyTorch + transformers, no Lightning.
+"""The four RLHF roles built from Hugging Face models. Plain PyTorch + transformers, no Lightning.
 
 - actor, reference: ``AutoModelForCausalLM``;
 - critic: :class:`ValueModel`, a causal-LM backbone with a scalar value head per token;
 - reward: ``AutoModelForSequenceClassification`` with one label, or a Python function
   ``(prompts, responses) -> scores``.
+
+A model (or tokenizer) comes from a local directory, from a Hugging Face hub name such as ``Qwen/Qwen2.5-0.5B-Instruct``
+(loaded as transformers loads it: downloaded when online, read from the cache, ``HF_HUB_OFFLINE=1`` respected), or,
+for a model, from an import path ``"package.module:function"`` that returns a local directory (docs/models.md).
 
 Actor and critic may carry PEFT LoRA adapters (``ModelSpec.lora``): their base weights freeze and only the
 adapters train (plus the critic's value head). A LoRA actor's reference is then its own base model with the
@@ -17,6 +21,7 @@ import copy
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import constants as hub_constants
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -51,10 +57,13 @@ RewardFunction = Callable[[list[str], list[str]], "Sequence[float] | torch.Tenso
 
 @dataclass
 class ModelSpec:
-    """Where a role's weights come from: a local Hugging Face directory, or a config with random weights."""
+    """Where a role's weights come from: a local Hugging Face directory, a hub name, or a config with random weights."""
 
     path: str | None = None
-    """Local directory with ``config.json`` and weights. Nothing is fetched from a hub."""
+    """Where the pretrained weights are: a local directory with ``config.json`` and weights; a Hugging Face hub name
+    (``Qwen/Qwen2.5-0.5B-Instruct``), loaded as ``from_pretrained`` loads it (downloaded when online, then read from
+    the cache; ``HF_HUB_OFFLINE=1`` reads the cache only); or an import path ``"package.module:function"`` whose
+    function returns a local directory (``lightning_app_rlhf.models.smollm2:model_dir``). See docs/models.md."""
     config: dict[str, Any] = field(default_factory=dict)
     """With ``path``: config fields to override. Without: the full config for random init, with
     ``model_type`` (e.g. ``{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}``)."""
@@ -89,17 +98,24 @@ class ModelSpec:
                 f"'n_head': 4, 'vocab_size': 512}}. Got config={self.config}. (A reference may give only "
                 "`precision`: the actor's copy at that precision.)"
             )
-        if self.path is not None and not os.path.isdir(self.path):
-            raise FileNotFoundError(
-                f"Model path {self.path!r} is not a local directory. Models are loaded offline only: download "
-                "it first (e.g. `huggingface-cli download NAME --local-dir DIR`) and pass that directory."
+        if self.path is not None and "model_type" in self.config:
+            raise ValueError(
+                f"The model spec has both `path` ({self.path!r}) and a random-init `config` (model_type="
+                f"{self.config['model_type']!r}); with a path, `config` only overrides fields of the pretrained config. "
+                "Drop `config`. On the command line over a config file whose model is random-init, replace the role's "
+                f"whole spec, e.g. for the actor --model.actor '{{path: \"{self.path}\", config: {{}}}}' (or add "
+                "--model.actor.config '{}')."
             )
+        source = self.source  # a path that is neither a directory, a hub name nor an import path fails here
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}.")
         self._check_precision()
+        if source is not None and os.path.isdir(source):
+            _check_model_directory(source, self.gguf_file)
         if self.gguf_file is not None:
-            if self.path is None or not os.path.isfile(os.path.join(self.path, self.gguf_file)):
-                raise FileNotFoundError(f"gguf_file={self.gguf_file!r} must name a file inside `path` ({self.path!r}).")
+            if source is None:
+                raise FileNotFoundError(f"gguf_file={self.gguf_file!r} needs `path`: the directory or hub model "
+                                        "that holds the file.")
             if importlib.util.find_spec("gguf") is None:
                 raise ImportError("Loading a GGUF file needs the gguf package: `pip install gguf`.")
         if self.lora is not None:
@@ -118,6 +134,12 @@ class ModelSpec:
                              "in bf16), or set precision='bf16-true'.")
 
     @property
+    def source(self) -> str | None:
+        """What ``from_pretrained`` reads: ``path`` itself (a local directory or a hub name), or the directory that an
+        import-path ``path`` returns; None for random init. See :func:`resolve_model_path`."""
+        return None if self.path is None else resolve_model_path(self.path)
+
+    @property
     def copies_actor(self) -> bool:
         """Neither ``path`` nor ``config``: the actor's weights (a reference spec that sets only its precision)."""
         return self.path is None and not self.config
@@ -134,13 +156,99 @@ class ModelSpec:
         return self.config.get("trust_remote_code", False) is True
 
     def load_config(self, **overrides: Any) -> PretrainedConfig:
+        """The role's config: the pretrained one (from ``path``) with ``config`` and ``overrides`` applied, or for random
+        init ``config`` itself. A hub name that cannot be fetched raises an ``OSError`` naming the fixes."""
         fields = {**self.config, **overrides}
-        if self.path is not None:
+        source = self.source
+        if source is not None:
             fields["trust_remote_code"] = self.trusts_remote_code  # False, not None: transformers would prompt
-            with _no_remote_code(f"Model directory {self.path!r}", _TRUST_MODEL, self.trusts_remote_code):
-                return AutoConfig.from_pretrained(self.path, local_files_only=True, gguf_file=self.gguf_file, **fields)
+            with _hub_fetch(source, "model"), _no_remote_code(f"Model {source!r}", _TRUST_MODEL,
+                                                               self.trusts_remote_code):
+                return AutoConfig.from_pretrained(source, gguf_file=self.gguf_file, **fields)
         fields.pop("trust_remote_code", None)  # random init: there is no directory whose code could run
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""A Hugging Face hub id: ``name`` or ``org/name``, of letters, digits, ``-``, ``_`` and ``.``."""
+
+
+def is_hub_name(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face hub id (``org/name``, or a bare ``name`` such as ``gpt2``) and is not an
+    existing local directory, which ``from_pretrained`` would read first."""
+    return (not os.path.isdir(name) and _HUB_NAME.fullmatch(name) is not None and ".." not in name
+            and "--" not in name)
+
+
+def resolve_model_path(path: str) -> str:
+    """What ``from_pretrained`` reads for ``ModelSpec.path``: a local directory or a hub name as given, or the directory
+    that an import path ``"package.module:function"`` (or ``"package.module:DIRECTORY"``) gives.
+
+    Raises:
+        FileNotFoundError: ``path`` is none of these (a local path that does not exist), or its import path does not
+            give an existing directory; the message names the fix.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if ":" in path and not os.path.isabs(path):  # hub names never hold ':'
+        target = resolve_import(path)
+        directory = target() if callable(target) else target
+        if not isinstance(directory, str | os.PathLike) or not os.path.isdir(directory):
+            raise FileNotFoundError(f"Model path {path!r} is an import path, but it gave {directory!r}, not a local "
+                                    "directory: make it return the directory that holds the model.")
+        return os.fspath(directory)
+    if is_hub_name(path):
+        return path
+    raise FileNotFoundError(
+        f"Model path {path!r} is not a local directory ({os.path.abspath(path)!r} does not exist) nor a Hugging Face "
+        "hub name ('org/name'). Pass an existing directory, a hub name such as 'Qwen/Qwen2.5-0.5B-Instruct', or "
+        "download a model into a directory first (`hf download NAME --local-dir DIR`) and pass that directory."
+    )
+
+
+def _check_model_directory(directory: str, gguf_file: str | None) -> None:
+    """A local model directory holds what will be loaded: ``gguf_file`` when given, else ``config.json`` (a directory
+    with only GGUF files names them)."""
+    if gguf_file is not None:
+        if not os.path.isfile(os.path.join(directory, gguf_file)):
+            raise FileNotFoundError(f"gguf_file={gguf_file!r} must name a file inside `path` ({directory!r}).")
+        return
+    ggufs = sorted(name for name in os.listdir(directory) if name.endswith(".gguf"))
+    if ggufs and not os.path.isfile(os.path.join(directory, "config.json")):
+        raise FileNotFoundError(f"Model directory {directory!r} has no config.json but GGUF files: name one with "
+                                f"gguf_file={ggufs[0]!r} (`--model.actor.gguf_file {ggufs[0]}` on the command line).")
+
+
+@contextlib.contextmanager
+def _hub_fetch(name: str, what: str) -> Iterator[None]:
+    """Turn transformers' failure to fetch the hub name ``name`` (offline and not cached, unknown, gated, no network)
+    into one ``OSError`` that names the fixes. A local directory's errors pass through as transformers raised them."""
+    if os.path.isdir(name):
+        yield
+        return
+    try:
+        yield
+    except OSError as err:
+        raise hub_fetch_error(name, what, err) from None
+
+
+def hub_fetch_error(name: str, what: str, err: BaseException) -> OSError:
+    """The error for a ``what`` (``"model"``, ``"tokenizer"``) named ``name`` that transformers could not load from the
+    hub or its cache: ``FileNotFoundError`` offline (``HF_HUB_OFFLINE``), ``OSError`` online, each naming the fixes."""
+    reason = " ".join(str(err).split())[:300]
+    local = f" (Read as a local path, {os.path.abspath(name)!r} does not exist either.)"
+    if hub_constants.HF_HUB_OFFLINE:
+        return FileNotFoundError(
+            f"Cannot load the {what} {name!r}: HF_HUB_OFFLINE is set and it is not in the Hugging Face cache "
+            f"({hub_constants.HF_HUB_CACHE}). Fix: download it first where there is network access (`hf download "
+            f"{name}`, with the same HF_HOME), or unset HF_HUB_OFFLINE so transformers downloads it, or pass a local "
+            f"directory (`hf download {name} --local-dir DIR`, then DIR as the path).{local} [transformers: {reason}]")
+    return OSError(
+        f"Cannot load the {what} {name!r} from the Hugging Face hub: {reason} Fix: check the name "
+        f"(https://huggingface.co/{name}); a private or gated model needs `hf auth login` or HF_TOKEN; without "
+        f"network access, download it first (`hf download {name}`) and set HF_HUB_OFFLINE=1, or pass a local "
+        f"directory (`hf download {name} --local-dir DIR`).{local}")
 
 
 _TRUST_MODEL = ("set trust_remote_code: true in this role's config (ModelSpec(config={'trust_remote_code': True})), "
@@ -251,10 +359,12 @@ def _build(auto_class: Any, spec: ModelSpec, lora_task_type: str | None = None, 
     # matrices are random, and every rank must build the same ones.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.init_seed)
-        if spec.path is not None:
-            with _no_remote_code(f"Model directory {spec.path!r}", _TRUST_MODEL, spec.trusts_remote_code):
-                model = auto_class.from_pretrained(spec.path, config=config, local_files_only=True, dtype=dtype,
-                                                   gguf_file=spec.gguf_file, trust_remote_code=spec.trusts_remote_code)
+        source = spec.source
+        if source is not None:
+            with _hub_fetch(source, "model"), _no_remote_code(f"Model {source!r}", _TRUST_MODEL,
+                                                               spec.trusts_remote_code):
+                model = auto_class.from_pretrained(source, config=config, dtype=dtype, gguf_file=spec.gguf_file,
+                                                   trust_remote_code=spec.trusts_remote_code)
         else:
             model = auto_class.from_config(config, dtype=dtype)
         if spec.lora is not None:
@@ -486,15 +596,20 @@ def _not_found(target: str, module_name: str, err: ModuleNotFoundError) -> str:
 
 
 def load_tokenizer(spec: str | PreTrainedTokenizerBase | dict[str, str]) -> PreTrainedTokenizerBase:
-    """A tokenizer from a local directory, from ``"package.module:function"`` that builds one, or from the files of
-    :func:`tokenizer_files` (how a checkpoint embeds a tokenizer that was passed as an object)."""
+    """A tokenizer from a local directory, a Hugging Face hub name, ``"package.module:function"`` that builds one, or
+    the files of :func:`tokenizer_files` (how a checkpoint embeds a tokenizer that was passed as an object).
+
+    A string is a directory if one exists; else an import path if it holds ``:``; else a hub name if it reads as one
+    and holds ``/`` or no ``.`` (``Qwen/Qwen2.5-0.5B-Instruct``, ``gpt2``), loaded as transformers does (downloaded
+    when online, cached, ``HF_HUB_OFFLINE=1`` respected); else a dotted import path (``package.module.function``).
+    """
     if isinstance(spec, PreTrainedTokenizerBase):
         tokenizer = spec
     elif isinstance(spec, dict):
         tokenizer = _tokenizer_from_files(spec)
-    elif os.path.isdir(spec):
-        with _no_remote_code(f"Tokenizer directory {spec!r}", _TRUST_TOKENIZER, False):
-            tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True, trust_remote_code=False)
+    elif os.path.isdir(spec) or (":" not in spec and is_hub_name(spec) and ("/" in spec or "." not in spec)):
+        with _hub_fetch(spec, "tokenizer"), _no_remote_code(f"Tokenizer {spec!r}", _TRUST_TOKENIZER, False):
+            tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=False)
     else:
         target = resolve_import(spec)
         tokenizer = target() if callable(target) and not isinstance(target, PreTrainedTokenizerBase) else target
