@@ -146,7 +146,7 @@ class RewardSignature:
         assert self.signature is not None
         parameters = self.signature.parameters
         name = f"The reward function {_name_of(function, self.signature)}"
-        convention = ("as TRL calls it: prompts=, completions= and the fields by name" if self.trl_style else
+        convention = ("as TRL calls it: all by name (prompts=, completions=, the fields)" if self.trl_style else
                       "as (prompts, responses, **fields): the two lists positionally, the fields it names by name")
         required = [p for p in parameters.values()
                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -165,13 +165,15 @@ class RewardSignature:
                     "that field in the rows, or the parameter.")
         if clash:
             return (f"{name} takes the responses positionally in its parameter {clash[0]!r} (it is called "
-                    f"{convention}), but {clash[0]!r} is also a field of {where}, whose fields are {fields}. Name the responses "
-                    f"parameter `completions` for TRL's convention (e.g. `(completions, {clash[0]}, **kwargs)`), or "
-                    f"write `(prompts, responses, {clash[0]})`.")
-        if not self.trl_style and len(slots) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in parameters.values()):
+                    f"{convention}), but {clash[0]!r} is also a field of {where}, whose fields are {fields}. Name the "
+                    f"responses parameter `completions` for TRL's convention (e.g. `(completions, {clash[0]}, "
+                    f"**kwargs)`), or write `(prompts, responses, {clash[0]})`.")
+        var_positional = any(p.kind is p.VAR_POSITIONAL for p in parameters.values())
+        if not self.trl_style and len(slots) < 2 and not var_positional:
             return (f"{name} cannot take the two lists (prompts, responses) positionally ({err}). Write "
                     "`(prompts, responses, **fields)`, or name TRL's keywords: `(completions, **kwargs)`.")
-        return f"{name} cannot be called {convention} on {where}, whose fields are {fields}: {err}. Fix its parameters."
+        return (f"{name} cannot be called {convention} on {where}, whose fields are {fields}: {err}. Fix its "
+                "parameters.")
 
 
 _CACHE: weakref.WeakKeyDictionary[Callable[..., Any], RewardSignature] = weakref.WeakKeyDictionary()
