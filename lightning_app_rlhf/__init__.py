@@ -4,6 +4,7 @@ from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.models.calls import RewardFunctionError
+from lightning_app_rlhf.models.reward_args import RewardSignatureError
 from lightning_app_rlhf.models.roles import ModelSpec, ValueModel
 from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -26,6 +27,7 @@ __all__ = [
     "PromptDataModule",
     "RLHFModule",
     "RewardFunctionError",
+    "RewardSignatureError",
     "SeparationStrategy",
     "ValueModel",
 ]
