@@ -105,7 +105,8 @@ def test_hub_name_offline_and_not_cached_names_the_fix(tmp_path: Path) -> None:
     """With HF_HUB_OFFLINE=1 and an empty cache, a hub name fails with one message naming the fixes (download it first,
     unset HF_HUB_OFFLINE, or use a local directory), not transformers' chained trace. Run in a fresh interpreter:
     huggingface_hub reads HF_HUB_OFFLINE and HF_HOME when it is imported."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("HF_HUB_CACHE", None)
     env.pop("TRANSFORMERS_CACHE", None)
     result = subprocess.run([sys.executable, "-c", _OFFLINE_SCRIPT], cwd=tmp_path, env=env, capture_output=True,
