@@ -8,14 +8,17 @@ module only reads the parsed config into a :class:`~lightning_app_rlhf.planner.c
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import functools
 import inspect
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import docstring_parser
 import torch
@@ -36,7 +39,7 @@ from lightning_app_rlhf.checkpoint.format import (
     load_checkpoint_file,
 )
 from lightning_app_rlhf.checkpoint.newest import AUTO, newest_complete_checkpoint
-from lightning_app_rlhf.core.upstream_warnings import UPSTREAM_WARNINGS
+from lightning_app_rlhf.core.upstream_warnings import ignore_upstream_warnings
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.generation import registered_backends
 from lightning_app_rlhf.module import RLHFModule
@@ -55,12 +58,89 @@ from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 PLAN = "plan"
 """The subcommand that runs the planner instead of a Trainer method."""
 PLAN_HELP = "Predict and search placements for the configured run, or for named model sizes (a dry run: no training)."
+DEBUG_FLAG = "--debug"
+"""Anywhere on the command line: an error in the config or on the command line raises with its traceback."""
+DEBUG_ENV = "LIGHTNING_APP_RLHF_DEBUG"
+"""``LIGHTNING_APP_RLHF_DEBUG=1`` does what ``--debug`` does (``--debug`` sets it, for the ranks a launcher starts)."""
+DEBUG_HELP = (f"An error in the config or on the command line prints one line naming the fix; add {DEBUG_FLAG} "
+              f"(or set {DEBUG_ENV}=1) for its traceback.")
 DESCRIPTION = ("RLHF with placement strategies: train (fit), evaluate (validate, test, predict), or plan the placement "
-               "of the model calls (plan).")
+               f"of the model calls (plan). {DEBUG_HELP}")
+CONFIG_ERRORS = (ValueError, FileNotFoundError, ImportError)
+"""What this package raises for a setting it refuses (its message names the fix): printed as one ``error:`` line
+when raised by this package's own code (:func:`config_error`)."""
 
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
 """``--ckpt_path`` values that name a checkpoint Lightning finds: ModelCheckpoint's last or best, SLURM's."""
+
+
+class RLHFArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line: a mistyped option gets the nearest valid one ("did you mean
+    --model.ppo.kl_coef?"), and the usage, some 150 lines that would bury the error, is left to ``--help``. With
+    ``--debug`` an error raises with its traceback instead."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Exit 2 with ``error: MESSAGE`` (naming the nearest options of unrecognized ones, and ``--help``); raise
+        where jsonargparse would (``exit_on_error=False`` while it tries alternatives) or under ``--debug``."""
+        if not self.exit_on_error:
+            super().error(message, ex)  # raises: a caller tries something else, or reports it as its own error
+        hint = "" if "Did you mean" in message else suggest_options(message, option_strings(self, ex))
+        message = f"{message.rstrip(' .')}.{hint}" if hint else message
+        if debug_requested():
+            raise argparse.ArgumentError(None, message) from ex
+        prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {message} ({prog} --help lists the options; {DEBUG_FLAG} shows the traceback.)\n")
+        self.exit(2)
+
+
+def option_strings(parser: argparse.ArgumentParser, ex: Exception | None = None) -> list[str]:
+    """Every ``--option`` of ``parser``, of its subcommands' parsers, and of the parser ``ex`` names, if any."""
+    parsers, options = [parser, *([ex.subcommand_parser] if getattr(ex, "subcommand_parser", None) else [])], []
+    while parsers:
+        current = parsers.pop()
+        for action in current._actions:
+            options += [option for option in action.option_strings if option.startswith("--")]
+            parsers += list(getattr(action, "_name_parser_map", {}).values())  # the subcommands
+    return list(dict.fromkeys(options))
+
+
+def suggest_options(message: str, options: Sequence[str]) -> str:
+    """`` Did you mean --X?`` for each option that ``message`` refuses (jsonargparse's "unrecognized arguments:
+    --a.b 1 ..." of the command line, "does not accept option 'a.b'" of a config file) that is close to one of
+    ``options`` (difflib, as for strategy names); "" when none is."""
+    if message.startswith("unrecognized arguments:"):
+        flags = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split() if word.startswith("--")]
+    else:
+        flags = ["--" + key for key in re.findall(r"does not accept (?:nested key|option) '([\w.]+)'", message)]
+    pairs = [(flag, close[0]) for flag in flags if (close := difflib.get_close_matches(flag, options, n=1, cutoff=0.8))]
+    if len(pairs) == 1:
+        return f" Did you mean {pairs[0][1]}?"
+    return f" Did you mean {', '.join(f'{close} (for {flag})' for flag, close in pairs)}?" if pairs else ""
+
+
+def debug_requested() -> bool:
+    """Whether ``--debug`` was given (it sets ``LIGHTNING_APP_RLHF_DEBUG``) or the variable is set: errors raise with
+    their traceback instead of printing one line."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def config_error(error: BaseException) -> BaseException | None:
+    """The error of a setting this package refused, if ``error`` is one or wraps one (jsonargparse re-raises a class's
+    error with it as the cause): a :data:`CONFIG_ERRORS` raised by this package's own code, whose message names the
+    fix. None: an error whose traceback should show, also one of ours caused by an error of another kind (a
+    ``KeyError`` in the user's function, say), whose traceback is the useful part.
+
+    Args:
+        error: What the command raised.
+    """
+    while error is not None:
+        if isinstance(error, CONFIG_ERRORS) and _raised_here(error):
+            cause = error.__cause__
+            return error if cause is None or isinstance(cause, (*CONFIG_ERRORS, OSError)) else None
+        error = error.__cause__
+    return None
 
 
 class RLHFCLI(LightningCLI):
@@ -88,6 +168,7 @@ class RLHFCLI(LightningCLI):
         names = list(self.subcommands())
         for name in [self._only_subcommand] if self._only_subcommand in names else names:
             subparser_kwargs = kwargs.get(name, {})
+            subparser_kwargs.setdefault("epilog", DEBUG_HELP)
             if name == PLAN:
                 description = PLAN_HELP
                 subparser_kwargs.setdefault("description", description)
@@ -128,15 +209,7 @@ class RLHFCLI(LightningCLI):
     @override
     def instantiate_classes(self) -> None:
         if self.subcommand != PLAN:
-            try:
-                super().instantiate_classes()
-            except ValueError as err:  # jsonargparse re-raises the class's error with it as the cause
-                cause = err.__cause__ if isinstance(err.__cause__, ValueError) else err
-                if not _raised_here(cause):
-                    raise  # not a check of this package's: the traceback is the useful part
-                # A setting this package refused: its message names the fix, and 30 lines of jsonargparse and
-                # Lightning frames would bury it.
-                sys.exit(report_error(cause))
+            super().instantiate_classes()  # a setting the classes refuse: one error: line (main)
             return
         # No Trainer (the config's accelerator and devices need not exist on this machine) and no models:
         # RLHFModule builds them in configure_model, which planning never calls.
@@ -373,16 +446,29 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
     """
     # Dataclass field docstrings, for --help and commented configs only: reading them parses each class's source,
     # about 60% of building the parser (4.4 -> 1.7 s of CPU per command, on every rank of a fit).
-    arguments = sys.argv[1:] if args is None else args
+    arguments = list(sys.argv[1:] if args is None else args)
+    if DEBUG_FLAG in arguments:  # ours, not the config's: off the command line, into the variable ranks inherit
+        arguments = [argument for argument in arguments if argument != DEBUG_FLAG]
+        os.environ[DEBUG_ENV] = "1"
+        if args is None:
+            sys.argv[1:] = arguments  # what jsonargparse reads, and a launcher re-runs per rank
     set_parsing_settings(docstring_parse_attribute_docstrings=_shows_option_help(arguments))
-    for upstream in UPSTREAM_WARNINGS:  # deprecations raised by dependencies' own calls: nothing a user can change
-        upstream.ignore()
-    return RLHFCLI(
-        RLHFModule,
-        PromptDataModule,
-        args=args,
-        only_subcommand=arguments[0] if arguments else None,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,  # the module builds its own two optimizers
-        parser_kwargs={"description": DESCRIPTION, **({"prog": prog} if prog else {})},
-    )
+    ignore_upstream_warnings()  # raised by dependencies' own calls, or advice that does not apply: nothing to change
+    try:
+        return RLHFCLI(
+            RLHFModule,
+            PromptDataModule,
+            args=None if args is None else arguments,  # LightningCLI warns when given both
+            only_subcommand=arguments[0] if arguments else None,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,  # the module builds its own two optimizers
+            parser_class=RLHFArgumentParser,
+            parser_kwargs={"description": DESCRIPTION, **({"prog": prog} if prog else {})},
+        )
+    except CONFIG_ERRORS as err:  # at parsing, instantiation or the Trainer's setup (batch split, prompt lengths)
+        refused = config_error(err)
+        if refused is None or debug_requested():
+            raise
+        # A setting this package refused: its message names the fix, which 30 lines of jsonargparse and Lightning
+        # frames would bury.
+        sys.exit(report_error(refused))

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_app_rlhf.generation import sample_keys
+from lightning_app_rlhf.generation import context_length_error, sample_keys
 from lightning_app_rlhf.models.roles import load_tokenizer, resolve_import
 
 Messages = list[dict[str, str]]
@@ -66,8 +66,38 @@ class PromptDataset(Dataset):
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def longest(self) -> tuple[int, int]:
+        """The row of the longest tokenised prompt (the first of equals, counting from 0) and its token count."""
+        lengths = [len(ids) for ids in self.input_ids]
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        return longest, lengths[longest]
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         return {"input_ids": self.input_ids[index], "index": index, "fields": self.fields[index]}
+
+
+def check_prompts_fit(datasets: Sequence[tuple[str, Any]], context: int | None, max_new_tokens: int) -> None:
+    """Raise a ``ValueError`` naming the longest prompt (its row and start) and the fixes unless every prompt of
+    ``datasets``, plus ``max_new_tokens``, fits the actor's ``context``: at setup, rather than when that prompt's batch
+    comes (generation checks each batch again, for prompts that come another way).
+
+    Args:
+        datasets: ``(description, dataset)`` pairs, e.g. ``("data.prompts", dataset)``; a dataset without tokenised
+            prompts (not a :class:`PromptDataset`) is skipped.
+        context: The actor's context length (None: it declares none, and nothing is checked).
+        max_new_tokens: ``generation.max_new_tokens``.
+    """
+    if context is None:
+        return
+    for where, dataset in datasets:
+        if not isinstance(dataset, PromptDataset) or not len(dataset):
+            continue
+        row, length = dataset.longest()
+        if length + max_new_tokens > context:
+            start = dataset.prompts[row]
+            start = repr(start if len(start) <= 60 else start[:57] + "...")
+            raise ValueError(context_length_error(length, max_new_tokens, context,
+                                                  f"The longest prompt of {where}, row #{row} ({start}),"))
 
 
 def render_prompts(

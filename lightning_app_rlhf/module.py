@@ -25,10 +25,11 @@ from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
 from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig, as_config
 from lightning_app_rlhf.core.role_table import CRITIC, ROLES
+from lightning_app_rlhf.data import check_prompts_fit
 from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
-from lightning_app_rlhf.generation import Rollout
+from lightning_app_rlhf.generation import Rollout, config_context_length
 from lightning_app_rlhf.models.reward_args import check_reward_fields
 from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
 from lightning_app_rlhf.models.roles import (
@@ -184,8 +185,22 @@ class RLHFModule(pl.LightningModule):
         module_trainer.check_trainer(self.trainer, stage, lambda: self.engine)
         if self.reward_fn is not None:  # before any generation: the reward's parameters against the rows' fields
             check_reward_fields(self.reward_fn, module_trainer.stage_datasets(self.trainer.datamodule, stage))
+        self._check_prompt_lengths(stage)
         if stage == "fit":
             self._more_prompts()  # dynamic sampling without a source of prompts fails now, not at iteration 0
+
+    def _check_prompt_lengths(self, stage: str) -> None:
+        """Every prompt ``stage`` reads, plus the tokens generated for it, fits the actor's context: checked on the
+        tokenised datasets (the datamodule's ``setup`` runs first) against the actor's config, before any model is
+        built, rather than when the longest prompt's batch comes."""
+        datasets = module_trainer.stage_datasets(self.trainer.datamodule, stage)
+        if not datasets:
+            return
+        context = config_context_length(self.specs.actor.load_config())
+        training = getattr(self.trainer.datamodule, "dataset", None) if stage == "fit" else None
+        for where, dataset in datasets:
+            new_tokens = (self.generation if dataset is training else self.eval_generation).max_new_tokens
+            check_prompts_fit([(where, dataset)], context, new_tokens)
 
     @override
     def configure_model(self) -> None:
@@ -199,6 +214,8 @@ class RLHFModule(pl.LightningModule):
         for entry in ROLES:
             if entry.name in built:
                 setattr(self, entry.attribute, built[entry.name])
+        for role, model in built.items():  # from_pretrained returns eval mode; a frozen role (or shadow) shows as such
+            model.train(placement.runs(f"{role}.train"))
         check_vocabularies(self.tokenizer, self.actor, self.reference, self.critic, self.reward_model)
 
     @override
@@ -236,6 +253,12 @@ class RLHFModule(pl.LightningModule):
         return self.engine.gather_memory()
 
     # ---- one iteration, and evaluation ----
+
+    @override
+    def on_fit_start(self) -> None:
+        frozen = [model for role in self.algorithm.roles
+                  if (model := self.role_module(role)) is not None and role not in self.trained_roles()]
+        module_trainer.expect_frozen_roles_in_eval_mode(self, frozen)
 
     @override
     def on_train_start(self) -> None:

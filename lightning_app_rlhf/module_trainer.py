@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_app_rlhf.callbacks import PlacementSummary, PreemptionCheckpoint, RLHFProgressBar
 from lightning_app_rlhf.callbacks.role_lr_monitor import RoleLearningRateMonitor
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file
+from lightning_app_rlhf.core.upstream_warnings import ignore_upstream_warnings
 from lightning_app_rlhf.strategies.atomic_checkpoint_io import AtomicCheckpointIO
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def check_trainer(trainer: pl.Trainer, stage: str, engine: Callable[[], RLHFEngi
     # Our epoch-level metrics are already global and equal on every rank (gathered, then logged everywhere), so
     # Lightning's advice to sync them does not apply (placement strategies leave `is_distributed` unset).
     warnings.filterwarnings("ignore", message=EPOCH_SYNC_ADVICE, category=PossibleUserWarning)
+    ignore_upstream_warnings()  # also when the module runs without the CLI
     if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
     built = engine()
@@ -91,14 +93,36 @@ def added_callbacks(callbacks: list[pl.Callback], preemption_checkpoint: bool) -
     """What ``configure_callbacks`` adds to, or replaces in, the Trainer's ``callbacks``."""
     # Once per trainer: validate and predict after fit would otherwise replace it, with a note saying so.
     added: list[pl.Callback] = [] if any(isinstance(c, PlacementSummary) for c in callbacks) else [PlacementSummary()]
-    # Lightning replaces a callback with a subclass of it returned here: a user's LearningRateMonitor sees only this
-    # rank's optimizers, named by class; Lightning's RichProgressBar reads "Epoch 0/-2" under max_steps.
-    for theirs, ours in ((LearningRateMonitor, RoleLearningRateMonitor), (RichProgressBar, RLHFProgressBar)):
-        added += [ours.like(c) for c in callbacks if type(c) is theirs][:1]
+    # Lightning replaces a callback with a subclass of it returned here (and says so): a user's LearningRateMonitor
+    # sees only this rank's optimizers, named by class.
+    added += [RoleLearningRateMonitor.like(c) for c in callbacks if type(c) is LearningRateMonitor][:1]
+    # Lightning's RichProgressBar reads "Epoch 0/-2" under max_steps. It is Lightning's default bar when rich is
+    # installed, so it is swapped in place, with its settings: returned here, Lightning would print that it overrides
+    # a RichProgressBar "passed to Trainer" that nobody passed.
+    for i, callback in enumerate(callbacks):
+        if type(callback) is RichProgressBar:
+            callbacks[i] = RLHFProgressBar.like(callback)
     # A clean stop on SIGTERM by default; a user's own (e.g. with a dirpath) is kept.
     if preemption_checkpoint and not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
         added.append(PreemptionCheckpoint())
     return added
+
+
+def expect_frozen_roles_in_eval_mode(module: pl.LightningModule, frozen: list[torch.nn.Module]) -> None:
+    """Silence Lightning's "Found N module(s) in eval mode" warning at the start of training when the modules in
+    eval mode are exactly those of the frozen roles (the reference, the reward model, a trained role's shadow), which
+    ``configure_model`` puts there on purpose. The filter names that count, so a module of the user's own in eval
+    mode still gets the warning.
+
+    Args:
+        module: The LightningModule whose modules Lightning counts.
+        frozen: The frozen roles' models on this rank.
+    """
+    in_eval = {id(m) for _, m in module.named_modules() if not m.training}
+    frozen_in_eval = {id(m) for model in frozen for m in model.modules() if not m.training}
+    if in_eval and in_eval == frozen_in_eval:
+        warnings.filterwarnings("ignore", message=rf"Found {len(in_eval)} module\(s\) in eval mode at the start of "
+                                r"training", category=PossibleUserWarning)
 
 
 def log_iteration(module: RLHFModule, values: dict[str, float], samples: int) -> None:

@@ -297,13 +297,16 @@ def test_progress_bar_counts_iterations_of_max_steps(tmp_path):
 
 
 def test_rlhf_module_swaps_a_rich_progress_bar_for_one_with_its_settings():
-    """A RichProgressBar given to the Trainer becomes an RLHFProgressBar with its refresh rate, leave, theme,
-    console arguments and enabled state; another progress bar, or an RLHFProgressBar, stays."""
+    """A RichProgressBar given to the Trainer (or Lightning's default one) becomes an RLHFProgressBar with its refresh
+    rate, leave, theme, console arguments and enabled state, in the Trainer's list (returned by configure_callbacks,
+    Lightning would say it overrides a bar passed to the Trainer); another progress bar, or an RLHFProgressBar,
+    stays."""
     module = make_module()
 
     def swapped(*callbacks: Callback) -> list[RLHFProgressBar]:
         module.trainer = SimpleNamespace(callbacks=list(callbacks))
-        return [c for c in module.configure_callbacks() if isinstance(c, RichProgressBar)]
+        assert not [c for c in module.configure_callbacks() if isinstance(c, RichProgressBar)]
+        return [c for c in module.trainer.callbacks if isinstance(c, RichProgressBar) and c not in callbacks]
 
     theme = RichProgressBarTheme(description="green")
     given = RichProgressBar(refresh_rate=3, leave=True, theme=theme, console_kwargs={"width": 80})

@@ -60,12 +60,17 @@ def test_field_docstrings_are_read_only_for_help(args, shows):
     assert _shows_option_help(args) is shows
 
 
-def test_unknown_strategy_name_suggests_the_right_one():
-    """Lightning's own error lists no registered names; ours names the closest one and the placement strategies."""
+def test_unknown_strategy_name_suggests_the_right_one(monkeypatch, capsys):
+    """Lightning's own error lists no registered names; ours names the closest one and the placement strategies, as
+    one ``error:`` line (exit 2)."""
     from lightning_app_rlhf.cli import main
 
-    with pytest.raises(ValueError, match=r"Did you mean 'rlhf_separation'\?.*rlhf_flattening, rlhf_interleaving"):
+    monkeypatch.setattr("sys.argv", ["lightning-app-rlhf"])  # pytest's own arguments are not the command line
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--trainer.strategy", "rlhf_seperation"])
+    assert exit_info.value.code == 2
+    assert re.search(r"^error: Unknown --trainer.strategy 'rlhf_seperation'\. Did you mean 'rlhf_separation'\?.*"
+                     r"rlhf_flattening, rlhf_interleaving", capsys.readouterr().err, re.MULTILINE)
 
 
 def test_unknown_generation_backend_is_refused_with_the_registered_names(monkeypatch, capsys):

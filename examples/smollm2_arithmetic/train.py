@@ -58,22 +58,26 @@ def smollm2_dir() -> str:
 def greedy_responses(
     module: RLHFModule, prompts: list[str], max_new_tokens: int, chunk: int = 25
 ) -> list[str]:
-    """Greedy (top-1) answers of the actor as it is now: with its LoRA adapters active."""
-    tokenizer, responses = module.tokenizer, []
+    """Greedy (top-1) answers of the actor as it is now: with its LoRA adapters active. The actor goes back to the
+    mode it was in (train mode, before ``fit``: Lightning warns of a trained model in eval mode)."""
+    tokenizer, responses, training = module.tokenizer, [], module.actor.training
     module.actor.eval()
-    for start in range(0, len(prompts), chunk):
-        part = prompts[start : start + chunk]
-        batch = tokenizer(part, return_tensors="pt", padding=True, add_special_tokens=False)
-        rollout = generate(
-            module.actor,
-            batch["input_ids"],
-            batch["attention_mask"],
-            GenerationConfig(max_new_tokens=max_new_tokens, top_k=1),
-            sample_keys(0, 0, torch.arange(len(part))),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        responses += tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
+    try:
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            batch = tokenizer(part, return_tensors="pt", padding=True, add_special_tokens=False)
+            rollout = generate(
+                module.actor,
+                batch["input_ids"],
+                batch["attention_mask"],
+                GenerationConfig(max_new_tokens=max_new_tokens, top_k=1),
+                sample_keys(0, 0, torch.arange(len(part))),
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            responses += tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
+    finally:
+        module.actor.train(training)
     return responses
 
 

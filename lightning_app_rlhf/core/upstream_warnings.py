@@ -1,10 +1,15 @@
-"""Deprecation warnings that upstream code raises about its own calls, not ours: ignored by the command line and
-by the test suite (where every other deprecation is an error), each with the place upstream that tracks it.
+"""Warnings that upstream code raises and a user of this package cannot act on, ignored by the command line and by
+:class:`~lightning_app_rlhf.RLHFModule` under a Trainer (:func:`ignore_upstream_warnings`), each with its reason:
 
-Plain data and the standard library only. ``tests/conftest.py`` turns the list into pytest ``filterwarnings``
-entries; :func:`~lightning_app_rlhf.cli.main` ignores the same list. Add an entry only for a warning raised inside a
-dependency's own code path (its stack shows no call of ours deprecated), and remove it when the fixed release is in
-``constraints.txt``.
+- :data:`UPSTREAM_WARNINGS`: deprecations that dependencies raise about their own calls, not ours; the test suite
+  ignores them too (where every other deprecation is an error);
+- :data:`INAPPLICABLE_WARNINGS`: advice of Lightning's that does not apply to an RLHF run and that no setting turns
+  off.
+
+Plain data and the standard library only. ``tests/conftest.py`` turns :data:`UPSTREAM_WARNINGS` into pytest
+``filterwarnings`` entries. Add a deprecation only for a warning raised inside a dependency's own code path (its stack
+shows no call of ours deprecated), and remove it when the fixed release is in ``constraints.txt``. A warning that this
+package causes is fixed where it is caused, not added here.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ class UpstreamWarning:
         message: A regular expression the start of the warning's message must match (no ``:``).
         category: The warning class.
         module: A regular expression the module the warning is attributed to must match ("" for any).
-        upstream: Where it is tracked (an issue or pull request), or what raises it where none is filed.
+        upstream: Where it is tracked (an issue or pull request), or what raises it where none is filed, and why a
+            user cannot act on it.
     """
 
     message: str
@@ -65,3 +71,27 @@ UPSTREAM_WARNINGS: tuple[UpstreamWarning, ...] = (
     ),
 )
 """Every upstream deprecation the command line and the tests ignore."""
+
+
+INAPPLICABLE_WARNINGS: tuple[UpstreamWarning, ...] = (
+    UpstreamWarning(
+        "Using ModelCheckpoint with manual optimization and every_n_train_steps", UserWarning, "",
+        "Lightning 2.6's ModelCheckpoint warns, with a 12-line code sample, on every every_n_train_steps save under "
+        "manual optimization unless the module keeps `saved_models` and a `layer` (a pattern of Lightning's own "
+        "test). An RLHF iteration's checkpoint is meant to hold the weights after its optimizer steps, which is what "
+        "it saves; only removing every_n_train_steps would silence it",
+    ),
+    UpstreamWarning(
+        r"The '\w+' does not have many workers which may be a bottleneck", Warning, "",
+        "Lightning advises DataLoader workers on any machine with more than 2 cores per device. A batch of prompts is "
+        "a few lists of token ids, collated in microseconds while generation takes seconds: workers would only add a "
+        "process (and its memory) per rank. data.num_workers stays available",
+    ),
+)
+"""Lightning's advice that does not apply to an RLHF run; the command line and the module ignore it."""
+
+
+def ignore_upstream_warnings() -> None:
+    """Ignore every warning of :data:`UPSTREAM_WARNINGS` and :data:`INAPPLICABLE_WARNINGS` in this process."""
+    for upstream in (*UPSTREAM_WARNINGS, *INAPPLICABLE_WARNINGS):
+        upstream.ignore()

@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 
 def context_length(model: torch.nn.Module) -> int | None:
     """The model's maximum sequence length from its Hugging Face config, if it declares one."""
-    config = getattr(model, "config", None)
+    return config_context_length(getattr(model, "config", None))
+
+
+def config_context_length(config: object | None) -> int | None:
+    """The maximum sequence length a Hugging Face config declares (``max_position_embeddings``, ``n_positions``,
+    ...), if any: read before the model is built, to check the prompts at setup."""
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -31,16 +36,26 @@ def context_length(model: torch.nn.Module) -> int | None:
     return None
 
 
+def context_length_error(prompt_length: int, max_new_tokens: int, limit: int, prompts: str | None = None) -> str:
+    """The message of a prompt that does not fit the actor's context, naming the three fixes.
+
+    Args:
+        prompt_length: The longest prompt's tokens.
+        max_new_tokens: ``generation.max_new_tokens``.
+        limit: The actor's context length.
+        prompts: Which prompt is the longest (e.g. ``"Prompt #17 of data.prompts ('What is...')"``); None: the batch's.
+    """
+    subject = f"{prompts} has {prompt_length} tokens:" if prompts else f"Prompts of up to {prompt_length} tokens"
+    return (f"{subject} plus generation.max_new_tokens={max_new_tokens} need {prompt_length + max_new_tokens} "
+            f"positions, but the actor's context holds {limit}. Lower generation.max_new_tokens, cap prompts with "
+            f"data.max_prompt_length (<= {max(limit - max_new_tokens, 0)}), or use a model with a longer context.")
+
+
 def check_context_length(model: torch.nn.Module, prompt_length: int, max_new_tokens: int) -> None:
     """Raise a clear error when prompts plus the requested new tokens do not fit the model's context."""
     limit = context_length(model)
     if limit is not None and prompt_length + max_new_tokens > limit:
-        raise ValueError(
-            f"Prompts of up to {prompt_length} tokens plus generation.max_new_tokens={max_new_tokens} need "
-            f"{prompt_length + max_new_tokens} positions, but the actor's context holds {limit}. Lower "
-            f"generation.max_new_tokens, cap prompts with data.max_prompt_length "
-            f"(<= {max(limit - max_new_tokens, 0)}), or use a model with a longer context."
-        )
+        raise ValueError(context_length_error(prompt_length, max_new_tokens, limit))
 
 
 def model_eos_token_ids(model: torch.nn.Module) -> list[int]:
