@@ -68,10 +68,10 @@ def test_cli_predict_writes_one_json_line_per_prompt(tmp_path, demo_checkpoint):
 
 
 def test_predict_under_a_placement_writes_each_prompt_once(tmp_path, demo_checkpoint):
-    """Under Separation on 2 processes (every rank's predict_step returns the whole batch, gathered) the file
-    holds each prompt once, written by rank 0 alone."""
+    """Under Flattening on 2 processes (each rank generates half the batch; every rank's predict_step returns the
+    whole batch, gathered) the file holds each prompt once, in order, written by rank 0 alone."""
     stdout = _predict(tmp_path, demo_checkpoint, "--trainer.devices", "2", "--trainer.strategy",
-                      "lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.start_method", "fork")
+                      "lightning_app_rlhf.strategies.FlatteningStrategy", "--trainer.strategy.start_method", "fork")
     (match,) = WROTE.finditer(stdout)
     rows = [json.loads(line) for line in Path(match[2]).read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(len(val_prompts())))
