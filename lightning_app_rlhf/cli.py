@@ -472,3 +472,10 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
         # A setting this package refused: its message names the fix, which 30 lines of jsonargparse and Lightning
         # frames would bury.
         sys.exit(report_error(refused))
+
+
+def console_main() -> None:
+    """The ``lightning-app-rlhf`` console script: :func:`main`, then exit status 0. (The script runs
+    ``sys.exit(console_main())``: with :func:`main`, which returns the CLI object, ``sys.exit`` would print that object
+    and exit with status 1 after a successful run.)"""
+    main()

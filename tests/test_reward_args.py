@@ -5,6 +5,7 @@ current folder under the console script (``models/reward_args.py``, ``models/rol
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,8 @@ def console_script_cwd(tmp_path, monkeypatch):
 def test_resolve_import_from_the_current_folder(console_script_cwd):
     """`my_module:name` loads from the current folder even when it is not on sys.path, as under `python -m`."""
     folder, made = console_script_cwd
-    (folder / "cwd_reward_a1.py").write_text("def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    (folder / "cwd_reward_a1.py").write_text("def reward(completions, **kwargs):\n"
+                                             "    return [1.0] * len(completions)\n")
     made.append("cwd_reward_a1")
     function = resolve_import("cwd_reward_a1:reward")
     assert function.__name__ == "reward" and sys.path[-1] == os.getcwd()
@@ -214,3 +216,50 @@ def test_a_field_named_like_a_positional_parameter_is_named():
         RewardSignature.of(ours).check(ours, ["prompts"])
     _, kwargs = RewardSignature.of(trl).arguments(["p"], ["c"], {"prompts": ["field"], "answer": ["a"]})
     assert kwargs["prompts"] == ["p"] and kwargs["answer"] == ["a"]
+
+
+# ---- the console script and `python -m`, from a folder holding the reward ----
+
+CONSOLE_SCRIPT = """import sys
+from lightning_app_rlhf.cli import console_main
+if __name__ == "__main__":
+    sys.exit(console_main())
+"""
+"""What pip writes for the ``lightning-app-rlhf`` entry point (pyproject.toml): run as a file, its folder is
+``sys.path[0]``, not the current folder."""
+
+
+def test_console_script_and_python_m_load_a_reward_from_the_current_folder(tmp_path):
+    """`lightning-app-rlhf fit` (sys.path[0]: the script's folder) loads `my_reward.py` from the current folder as
+    `python -m` does, runs a TRL reward unchanged and exits 0; a reward needing a field the rows lack fails at setup
+    with one message naming the fields, whichever way the CLI is started."""
+    from helpers import DEMO_CONFIG, output_tail
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "lightning-app-rlhf").write_text(CONSOLE_SCRIPT)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Name a colour of the sky.", "answer": "blue"}\n' * 8)
+    (tmp_path / "cwd_trl_reward.py").write_text(
+        "def contains_answer(completions, answer, **kwargs):\n"
+        "    return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]\n\n\n"
+        "def needs_solution(completions, solution):\n"
+        "    return [0.0] * len(completions)\n")
+    common = ["fit", "--config", str(DEMO_CONFIG.with_name("demo_grpo_cpu.yaml")), "--data.prompts", "prompts.jsonl",
+              "--trainer.max_steps", "1", "--trainer.enable_checkpointing", "false",
+              "--model.generation.max_new_tokens", "4"]
+    for start in ([sys.executable, str(tmp_path / "bin" / "lightning-app-rlhf")],
+                  [sys.executable, "-m", "lightning_app_rlhf"]):
+        ok = _run([*start, *common, "--model.reward_fn", "cwd_trl_reward.contains_answer"], tmp_path)
+        assert ok.returncode == 0, output_tail(ok)
+        if start[1] == "-m":  # the setup-time error, once: the same module and the same check either way
+            continue
+        bad = _run([*start, *common, "--model.reward_fn", "cwd_trl_reward:needs_solution"], tmp_path)
+        assert bad.returncode != 0 and "needs 'solution'" in bad.stderr and "['answer']" in bad.stderr, \
+            output_tail(bad)
+        assert "Traceback" not in bad.stderr, output_tail(bad)
+
+
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    from helpers import one_thread_env
+
+    return subprocess.run(command, cwd=cwd, env=one_thread_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
