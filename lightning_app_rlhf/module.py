@@ -215,7 +215,8 @@ class RLHFModule(pl.LightningModule):
             if entry.name in built:
                 setattr(self, entry.attribute, built[entry.name])
         for role, model in built.items():  # from_pretrained returns eval mode; a frozen role (or shadow) shows as such
-            model.train(placement.runs(f"{role}.train"))
+            if isinstance(model, nn.Module):  # not a LoRA actor's base with its adapters off: the actor's own mode
+                model.train(placement.runs(f"{role}.train"))
         check_vocabularies(self.tokenizer, self.actor, self.reference, self.critic, self.reward_model)
 
     @override
@@ -256,8 +257,8 @@ class RLHFModule(pl.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        frozen = [model for role in self.algorithm.roles
-                  if (model := self.role_module(role)) is not None and role not in self.trained_roles()]
+        frozen = [model for role in self.algorithm.roles  # a LoRA actor's base with its adapters off is no module
+                  if isinstance(model := self.role_module(role), nn.Module) and role not in self.trained_roles()]
         module_trainer.expect_frozen_roles_in_eval_mode(self, frozen)
 
     @override

@@ -195,6 +195,17 @@ def test_frozen_roles_are_in_eval_mode_and_trained_ones_in_train_mode():
     assert not any(m.training for m in module.reward_model.modules())
 
 
+def test_a_lora_actor_s_reference_takes_no_mode_of_its_own(tiny_gpt2_config):
+    """A LoRA actor's reference is its base with the adapters off, no module of its own: the actor trains, and the
+    start of fit finds no frozen module to expect in eval mode."""
+    pytest.importorskip("peft")
+    module = make_module(actor={"config": tiny_gpt2_config, "lora": {"r": 2, "lora_alpha": 4,
+                                                                     "target_modules": ["c_attn"]}})
+    module.configure_model()
+    module.on_fit_start()
+    assert module.actor.training and not isinstance(module.role_module("reference"), pl.LightningModule)
+
+
 def test_lightning_default_progress_bar_is_swapped_in_place():
     """Lightning's default RichProgressBar becomes ours in the Trainer's list, not through configure_callbacks'
     return value (Lightning would print that it overrides a bar "passed to Trainer" that nobody passed)."""
@@ -239,7 +250,7 @@ def test_lightning_advice_that_does_not_apply_is_ignored():
     assert all(w.upstream for w in INAPPLICABLE_WARNINGS)  # each with its reason
 
 
-@pytest.mark.parametrize("config", ["demo_cpu", "demo_grpo_cpu"])
+@pytest.mark.parametrize("config", ["demo_cpu", "demo_grpo_cpu", "demo_lora_cpu"])
 def test_a_shipped_config_runs_without_warnings(tmp_path, config):
     """A default run of a shipped config (one iteration) prints no warning: the ones this package caused are fixed
     where they arose, upstream ones nobody can act on are filtered (core/upstream_warnings.py)."""
