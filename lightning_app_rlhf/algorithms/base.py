@@ -92,6 +92,21 @@ class Algorithm:
         self._resolve_defaults(config, generation)
         if not self.uses_kl:
             self.roles = tuple(r for r in type(self).roles if r != REFERENCE.name)
+        self.resolve_num_samples(generation)
+        # Looked up once: a name unregistered since the class was registered fails here, not mid-iteration.
+        self._estimator = get_advantage_estimator(self.advantage_estimator)
+        self._policy_loss = get_policy_loss(self.policy_loss_mode)
+        self._value_loss = get_value_loss(self.value_loss_mode) if self.value_loss_mode is not None else None
+
+
+    def resolve_num_samples(self, generation: GenerationConfig) -> None:
+        """Fill ``generation.num_samples`` with the algorithm's own when it is None (1, or a group of at least 4 for an
+        algorithm that compares a prompt's responses), and refuse a group smaller than the algorithm needs. Called at
+        construction, and again by the engine for a config set on the module afterwards.
+
+        Raises:
+            ValueError: ``generation.num_samples`` is below :attr:`min_group_size`, naming the fix.
+        """
         if generation.num_samples is None:
             own = 1 if self.min_group_size < 2 else max(4, self.min_group_size)
             generation.num_samples = own if self.default_num_samples is None else self.default_num_samples
@@ -103,10 +118,6 @@ class Algorithm:
                 f"{max(self.min_group_size, 4)}), or leave it unset for the algorithm's own, or use algorithm 'ppo' or "
                 "'reinforce_pp'."
             )
-        # Looked up once: a name unregistered since the class was registered fails here, not mid-iteration.
-        self._estimator = get_advantage_estimator(self.advantage_estimator)
-        self._policy_loss = get_policy_loss(self.policy_loss_mode)
-        self._value_loss = get_value_loss(self.value_loss_mode) if self.value_loss_mode is not None else None
 
     def _resolve_defaults(self, config: PPOConfig, generation: GenerationConfig) -> None:
         """Write this algorithm's defaults into the settings ``config`` leaves None (the KL coefficients, the clip

@@ -87,6 +87,8 @@ class RLHFEngine:
         shadow_precisions: dict[str, str] | None = None,
     ) -> None:
         self.placed, self.algorithm, self.generation, self.config = placed, algorithm, generation, config
+        if algorithm is not None:  # a generation config set on the module after the algorithm was built
+            algorithm.resolve_num_samples(generation)
         self.tokenizer, self.shaping, self.modules = tokenizer, shaping, modules
         self.calls = RoleCalls(placed, generation, config, tokenizer, modules, reward_fn, seed, precisions or {},
                                shadow_precisions or {})
