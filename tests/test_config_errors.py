@@ -199,8 +199,8 @@ def test_a_lora_actor_s_reference_takes_no_mode_of_its_own(tiny_gpt2_config):
     """A LoRA actor's reference is its base with the adapters off, no module of its own: the actor trains, and the
     start of fit finds no frozen module to expect in eval mode."""
     pytest.importorskip("peft")
-    module = make_module(actor={"config": tiny_gpt2_config, "lora": {"r": 2, "lora_alpha": 4,
-                                                                     "target_modules": ["c_attn"]}})
+    lora = {"r": 2, "lora_alpha": 4, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    module = make_module(actor={"config": tiny_gpt2_config, "lora": lora})
     module.configure_model()
     module.on_fit_start()
     assert module.actor.training and not isinstance(module.role_module("reference"), pl.LightningModule)
