@@ -80,7 +80,7 @@ def test_build_reference_is_exact_frozen_copy(tiny_gpt2_config):
     assert all(p.requires_grad for p in actor.parameters())
     actor_ptrs = {p.data_ptr() for p in actor.parameters()}
     assert not actor_ptrs & {p.data_ptr() for p in reference.parameters()}
-    assert reference.training  # stays in train mode (dropout is off anyway)
+    assert all(not p.requires_grad for p in reference.parameters())  # frozen; configure_model sets its eval mode
     with torch.no_grad():
         actor.transformer.wte.weight.add_(1.0)
     assert not torch.equal(actor.transformer.wte.weight, reference.transformer.wte.weight)
@@ -202,6 +202,21 @@ def test_dropout_is_disabled(tiny_gpt2_config):
         assert len(dropouts) >= 3
         assert all(m.p == 0.0 for m in dropouts)
     actor = build_causal_lm(spec)
+    actor.train()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(actor(input_ids=ids).logits, actor(input_ids=ids).logits)
+
+
+def test_attention_dropout_is_disabled():
+    """A Llama-style model with ``attention_dropout`` 0.5 (dropout inside the attention kernel, no nn.Dropout): off,
+    and train-mode forwards agree."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=64, attention_dropout=0.5).to_dict()
+    actor = build_causal_lm(ModelSpec(config=config))
+    assert [m.attention_dropout for m in actor.modules() if hasattr(m, "attention_dropout")] == [0.0]
     actor.train()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():

@@ -346,10 +346,17 @@ def as_model_spec(spec: ModelSpec | dict[str, Any] | str, role: str | None = Non
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """PPO ratios assume the same function at rollout and update time: dropout must be off."""
+    """PPO ratios assume the same function at rollout and update time: dropout must be off, in the ``nn.Dropout``
+    modules and in the attention kernels' own dropout (Llama-style attention modules pass ``attention_dropout`` to
+    the kernel while training), so that a model trained in train mode computes what it computed at rollout."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "attention_dropout", None), float):
+        config.attention_dropout = 0.0
 
 
 def _build(auto_class: Any, spec: ModelSpec, lora_task_type: str | None = None, **config_overrides: Any) -> nn.Module:
@@ -465,7 +472,8 @@ def check_no_lora(role: str, spec: ModelSpec | None) -> None:
 
 
 def freeze(model: nn.Module) -> nn.Module:
-    """No gradients. The module stays in train mode: dropout is already off, and Lightning warns on eval mode."""
+    """No gradients. Its mode is set where the roles are built (RLHFModule.configure_model: frozen roles in eval
+    mode); dropout is off in every role anyway (:func:`disable_dropout`)."""
     return model.requires_grad_(False)
 
 
