@@ -46,7 +46,6 @@ from lightning_app_rlhf.parallel.plan import PlacementPlan
 
 FORWARD_ROLES = (REFERENCE.name, REWARD.name, CRITIC.name)
 """Roles whose forward call scores the rollout, in the order the engine runs them."""
-STEP_KINDS = ("call", "gather", "broadcast", "reallocate", "take", "send", "receive", "publish")
 PHASES = ("generate", "beside", "score", "handoff", "update", "publish")
 """The phases of :class:`Recipe`, in order."""
 
