@@ -1,0 +1,68 @@
+"""Multi-digit arithmetic that a 135M model cannot do in its head, with a calculator tool: the questions, a seeded
+split, the tool, and the reward.
+
+A question is ``"What is A * B?"`` (A of three digits, B of two) or ``"What is A + B + C?"`` (three numbers of three
+digits). A row is ``{"prompt": [system, user], "answer": "9716"}``; ``answer`` reaches the reward as a keyword.
+
+The reward reads the final answer: 1.0 when the last number of the episode's final assistant turn (the one without a
+tool call) equals the answer, else 0.0. Calling the tool is not rewarded by itself: only a right answer is.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+SYSTEM = ("You are a helpful assistant. Use the calculator tool for arithmetic, then give the final answer as a "
+          "number.")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression of integers with +, -, * and parentheses.
+
+    Args:
+        expression: The expression to evaluate, e.g. "347 * 28".
+    """
+    if not expression or not set(expression) <= set("0123456789+-*() "):
+        raise ValueError(f"the expression may only hold integers, +, -, * and parentheses, got {expression!r}")
+    return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - characters checked above
+
+
+def make_row(question: str, answer: int) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {"prompt": messages, "answer": str(answer)}
+
+
+def all_questions(count: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` distinct seeded questions, half products and half sums."""
+    rng, rows, seen = random.Random(seed), [], set()
+    while len(rows) < count:
+        if len(rows) % 2 == 0:
+            a, b = rng.randint(100, 999), rng.randint(10, 99)
+            question, answer = f"What is {a} * {b}?", a * b
+        else:
+            a, b, c = (rng.randint(100, 999) for _ in range(3))
+            question, answer = f"What is {a} + {b} + {c}?", a + b + c
+        if question not in seen:
+            seen.add(question)
+            rows.append(make_row(question, answer))
+    return rows
+
+
+def train_test_split(train_size: int = 400, test_size: int = 50, seed: int = 0
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training rows and the held-out rows: no question is in both. Same seed, same split."""
+    rows = all_questions(train_size + test_size, seed)
+    return rows[test_size:], rows[:test_size]
+
+
+def last_number(text: str) -> float | None:
+    numbers = NUMBER.findall(text.replace(",", ""))
+    return float(numbers[-1]) if numbers else None
+
+
+def correct_answer(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
+    """1.0 where the final turn's last number is the row's ``answer``, else 0.0."""
+    return [1.0 if last_number(r) == float(expected) else 0.0 for r, expected in zip(responses, answer)]
