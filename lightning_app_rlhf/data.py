@@ -50,6 +50,8 @@ class PromptDataset(Dataset):
             raise ValueError(f"Got {len(prompts)} prompts but {len(self.fields)} field rows: give one fields dict "
                              "per prompt.")
         _check_same_fields(self.fields, "prompt row")
+        self.rows = list(prompts)
+        """The prompts as given (strings or message lists): what a multi-turn environment's ``reset`` reads."""
         self.prompts = render_prompts(prompts, tokenizer, chat_template)
         """The final prompt strings, after any chat template."""
         truncate = max_prompt_length is not None
@@ -73,7 +75,8 @@ class PromptDataset(Dataset):
         return longest, lengths[longest]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"input_ids": self.input_ids[index], "index": index, "fields": self.fields[index]}
+        return {"input_ids": self.input_ids[index], "index": index, "fields": self.fields[index],
+                "prompt": self.rows[index]}
 
 
 def check_prompts_fit(datasets: Sequence[tuple[str, Any]], context: int | None, max_new_tokens: int) -> None:
@@ -178,7 +181,8 @@ def collate_left_padded(items: list[dict[str, Any]], pad_token_id: int) -> dict[
 
     Returns:
         ``input_ids`` and ``attention_mask`` (long, ``[rows, longest]``), ``index`` (long, ``[rows]``), and
-        ``fields``: one list per field name, aligned with the rows (``{}`` when the rows have none).
+        ``fields``: one list per field name, aligned with the rows (``{}`` when the rows have none), and
+        ``prompts``: the items' prompts as the dataset holds them, when they carry them (``prompt``).
     """
     length = max(len(item["input_ids"]) for item in items)
     input_ids = torch.full((len(items), length), pad_token_id, dtype=torch.long)
@@ -191,7 +195,10 @@ def collate_left_padded(items: list[dict[str, Any]], pad_token_id: int) -> dict[
     rows = [item.get("fields", {}) for item in items]
     _check_same_fields(rows, "batch row")
     fields = {name: [row[name] for row in rows] for name in rows[0]}
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "index": index, "fields": fields}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "index": index, "fields": fields}
+    if all("prompt" in item for item in items):
+        batch["prompts"] = [item["prompt"] for item in items]
+    return batch
 
 
 def read_prompts(source: Any, prompt_key: str, split: str | None = None) -> list[str | Messages]:

@@ -21,9 +21,15 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_app_rlhf import module_checkpoint, module_trainer
+from lightning_app_rlhf.agents import (
+    Environment,
+    EnvironmentFactory,
+    as_environment,
+    environment_rewards_only,
+)
 from lightning_app_rlhf.algorithms import build_algorithm
 from lightning_app_rlhf.checkpoint.format import check_checkpoint_file, checkpoint_file
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig, as_config
+from lightning_app_rlhf.core.config import AgentConfig, GenerationConfig, PPOConfig, as_config
 from lightning_app_rlhf.core.role_table import CRITIC, ROLES
 from lightning_app_rlhf.data import check_prompts_fit
 from lightning_app_rlhf.engine import export
@@ -79,6 +85,13 @@ class RLHFModule(pl.LightningModule):
             Trainer has a :class:`~lightning_app_rlhf.callbacks.PreemptionCheckpoint`, one is added (finish the
             iteration, save, exit 0). ``False`` (``--model.preemption_checkpoint false``) leaves Lightning's own
             stop, without a checkpoint.
+        environment: Multi-turn rollouts (docs/agents.md): an :class:`~lightning_app_rlhf.agents.Environment`
+            (on the command line its ``class_path`` and ``init_args``), copied per episode and reset on the episode's
+            dataset row, or a factory returning one. Each sample is then an episode: the actor's turns, each
+            answered by the environment (tool results, a game's state) until it is done. An episode's score is the sum
+            of its environment rewards plus ``reward_fn``'s (or ``reward_model``'s) score of its final turn; with an
+            environment, neither is required. None: one response per sample.
+        agent: The episodes' limits: ``max_turns`` and ``max_episode_tokens``.
     """
 
     def __init__(
@@ -99,9 +112,15 @@ class RLHFModule(pl.LightningModule):
         algorithm: str = "ppo",
         eval_generation: GenerationConfig | None = None,
         preemption_checkpoint: bool = True,
+        environment: Environment | EnvironmentFactory | None = None,
+        agent: AgentConfig = AgentConfig(),
     ) -> None:
         super().__init__()
         self.save_hyperparameters(module_checkpoint.plain_hyperparameters(locals()))
+        self.environment = as_environment(environment)
+        self.agent = as_config(AgentConfig, agent)
+        if self.environment is not None and reward_fn is None and reward_model is None:
+            reward_fn = environment_rewards_only
         self.automatic_optimization = False
         self.generation = as_config(GenerationConfig, generation)
         self.eval_generation = self.generation.for_evaluation(eval_generation)
@@ -144,7 +163,7 @@ class RLHFModule(pl.LightningModule):
         if self._engine is None or self._engine.placed is not placed:
             self._engine = RLHFEngine(placed, self.algorithm, self.generation, self.ppo, self.tokenizer, self.shaping,
                                       self.role_module, self.reward_fn, self.seed, self.role_precisions(),
-                                      self.specs.shadow_precisions())
+                                      self.specs.shadow_precisions(), self.environment, self.agent)
         # What a resume (the checkpoint's seed) or another Trainer (its precision) may have changed since.
         self._engine.calls.seed, self._engine.calls.precisions = self.seed, self.role_precisions()
         return self._engine

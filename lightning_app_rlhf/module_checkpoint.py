@@ -36,7 +36,8 @@ RLHF_STATE_KEY = "rlhf"
 def plain_hyperparameters(arguments: dict[str, Any]) -> dict[str, Any]:
     """The module's arguments as plain data: specs and configs as dicts (no objects, so a weights-only load reads
     them); a tokenizer object as a placeholder (its files are embedded at save: :func:`save_rlhf_state`); a reward
-    function as its import path when it has one; optimizer and scheduler builders (code) not at all."""
+    function, and an environment's class, as its import path when it has one; optimizer and scheduler builders (code)
+    not at all."""
     plain = {}
     for name, value in arguments.items():
         if name in ("self", "__class__"):
@@ -45,6 +46,8 @@ def plain_hyperparameters(arguments: dict[str, Any]) -> dict[str, Any]:
             value = dataclasses.asdict(value)
         elif isinstance(value, PreTrainedTokenizerBase):
             value = f"<{type(value).__name__}: embedded in checkpoints>"
+        elif name == "environment" and value is not None:  # its class (or factory), restorable when it takes no arguments
+            value = import_path(value if callable(value) and not hasattr(value, "reset") else type(value))
         elif callable(value):
             value = import_path(value) if name == "reward_fn" else None
         plain[name] = value

@@ -44,7 +44,7 @@ def calculator(expression: str) -> str:
     """
     if not set(expression) <= set("0123456789+-*/() "):
         raise ValueError(f"unsupported characters in {expression!r}")
-    return str(eval(expression))  # noqa: S307 - checked to digits and operators above
+    return str(eval(expression))
 
 
 class PlaybackLM(nn.Module):
@@ -163,9 +163,10 @@ class Countdown(Environment):
         return StepResult([] if done else [{"role": "user", "content": "again"}], 0.5, done)
 
 
-def play(tok, env, turns, agent=AgentConfig(), rows=1, max_new_tokens=40):
+def play(tok, env, turns, agent=None, rows=1, max_new_tokens=40):
     return run_episodes(PlaybackLM(turns, len(tok)), env, [{"prompt": f"p{i}"} for i in range(rows)],
-                        torch.arange(rows), tok, GenerationConfig(max_new_tokens=max_new_tokens), agent,
+                        torch.arange(rows), tok, GenerationConfig(max_new_tokens=max_new_tokens),
+                        agent or AgentConfig(),
                         [tok.eos_token_id], torch.device("cpu"))
 
 

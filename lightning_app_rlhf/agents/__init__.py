@@ -7,10 +7,26 @@ from lightning_app_rlhf.agents.environment import (
     EnvironmentTypeError,
     Messages,
     StepResult,
+    as_environment,
+    environment_rewards_only,
 )
 from lightning_app_rlhf.agents.episodes import EPISODE_STATS, EpisodeRollout, run_episodes
 from lightning_app_rlhf.agents.tools import ToolCall, ToolEnvironment, parse_tool_calls, tool_schemas
 
-__all__ = ["EPISODE_STATS", "ChatRenderer", "Environment", "EnvironmentFactory", "EnvironmentTypeError",
-           "EpisodeRollout", "Messages", "StepResult", "ToolCall", "ToolEnvironment", "parse_tool_calls",
-           "run_episodes", "tool_schemas"]
+__all__ = [
+    "EPISODE_STATS",
+    "ChatRenderer",
+    "Environment",
+    "EnvironmentFactory",
+    "EnvironmentTypeError",
+    "EpisodeRollout",
+    "Messages",
+    "StepResult",
+    "ToolCall",
+    "ToolEnvironment",
+    "as_environment",
+    "environment_rewards_only",
+    "parse_tool_calls",
+    "run_episodes",
+    "tool_schemas",
+]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_app_rlhf.models.roles import resolve_import
 
 Messages = list[dict[str, Any]]
 """Chat messages, ``[{"role": "user", "content": "..."}, ...]``, as ``tokenizer.apply_chat_template`` takes them."""
@@ -42,7 +44,7 @@ class Environment(ABC):
     docstrings) are shown to the model through the tokenizer's chat template.
     """
 
-    tools: list[Callable[..., Any]] = []
+    tools: Sequence[Callable[..., Any]] = ()
     """Functions the model may call, rendered into the prompt by the chat template (``apply_chat_template(tools=)``)."""
     tokenizer: Any = None
     """The actor's tokenizer, set by the engine before ``reset`` (to read tool calls with its response schema)."""
@@ -113,3 +115,27 @@ def checked_step(returned: Any, where: str) -> StepResult:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def as_environment(environment: Environment | EnvironmentFactory | str | None) -> Environment | None:
+    """The prototype each episode copies: ``environment`` itself, or what a factory (an :class:`Environment` class or
+    a callable, or its import path) returns when called without arguments."""
+    if environment is None or isinstance(environment, Environment):
+        return environment
+    if isinstance(environment, str):  # an import path, as a checkpoint's hyperparameters hold the class
+        environment = resolve_import(environment)
+    if callable(environment):
+        made = environment()
+        if isinstance(made, Environment):
+            return made
+        raise EnvironmentTypeError(f"The environment factory {environment!r} returned {type(made).__name__}: it must "
+                                   "return an Environment (subclass lightning_app_rlhf.agents.Environment).")
+    raise EnvironmentTypeError(f"environment is {type(environment).__name__} {_short(environment)}: pass an Environment "
+                               "(subclass lightning_app_rlhf.agents.Environment), a factory returning one, or on the "
+                               "command line its class_path and init_args.")
+
+
+def environment_rewards_only(prompts: list[str], responses: list[str]) -> list[float]:
+    """The reward function of a run whose environment gives every reward: 0 for each episode, to which the engine
+    adds the environment's rewards."""
+    return [0.0] * len(responses)

@@ -40,6 +40,9 @@ class ScoredRollout:
     """Samples per prompt (``generation.num_samples``)."""
     values: torch.Tensor | None = None
     """[B, T] critic values, for algorithms with a critic."""
+    turn_rewards: torch.Tensor | None = None
+    """[B, T] a multi-turn episode's per-turn environment rewards, on each turn's last sampled token (``scores``
+    already holds their sum): a token-level estimator puts them there, the rest of the score on the last token."""
 
 
 AdvantageEstimator = Callable[[ScoredRollout, PPOConfig], tuple[torch.Tensor, torch.Tensor | None]]
@@ -76,7 +79,7 @@ def whitened_returns(scores: torch.Tensor, scored: ScoredRollout, gamma: float) 
     """``r_t = score * [t = last] - beta * KL_t``; ``G_t = sum_{k >= t} gamma^(k-t) r_k``; whitened over every
     valid token of the batch."""
     mask = scored.response_mask
-    rewards = functional.token_rewards(scores, scored.kl, scored.kl_coef, mask)
+    rewards = functional.token_rewards(scores, scored.kl, scored.kl_coef, mask, scored.turn_rewards)
     returns = functional.discounted_returns(rewards, mask, gamma)
     return functional.masked_whiten(returns, mask) if mask.sum() > 1 else returns
 
@@ -101,7 +104,7 @@ def gae(scored: ScoredRollout, config: PPOConfig) -> tuple[torch.Tensor, torch.T
         raise ValueError("The 'gae' advantage estimator needs the critic's values: give the algorithm the 'critic' "
                          "role, or name a critic-free estimator (e.g. 'grpo').")
     mask = scored.response_mask
-    rewards = functional.token_rewards(scored.scores, scored.kl, scored.kl_coef, mask)
+    rewards = functional.token_rewards(scored.scores, scored.kl, scored.kl_coef, mask, scored.turn_rewards)
     advantages, returns = functional.gae_advantages(rewards, scored.values, mask, config.gamma, config.lam)
     whiten = config.whiten_advantages is not False  # None (a config no algorithm resolved): PPO's own, whitened
     if whiten and mask.sum() > 1:  # every score skipped: nothing to whiten or learn

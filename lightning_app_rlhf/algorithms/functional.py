@@ -176,12 +176,19 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor
+    scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor, turn_rewards: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Per-token rewards: ``-kl_coef * kl`` on every response token, plus the score on the last one."""
+    """Per-token rewards: ``-kl_coef * kl`` on every response token, plus the score on the last one.
+
+    A multi-turn episode's ``turn_rewards`` [B, T] (each turn's environment reward on its last sampled token, their
+    sum part of ``scores``) stay where they are; the last token gets the rest of the score."""
     rewards = -kl_coef * kl * mask.to(kl.dtype)
     last = last_token_index(mask)
     has_tokens = mask.sum(dim=1) > 0
+    if turn_rewards is not None:
+        turn_rewards = turn_rewards.to(rewards.dtype) * mask.to(rewards.dtype)
+        rewards = rewards + turn_rewards
+        scores = scores.to(rewards.dtype) - turn_rewards.sum(1)
     rewards[torch.arange(len(scores), device=scores.device), last] += scores.to(rewards.dtype) * has_tokens
     return rewards
 
@@ -191,34 +198,40 @@ def gae_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation over the response tokens.
 
-    Positions after the last valid token are terminal: their values and rewards count as zero, so the
-    bootstrap value after EOS is 0.
+    Positions where ``mask`` is 0 are skipped: the recursion runs over the valid tokens only, so a multi-turn
+    episode's observation tokens (0 between two turns) neither bootstrap nor discount, and after the last valid
+    token the bootstrap value is 0 (terminal).
 
     Returns:
         ``(advantages, returns)`` with ``returns = advantages + values``; both zero where ``mask`` is 0.
     """
     mask_f = mask.to(values.dtype)
+    valid = mask.bool()
     values = values * mask_f
     rewards = rewards * mask_f
     advantages = torch.zeros_like(values)
     last_gae = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(last_gae)
     for t in reversed(range(values.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last_gae)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
+        gae = delta + gamma * lam * last_gae
+        last_gae = torch.where(valid[:, t], gae, last_gae)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
         advantages[:, t] = last_gae
     advantages = advantages * mask_f
     return advantages, (advantages + values) * mask_f
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = sum_{k >= t} gamma^(k - t) r_k`` over the response tokens (REINFORCE); zero where ``mask`` is 0."""
+    """``G_t = sum_{k >= t} gamma^(k - t) r_k`` over the response tokens (REINFORCE), ``k`` counting valid tokens
+    only (a multi-turn episode's observation tokens are skipped); zero where ``mask`` is 0."""
     mask_f = mask.to(rewards.dtype)
+    valid = mask.bool()
     rewards = rewards * mask_f
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask_f
 

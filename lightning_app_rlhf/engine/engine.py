@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from lightning_app_rlhf.agents import Environment
 from lightning_app_rlhf.algorithms import Algorithm
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.config import AgentConfig, GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import role_of
 from lightning_app_rlhf.engine.batch_split import check_batch_split
 from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dynamic_sampling_plan, round_key
@@ -70,6 +71,8 @@ class RLHFEngine:
             under its autocast. A role not named keeps the caller's.
         shadow_precisions: Trained role -> ``bf16-true`` where its shadows are held in bfloat16: the weights are
             rounded to bfloat16 before they are sent to them.
+        environment: Multi-turn rollouts: the task's environment, copied per episode (None: one response each).
+        agent: The episodes' turn and token limits.
     """
 
     def __init__(
@@ -85,13 +88,15 @@ class RLHFEngine:
         seed: int,
         precisions: dict[str, str] | None = None,
         shadow_precisions: dict[str, str] | None = None,
+        environment: Environment | None = None,
+        agent: AgentConfig | None = None,
     ) -> None:
         self.placed, self.algorithm, self.generation, self.config = placed, algorithm, generation, config
         if algorithm is not None:  # a generation config set on the module after the algorithm was built
             algorithm.resolve_num_samples(generation)
         self.tokenizer, self.shaping, self.modules = tokenizer, shaping, modules
         self.calls = RoleCalls(placed, generation, config, tokenizer, modules, reward_fn, seed, precisions or {},
-                               shadow_precisions or {})
+                               shadow_precisions or {}, environment, agent or AgentConfig())
         self.updates = UpdateLoop(self.calls, algorithm, config)
         self.pending_experiences: list[Experience] = []
         """With ``plan.max_staleness`` k above 0 on the fixed schedule: the last k scored rollouts, oldest first; the

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lightning_app_rlhf.agents.episodes import EPISODE_STATS
 from lightning_app_rlhf.algorithms import Algorithm, ScoredRollout
 from lightning_app_rlhf.algorithms.functional import kl_penalty, overlong_penalty
 from lightning_app_rlhf.algorithms.shaping import AdaptiveKLController, FixedKLController, RunningMoments
@@ -134,6 +135,7 @@ def make_experience(
     scored = ScoredRollout(
         scores=shaped, kl=kl, kl_coef=shaping.kl_controller.value, response_mask=mask, valid=finite,
         group_size=algorithm.generation.num_samples, values=values * mask if values is not None else None,
+        turn_rewards=rollout.turn_rewards,
     )
     advantages, returns = algorithm.advantages(scored)
     config = shaping.config
@@ -160,7 +162,19 @@ def make_experience(
         stats["reward/overlong_penalty_mean"] = shaping.overlong_penalty(rollout, algorithm.generation)[finite].mean()
     if truncated is not None:
         stats["response/overlong_filtered"] = truncated.float().sum()
+    if rollout.episode_stats is not None:
+        stats.update(episode_stats(rollout.episode_stats))
     return experience, stats
+
+
+def episode_stats(per_episode: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the multi-turn episodes did, to log: turns per episode (mean), tool calls and tool errors (totals),
+    the environments' seconds (total), and the share of truncated episodes."""
+    columns = dict(zip(EPISODE_STATS, per_episode.unbind(1)))
+    return {"episode/turns_mean": columns["turns"].mean(), "episode/tool_calls": columns["tool_calls"].sum(),
+            "episode/tool_errors": columns["tool_errors"].sum(),
+            "episode/environment_seconds": columns["environment_seconds"].sum(),
+            "episode/truncated_frac": columns["truncated"].mean()}
 
 
 def rollout_stats(scores: torch.Tensor, counted: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -45,7 +45,8 @@ from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.parallel.heartbeat import job_store
 from lightning_app_rlhf.parallel.placement import Placement
 
-ROLLOUT_FIELDS = ("sequences", "attention_mask", "response_mask", "logprobs", "prompt_length", "stopped")
+ROLLOUT_FIELDS = ("sequences", "attention_mask", "response_mask", "logprobs", "prompt_length", "stopped",
+                  "turn_rewards", "episode_stats")
 """The rollout's fields that travel with the experience (the training side logs the rollout too)."""
 
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.agents import Environment, run_episodes
+from lightning_app_rlhf.core.config import AgentConfig, GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.critic_reuse import KeptValues, reuses_critic_forward
 from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
@@ -51,6 +52,8 @@ class RoleCalls:
         precisions: Role -> its precision (``32-true``, ``bf16-mixed``, ``bf16-true``); a role not named keeps the
             caller's.
         shadow_precisions: Trained role -> ``bf16-true`` where its shadows are held in bfloat16.
+        environment: The task's environment, for multi-turn episodes (None: one response per sample).
+        agent: The episodes' limits.
     """
 
     placed: PlacedRoles
@@ -62,6 +65,10 @@ class RoleCalls:
     seed: int
     precisions: dict[str, str] = field(default_factory=dict)
     shadow_precisions: dict[str, str] = field(default_factory=dict)
+    environment: Environment | None = None
+    """Multi-turn rollouts: copied per episode, stepped between the actor's turns on the generating ranks."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The episodes' turn and token limits."""
     kept_values: KeptValues | None = field(default=None, init=False, repr=False)
     """The critic's scoring forward of this iteration, with its graph, kept for its train call."""
     batch_rows: int = field(default=0, init=False, repr=False)
@@ -83,9 +90,38 @@ class RoleCalls:
             return None
         rows = self.placement.shard(call, batch["input_ids"].shape[0])
         with self.running(ACTOR.name):
+            if self.environment is not None:
+                return self.run_episodes(batch, rows, iteration, generation or self.generation)
             part = self.generate_rows(batch, rows, iteration, generation or self.generation)
         return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
                 "stopped": part.stopped.to(torch.uint8)}
+
+    def run_episodes(self, batch: dict[str, Any], rows: slice, iteration: int,
+                     generation: GenerationConfig) -> dict[str, torch.Tensor]:
+        """The actor's multi-turn episodes for ``rows``, their environments stepping here (see
+        :func:`~lightning_app_rlhf.agents.run_episodes`); the prompts are the environments' opening messages."""
+        assert self.environment is not None
+        actor = self.call_module(ACTOR.name)
+        prompts = batch.get("prompts")
+        if prompts is None:
+            raise ValueError("Multi-turn rollouts reset each environment on its dataset row, and this batch carries no "
+                             "prompt rows: build the batches with PromptDataModule (or collate_left_padded), or add "
+                             "batch['prompts'], one per row.")
+        fields = batch.get("fields") or {}
+        episode_rows = [{"prompt": prompts[i], **{name: values[i] for name, values in fields.items()}}
+                        for i in range(rows.start or 0, rows.stop if rows.stop is not None else len(prompts))]
+        out = run_episodes(actor, self.environment, episode_rows,
+                           sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
+                           self.tokenizer, generation, self.agent,
+                           [self.tokenizer.eos_token_id, *model_eos_token_ids(actor)], batch["input_ids"].device,
+                           self.lockstep_group(ACTOR.name), self.inference_mode(ACTOR.name))
+        part = out.rollout
+        return {"prompt_ids": part.sequences[:, : part.prompt_length],
+                "prompt_mask": part.attention_mask[:, : part.prompt_length],
+                "responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
+                "stopped": part.stopped.to(torch.uint8),
+                "response_attention": part.attention_mask[:, part.prompt_length :],
+                "turn_rewards": out.turn_rewards, "episode_stats": out.stats}
 
     def generate_rows(self, batch: dict[str, Any], rows: slice, iteration: int, generation: GenerationConfig) -> Rollout:
         """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
@@ -123,10 +159,22 @@ class RoleCalls:
             "logprobs": TensorSpec(torch.float32, 2),
             "stopped": TensorSpec(torch.uint8, 1),
         }
+        if self.environment is not None:
+            specs |= {"prompt_ids": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
+                      "prompt_mask": TensorSpec(batch["attention_mask"].dtype, 2),
+                      "response_attention": TensorSpec(batch["attention_mask"].dtype, 2),
+                      "turn_rewards": TensorSpec(torch.float32, 2),
+                      "episode_stats": TensorSpec(torch.float32, 2)}
         out = self.placement.gather_to_world(ACTOR.call("generate"), local, specs, among)
         self.batch_rows = len(out["responses"])
-        return Rollout.from_responses(batch["input_ids"], batch["attention_mask"], out["responses"],
-                                      out["response_mask"], out["logprobs"], out["stopped"].bool())
+        if self.environment is None:
+            return Rollout.from_responses(batch["input_ids"], batch["attention_mask"], out["responses"],
+                                          out["response_mask"], out["logprobs"], out["stopped"].bool())
+        prompts, prompt_mask = left_aligned(out["prompt_ids"], out["prompt_mask"], self.tokenizer.pad_token_id)
+        rollout = Rollout.from_responses(prompts, prompt_mask, out["responses"], out["response_mask"],
+                                         out["logprobs"], out["stopped"].bool(), out["response_attention"])
+        rollout.turn_rewards, rollout.episode_stats = out["turn_rewards"], out["episode_stats"]
+        return rollout
 
     def sample_and_score(
         self, batch: dict[str, Any], iteration: int, generation: GenerationConfig
@@ -308,3 +356,13 @@ class RoleCalls:
             role, kind = call.split(".")
             mine.append(RoleMemory(role, kind, copy.local_bytes(), 0, 0, tp_copy=self.placement.plan.tp_degree(call)))
         return mine
+
+
+def left_aligned(ids: torch.Tensor, mask: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts gathered from ranks with different widths (each rank's left-padded, then right-padded to the widest)
+    left-padded again: each row's real tokens moved to its end."""
+    if not len(ids) or not ids.shape[1]:
+        return ids, mask
+    trailing = mask.long().flip(1).argmax(1).tolist()  # pads after the last real token (0 for an empty row)
+    return (torch.stack([row.roll(k) for row, k in zip(ids, trailing)]),
+            torch.stack([row.roll(k) for row, k in zip(mask, trailing)]))

@@ -33,6 +33,10 @@ class Rollout:
     stopped: torch.Tensor | None = None
     """[B] True where the response ended at a stop token or stop string (its last masked token), False where it
     was cut at ``max_new_tokens``. None when unknown, e.g. a rollout rebuilt from gathered tensors."""
+    turn_rewards: torch.Tensor | None = None
+    """[B, T] a multi-turn episode's environment rewards, each on its turn's last sampled token; None: single-turn."""
+    episode_stats: torch.Tensor | None = None
+    """[B, len(agents.EPISODE_STATS)] what each multi-turn episode did (turns, tool calls...); None: single-turn."""
 
     @classmethod
     def from_responses(
@@ -92,9 +96,21 @@ class Rollout:
 
     def select(self, rows: slice | torch.Tensor) -> Rollout:
         """The rollout of a subset of rows (a slice, or a boolean or index tensor)."""
+        part = lambda t: t[rows] if t is not None else None
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
-                       self.logprobs[rows], self.prompt_length,
-                       self.stopped[rows] if self.stopped is not None else None)
+                       self.logprobs[rows], self.prompt_length, part(self.stopped), part(self.turn_rewards),
+                       part(self.episode_stats))
+
+    def final_turns(self) -> torch.Tensor:
+        """[B, T] 1 on the sampled tokens of each row's last turn (the whole response of a single-turn rollout): the
+        last run of 1s of ``response_mask``."""
+        mask = self.response_mask.bool()
+        if not mask.shape[1]:
+            return self.response_mask
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+        last = torch.where(mask, positions, -1).amax(1, keepdim=True)
+        last_gap = torch.where(~mask & (positions <= last), positions, -1).amax(1, keepdim=True)
+        return (mask & (positions > last_gap)).to(self.response_mask.dtype)
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -112,9 +128,15 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         left, right = prompt - r.prompt_length, response - r.response_mask.shape[1]
         parts.append((pad(r.sequences, left, right, pad_token_id), pad(r.attention_mask, left, right),
                       pad(r.response_mask, 0, right), pad(r.logprobs, 0, right)))
-    stopped = [r.stopped for r in rollouts]
+    def joined(column: list[torch.Tensor | None], pad_right: bool) -> torch.Tensor | None:
+        if any(t is None for t in column):
+            return None
+        return torch.cat([pad(t, 0, response - t.shape[1]) if pad_right else t for t in column])
+
     return Rollout(*(torch.cat(column) for column in zip(*parts)), prompt_length=prompt,
-                   stopped=torch.cat(stopped) if all(s is not None for s in stopped) else None)
+                   stopped=joined([r.stopped for r in rollouts], False),
+                   turn_rewards=joined([r.turn_rewards for r in rollouts], True),
+                   episode_stats=joined([r.episode_stats for r in rollouts], False))
 
 
 def sample_keys(
@@ -146,12 +168,14 @@ def _finalize(z: int) -> int:
 
 def repeat_samples(batch: dict[str, Any], num_samples: int) -> dict[str, Any]:
     """Each prompt row repeated ``num_samples`` times, consecutively (a prompt's group is contiguous), with
-    ``sample``: which repeat a row is. Row fields (lists) are repeated alike."""
+    ``sample``: which repeat a row is. Row fields (lists) and the prompts as given (``prompts``) are repeated alike."""
     repeat = lambda t: t.repeat_interleave(num_samples, dim=0)
     out = {key: repeat(batch[key]) for key in ("input_ids", "attention_mask", "index")}
     out["sample"] = torch.arange(num_samples, device=batch["index"].device).repeat(len(batch["index"]))
     fields = batch.get("fields") or {}
     out["fields"] = {name: [v for v in values for _ in range(num_samples)] for name, values in fields.items()}
+    if batch.get("prompts") is not None:
+        out["prompts"] = [prompt for prompt in batch["prompts"] for _ in range(num_samples)]
     return out
 
 

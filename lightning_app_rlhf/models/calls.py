@@ -20,7 +20,11 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.generation import Rollout, position_ids_from_mask, row_chunks
-from lightning_app_rlhf.models.packing import pack_rows, padding_free_logprobs, padding_free_logprobs_and_entropy
+from lightning_app_rlhf.models.packing import (
+    pack_rows,
+    padding_free_logprobs,
+    padding_free_logprobs_and_entropy,
+)
 from lightning_app_rlhf.models.reward_args import RewardSignature
 from lightning_app_rlhf.models.roles import RewardFunction
 
@@ -164,6 +168,9 @@ def reward_forward(
     called once on the whole rollout whatever ``batch_size``: decoded text is small, and the function sees every
     response of the shard (and its row fields) at once, as without chunks.
 
+    A multi-turn episode's score is the reward's plus the environment's rewards (the sum over its turns); a reward
+    function gets the episode's final turn as its response (the answer), and the prompt as rendered.
+
     A reward function is called ``(prompts, responses, **fields)``, or by name as TRL's ``GRPOTrainer`` calls it
     (``prompts=``, ``completions=``, the fields, ``completion_ids=`` and ``trainer_state=`` when taken) when its
     signature names ``completions`` (see :class:`~lightning_app_rlhf.models.reward_args.RewardSignature`). The
@@ -189,9 +196,14 @@ def reward_forward(
             ).logits
             return logits[:, 0].float()
 
-        return _in_chunks(forward, rollout, batch_size, lockstep_group, inference_mode)
+        return with_environment_rewards(_in_chunks(forward, rollout, batch_size, lockstep_group, inference_mode),
+                                        rollout)
     prompts = tokenizer.batch_decode(rollout.sequences[:, : rollout.prompt_length], skip_special_tokens=True)
-    responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
+    if rollout.turn_rewards is None:
+        responses = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
+    else:  # a multi-turn episode: the function scores its final turn, the answer
+        responses = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                     for ids, mask in zip(rollout.responses, rollout.final_turns())]
     signature = RewardSignature.of(reward)
     signature.check(reward, (row_fields or {}).keys(), "this batch's rows")  # not a TypeError from inside the call
     args, kwargs = signature.arguments(prompts, responses, row_fields or {}, lambda: _completion_ids(rollout),
@@ -204,7 +216,13 @@ def reward_forward(
             f"The reward function {_name_of(reward)} raised {raised} ({_batch_of(prompts, iteration)}). Fix the "
             "function: its traceback is shown above."
         ) from err
-    return _scores_from(returned, reward, prompts, iteration).to(rollout.sequences.device)
+    return with_environment_rewards(_scores_from(returned, reward, prompts, iteration).to(rollout.sequences.device),
+                                    rollout)
+
+
+def with_environment_rewards(scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """``scores`` plus each multi-turn episode's environment rewards (the sum over its turns)."""
+    return scores if rollout.turn_rewards is None else scores + rollout.turn_rewards.sum(1).to(scores.dtype)
 
 
 def _scores_from(returned: Any, reward: RewardFunction, prompts: list[str], iteration: int | None) -> torch.Tensor:
