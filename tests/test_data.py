@@ -95,7 +95,7 @@ def test_from_python_list(tokenizer):
     assert len(dm.dataset) == 5
     for i, text in enumerate(PROMPTS):
         item = dm.dataset[i]
-        assert item == {"input_ids": encode(tokenizer, text), "index": i, "fields": {}}
+        assert item == {"input_ids": encode(tokenizer, text), "index": i, "fields": {}, "prompt": text}
         assert tokenizer.bos_token_id not in item["input_ids"] and tokenizer.eos_token_id not in item["input_ids"]
 
 
@@ -255,7 +255,8 @@ def test_jsonl_answer_field_reaches_batches(tokenizer, tmp_path):
     path = tmp_path / "math.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": p, "answer": a}) for p, a in zip(PROMPTS, ANSWERS)) + "\n")
     dm = setup_dm(str(path), tokenizer, batch_size=2, shuffle=True, seed=3)
-    assert dm.dataset[1] == {"input_ids": encode(tokenizer, "red"), "index": 1, "fields": {"answer": "1"}}
+    assert dm.dataset[1] == {"input_ids": encode(tokenizer, "red"), "index": 1, "fields": {"answer": "1"},
+                             "prompt": "red"}
     seen = 0
     for batch in dm.train_dataloader():
         assert list(batch["fields"]) == ["answer"]
@@ -300,8 +301,9 @@ def test_chat_messages_render_with_template(chat_tokenizer):
     dm = setup_dm(CHAT_ROWS, chat_tokenizer)
     assert dm.dataset.prompts == CHAT_TEXTS
     for i, text in enumerate(CHAT_TEXTS):
+        # "prompt": the row's prompt as given, what a multi-turn environment's reset reads
         assert dm.dataset[i] == {"input_ids": encode(chat_tokenizer, text), "index": i,
-                                 "fields": {"answer": CHAT_ROWS[i]["answer"]}}
+                                 "fields": {"answer": CHAT_ROWS[i]["answer"]}, "prompt": CHAT_ROWS[i]["prompt"]}
     batch = next(iter(dm.train_dataloader()))
     assert batch["fields"] == {"answer": ["5", "cat"]}
 
