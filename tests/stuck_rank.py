@@ -20,6 +20,8 @@ import time
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from agent_task import LetterCount
+
 from lightning_app_rlhf.demo import topic_reward
 
 
@@ -54,3 +56,18 @@ def deadlocking_reward(prompts: list[str], responses: list[str]) -> list[float]:
         lock.acquire()
         lock.acquire()  # never returns: the lock is held by this very thread
     return topic_reward(prompts, responses)
+
+
+class HangingEnvironment(LetterCount):
+    """:class:`agent_task.LetterCount`, except that on rank ``RLHF_STUCK_RANK`` its step number ``RLHF_STUCK_CALL``
+    (from 1, counted over the process) never returns, as an environment waiting on a dead sandbox would."""
+
+    def step(self, assistant_text: str):
+        global _calls
+        _calls += 1
+        if dist.get_rank() == int(os.environ["RLHF_STUCK_RANK"]) and _calls == int(os.environ["RLHF_STUCK_CALL"]):
+            _note_stuck()
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # never returns: the lock is held by this very thread
+        return super().step(assistant_text)

@@ -351,6 +351,25 @@ def test_a_deadlocked_reward_function_is_named_with_its_stack(tmp_path):
     assert "in deadlocking_reward" in stack and "lock.acquire()" in stack, stack[-2000:]
 
 
+def test_a_hanging_environment_is_named_with_its_stack(tmp_path):
+    """A multi-turn environment's step never returns on rank 1: as a deadlocked reward function, the job ends within
+    the heartbeat timeout, and the verdict names the environment's class and method and the line it hangs at."""
+    agent = ("--model.tokenizer", "agent_task:tokenizer", "--model.environment", "stuck_rank.HangingEnvironment",
+             "--model.agent.max_episode_tokens", "64", "--model.actor.config.n_positions", "256",
+             "--model.generation.stop_token_ids", str(list(range(100, 200))))
+    result, took, pid = run_until_stuck(tmp_path, "rlhf_flattening", *agent,
+                                        env={"RLHF_STUCK_RANK": "1", "RLHF_STUCK_CALL": "5"})
+    print(f"hanging environment: the job ended {took:.1f} s after rank 1 got stuck")
+    assert result.returncode in STUCK_EXITS, output_tail(result)
+    assert took < HEARTBEAT_TIMEOUT_S + STUCK_MARGIN_S, took
+    match = VERDICT.search(result.stderr)
+    assert match, output_tail(result)
+    assert match.groups()[1:4] == ("1", socket.gethostname(), str(pid)), match[0]
+    assert re.fullmatch(r"HangingEnvironment\.step \(turn \d\)", match[5]), match[0]
+    assert re.match(r"its main thread has not moved for \d+ s outside any collective, at \S+stuck_rank\.py:\d+ in "
+                    r"step", match[6]), match[0]
+
+
 def test_which_ranks_count_as_stuck():
     """Stuck: beats older than the heartbeat timeout, or a main thread standing still that long outside any
     collective. Not stuck: a rank waiting in a collective (it waits for someone else), or one that moves."""
