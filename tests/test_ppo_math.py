@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 from lightning_app_rlhf.algorithms.functional import (
     entropy_from_logits,
+    discounted_returns,
     gae_advantages,
     kl_penalty,
     last_token_index,
@@ -357,6 +358,35 @@ def test_gae_ignores_values_and_rewards_after_end():
     adv_b, ret_b = gae_advantages(rewards_b, values_b, mask, gamma=0.9, lam=0.5)
     assert_close(adv_a, adv_b, rtol=0, atol=0)
     assert_close(ret_a, ret_b, rtol=0, atol=0)
+
+
+def test_gae_skips_a_multi_turn_episodes_observation_tokens_by_hand():
+    """Mask 1 0 0 1 (turn, observation, observation, turn): the recursion runs over the two sampled tokens as if
+    adjacent; the observations' rewards and values (garbage here) count nowhere. gamma=0.9, lam=0.5."""
+    rewards = t64([[1.0, 50.0, 60.0, 2.0]])
+    values = t64([[0.5, 70.0, 80.0, 1.0]])
+    mask = torch.tensor([[1, 0, 0, 1]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    #   t=3: delta = 2 + 0 - 1 = 1                   A_3 = 1
+    #   t=0: delta = 1 + 0.9*1 - 0.5 = 1.4 (V next = V_3)   A_0 = 1.4 + 0.45*1 = 1.85
+    assert_close(adv, t64([[1.85, 0.0, 0.0, 1.0]]), **TOL)
+    assert_close(ret, t64([[2.35, 0.0, 0.0, 2.0]]), **TOL)
+
+
+def test_discounted_returns_skip_observation_tokens_by_hand():
+    """G_t over the sampled tokens only: rewards 1 | (obs) | 2 with gamma 0.5 -> G_3 = 2, G_0 = 1 + 0.5*2 = 2."""
+    returns = discounted_returns(t64([[1.0, 9.0, 9.0, 2.0]]), torch.tensor([[1, 0, 0, 1]]), 0.5)
+    assert_close(returns, t64([[2.0, 0.0, 0.0, 2.0]]), **TOL)
+
+
+def test_token_rewards_keep_turn_rewards_on_their_turns():
+    """Turn rewards 0.5 (turn 1, t=1) and 0.25 (turn 2, t=4) are part of the score 2.0: they stay on their tokens,
+    and the last token gets the rest, 2.0 - 0.75 = 1.25; the KL penalty -0.5*kl on every sampled token."""
+    mask = torch.tensor([[1, 1, 0, 1, 1]])
+    kl = t64([[0.2, 0.2, 9.0, 0.2, 0.2]])
+    turns = t64([[0.0, 0.5, 0.0, 0.0, 0.25]])
+    rewards = token_rewards(t64([2.0]), kl, 0.5, mask, turns)
+    assert_close(rewards, t64([[-0.1, 0.4, 0.0, -0.1, -0.1 + 0.25 + 1.25]]), **TOL)
 
 
 # -------------------------------------------------------------------------------------------------- losses
