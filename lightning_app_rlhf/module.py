@@ -136,7 +136,8 @@ class RLHFModule(pl.LightningModule):
         self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
         self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
         self.preemption_checkpoint = preemption_checkpoint
-        self.shaping = RewardShaping(self.ppo, self.tokenizer.eos_token_id)
+        self.shaping = RewardShaping(self.ppo, self.tokenizer.eos_token_id,
+                                     self.agent.max_episode_tokens if self.environment is not None else None)
         self.actor = self.critic = self.reference = self.reward_model = None
         self.placed_roles: PlacedRoles | None = None
         """Handed over by a placement strategy before ``configure_model``; else one process holds every role."""

@@ -32,9 +32,12 @@ class RewardShaping:
         config: The update's settings.
         eos_token_id: The token id, or ids, that end a response properly; ``missing_eos_penalty`` punishes
             responses cut at ``generation.max_new_tokens`` without one (see :meth:`missing_eos`).
+        max_episode_tokens: Multi-turn episodes' token budget (``agent.max_episode_tokens``): DAPO's overlong
+            penalty measures an episode's tokens against it, not one turn's ``max_new_tokens``.
     """
 
-    def __init__(self, config: PPOConfig, eos_token_id: int | Sequence[int]) -> None:
+    def __init__(self, config: PPOConfig, eos_token_id: int | Sequence[int],
+                 max_episode_tokens: int | None = None) -> None:
         if config.kl_coef is None:
             raise ValueError("ppo.kl_coef is None, the algorithm's default: build the algorithm first "
                              "(build_algorithm(name, config, generation) writes its defaults into config).")
@@ -46,6 +49,7 @@ class RewardShaping:
             else FixedKLController(config.kl_coef)
         )
         self.reward_moments = RunningMoments()
+        self.max_episode_tokens = max_episode_tokens
 
     def missing_eos(self, rollout: Rollout, generation: GenerationConfig | None = None) -> torch.Tensor:
         """[B] True for responses that did not end properly: cut at ``max_new_tokens`` without a stop.
@@ -68,7 +72,12 @@ class RewardShaping:
         return ~ended
 
     def overlong_penalty(self, rollout: Rollout, generation: GenerationConfig | None) -> torch.Tensor:
-        """[B] DAPO's soft overlong penalty of each response (``ppo.overlong_buffer``), 0 or below."""
+        """[B] DAPO's soft overlong penalty of each response (``ppo.overlong_buffer``), 0 or below; of a multi-turn
+        episode, its sampled and observation tokens against ``max_episode_tokens``."""
+        if rollout.turn_rewards is not None and self.max_episode_tokens is not None:  # a multi-turn episode
+            lengths = rollout.attention_mask[:, rollout.prompt_length :].sum(1)
+            return overlong_penalty(lengths, self.max_episode_tokens, self.config.overlong_buffer,
+                                    self.config.overlong_penalty_factor)
         if generation is None:
             raise ValueError("ppo.overlong_buffer needs the generation settings (their max_new_tokens): pass them.")
         return overlong_penalty(rollout.response_mask.sum(1), generation.max_new_tokens, self.config.overlong_buffer,
