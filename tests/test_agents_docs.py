@@ -1,0 +1,24 @@
+"""docs/agents.md's worked environment runs as written: its code block, executed, plays an episode."""
+
+from __future__ import annotations
+
+import re
+
+from helpers import ROOT
+
+from lightning_app_rlhf.agents.environment import StepResult, checked_messages, checked_step
+
+
+def test_the_worked_environment_in_docs_agents_plays_an_episode():
+    text = (ROOT / "docs/agents.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "class GuessTheNumber" in b)
+    assert len(block.splitlines()) < 60
+    namespace: dict = {}
+    exec(block, namespace)  # noqa: S102 - the documentation's own code
+    env = namespace["GuessTheNumber"](max_guesses=3)
+    opening = checked_messages(env.reset({"prompt": "Go.", "secret": 42}), "GuessTheNumber.reset", False)
+    assert opening[-1] == {"role": "user", "content": "Go."}
+    first = checked_step(env.step("I guess 50"), "GuessTheNumber.step")
+    assert first == StepResult([{"role": "user", "content": "50 is wrong: go lower."}], -0.1, False, {})
+    assert checked_step(env.step("Then 42."), "GuessTheNumber.step") == StepResult([], 1.0, True, {})
+    assert checked_step(env.step("no idea"), "GuessTheNumber.step").done
