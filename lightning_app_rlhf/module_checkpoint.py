@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_app_rlhf.checkpoint.format import (
     LAYOUT_KEY,
     OPTIMIZERS_KEY,
+    SCHEDULERS_KEY,
     CheckpointError,
     rank_state,
     seal,
@@ -78,6 +79,9 @@ def save_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any]) -> None:
 def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:
     """``on_load_checkpoint``: check the file and that it fits, take this rank's share, restore the RLHF state."""
     verify(checkpoint, path)
+    placed = module.placed_roles is not None and module.placed_roles.placement.distributed
+    if OPTIMIZERS_KEY not in checkpoint and "rlhf_ranks" not in checkpoint and placed:
+        by_role(module, checkpoint)  # a one-process run saved it: every role whole, in one process's order
     if OPTIMIZERS_KEY in checkpoint:  # one entry per role (a placement strategy saved it): take this rank's
         held = [role for role in module.algorithm.roles if module.role_module(role) is not None]
         rank_state(checkpoint, held, module.trained_roles(), module.scheduled_roles(), path)
@@ -100,6 +104,16 @@ def load_rlhf_state(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -
         module.engine.load_state_dict(state)
     except ValueError as err:  # the engine names what does not fit and the fix; this names the file
         raise CheckpointError(f"Checkpoint {path} {err}") from None
+
+
+def by_role(module: RLHFModule, checkpoint: dict[str, Any]) -> None:
+    """Give a one-process checkpoint the per-role entries a placement strategy writes (see
+    :func:`~lightning_app_rlhf.checkpoint.format.assemble`), so that a placement resumes from it: one process trained
+    every trainable role, so its optimizer (and scheduler) states are in the algorithm's role order."""
+    trained = list(module.algorithm.trainable_roles)
+    scheduled = [role for role in trained if getattr(module, f"{role}_scheduler") is not None]
+    checkpoint[OPTIMIZERS_KEY] = dict(zip(trained, checkpoint.get("optimizer_states") or [], strict=False))
+    checkpoint[SCHEDULERS_KEY] = dict(zip(scheduled, checkpoint.get("lr_schedulers") or [], strict=False))
 
 
 def check_role_shapes(module: RLHFModule, checkpoint: dict[str, Any], path: Any) -> None:

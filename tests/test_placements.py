@@ -308,6 +308,22 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
             assert got.get(metric) == approx_or_none(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
+def test_a_one_process_checkpoint_resumes_under_separation_on_2_processes(tmp_path):
+    """A checkpoint saved without a placement strategy (every role whole, one optimizer list) resumes under
+    Separation, whose ranks each hold a share of the roles: it logs what the uninterrupted one-process run logged."""
+    save = ["--trainer.enable_checkpointing", "true", "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+            "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
+    full = [r for r in fit_demo(tmp_path, "full", *save, steps=4) if "reward/mean" in r]
+    (checkpoint,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
+    resumed = [r for r in fit_demo(tmp_path, "resumed", "--trainer.devices", "2", "--trainer.strategy",
+                                   "rlhf_separation", "--ckpt_path", str(checkpoint), steps=4) if "reward/mean" in r]
+    assert [r["step"] for r in resumed] == [2, 3]
+    for got, want in zip(resumed, full[2:], strict=True):
+        for metric in COMPARED:
+            assert got.get(metric) == approx_or_none(want.get(metric), rel=1e-4, abs=1e-6), (metric, got["step"])
+
+
 @pytest.mark.slow  # Fabric runs Separation and resumes exactly in test_fabric_checkpoint (default run)
 def test_fabric_example_matches_the_trainer(tmp_path):
     """examples/fabric_demo.py under Fabric's rlhf_* strategies logs what the Trainer logs for the same settings."""
