@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers import ROOT, approx_or_none, fit_demo
 
+from lightning_app_rlhf.algorithms.base import ALGORITHMS
+
 GRPO_CONFIG = ROOT / "examples/configs/demo_grpo_cpu.yaml"
 STRATEGIES = ("rlhf_flattening", "rlhf_interleaving", "rlhf_separation")
 AGENT = ("--model.tokenizer", "agent_task:tokenizer", "--model.reward_fn", "null",
@@ -72,3 +74,12 @@ def test_multi_turn_one_version_stale_stays_within_its_bound(tmp_path, one_proce
     assert rows[0]["episode/turns_mean"] == one_process[0]["episode/turns_mean"]
     for metric in ("policy/loss", "policy/entropy"):
         assert rows[1][metric] == approx_or_none(one_process[0][metric], rel=1e-5), metric
+
+
+@pytest.mark.slow  # GRPO runs every placement above; PPO (GAE over the sampled tokens) in tests/test_faults.py
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_trains_on_episodes(tmp_path, algorithm):
+    rows = [r for r in fit_demo(tmp_path, algorithm, *AGENT, "--model.algorithm", algorithm, config=GRPO_CONFIG,
+                                steps=2) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["episode/turns_mean"] > 1 for r in rows) and "policy/loss" in rows[-1]
