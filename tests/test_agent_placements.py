@@ -76,6 +76,18 @@ def test_multi_turn_one_version_stale_stays_within_its_bound(tmp_path, one_proce
         assert rows[1][metric] == approx_or_none(one_process[0][metric], rel=1e-5), metric
 
 
+def test_free_running_multi_turn_stays_within_its_staleness_bound(tmp_path):
+    """Free-running Separation (``max_staleness=1``): the generation side runs its episodes a version ahead of the
+    training side, and every update trains on episodes at most one version stale."""
+    rows = [r for r in fit_demo(tmp_path, "free", *AGENT, "--trainer.devices", "2", "--trainer.strategy",
+                                "lightning_app_rlhf.strategies.SeparationStrategy", "--trainer.strategy.free_running",
+                                "true", "--trainer.strategy.max_staleness", "1", config=GRPO_CONFIG, steps=4)
+            if "reward/mean" in r]
+    assert len(rows) == 4 and all(r["episode/turns_mean"] > 1 for r in rows)
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows) and any(r["rollout/staleness_max"] == 1 for r in rows)
+    assert any("policy/loss" in r for r in rows)
+
+
 @pytest.mark.slow  # GRPO runs every placement above; PPO (GAE over the sampled tokens) in tests/test_faults.py
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_algorithm_trains_on_episodes(tmp_path, algorithm):
