@@ -48,6 +48,12 @@ _calls = 0
 def deadlocking_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """:func:`~lightning_app_rlhf.demo.topic_reward`; on rank ``RLHF_STUCK_RANK`` its call number
     ``RLHF_STUCK_CALL`` (from 1) never returns."""
+    _hang_on_the_chosen_call()
+    return topic_reward(prompts, responses)
+
+
+def _hang_on_the_chosen_call() -> None:
+    """Count a call; on rank ``RLHF_STUCK_RANK``, call number ``RLHF_STUCK_CALL`` (from 1) never returns."""
     global _calls
     _calls += 1
     if dist.get_rank() == int(os.environ["RLHF_STUCK_RANK"]) and _calls == int(os.environ["RLHF_STUCK_CALL"]):
@@ -55,7 +61,6 @@ def deadlocking_reward(prompts: list[str], responses: list[str]) -> list[float]:
         lock = threading.Lock()
         lock.acquire()
         lock.acquire()  # never returns: the lock is held by this very thread
-    return topic_reward(prompts, responses)
 
 
 class HangingEnvironment(LetterCount):
@@ -63,11 +68,5 @@ class HangingEnvironment(LetterCount):
     (from 1, counted over the process) never returns, as an environment waiting on a dead sandbox would."""
 
     def step(self, assistant_text: str):
-        global _calls
-        _calls += 1
-        if dist.get_rank() == int(os.environ["RLHF_STUCK_RANK"]) and _calls == int(os.environ["RLHF_STUCK_CALL"]):
-            _note_stuck()
-            lock = threading.Lock()
-            lock.acquire()
-            lock.acquire()  # never returns: the lock is held by this very thread
+        _hang_on_the_chosen_call()
         return super().step(assistant_text)

@@ -346,7 +346,7 @@ def test_a_deadlocked_reward_function_is_named_with_its_stack(tmp_path):
     assert match.groups()[1:4] == ("1", socket.gethostname(), str(pid)), match[0]
     assert re.fullmatch(r"iteration \d+: call reward\.forward", match[5]), match[0]
     assert re.match(r"its main thread has not moved for \d+ s outside any collective, at \S+stuck_rank\.py:\d+ in "
-                    r"deadlocking_reward", match[6]), match[0]
+                    r"_hang_on_the_chosen_call", match[6]), match[0]
     stack = result.stderr[result.stderr.index("This is the stuck rank. Its main thread:"):]
     assert "in deadlocking_reward" in stack and "lock.acquire()" in stack, stack[-2000:]
 
@@ -367,7 +367,9 @@ def test_a_hanging_environment_is_named_with_its_stack(tmp_path):
     assert match.groups()[1:4] == ("1", socket.gethostname(), str(pid)), match[0]
     assert re.fullmatch(r"HangingEnvironment\.step \(turn \d\)", match[5]), match[0]
     assert re.match(r"its main thread has not moved for \d+ s outside any collective, at \S+stuck_rank\.py:\d+ in "
-                    r"step", match[6]), match[0]
+                    r"_hang_on_the_chosen_call", match[6]), match[0]
+    stack = result.stderr[result.stderr.index("This is the stuck rank. Its main thread:"):]
+    assert "in step" in stack and "agents/episodes.py" in stack, stack[-2000:]
 
 
 def test_which_ranks_count_as_stuck():
