@@ -2,7 +2,18 @@
 split, the tool, and the reward.
 
 A question is ``"What is A * B?"`` (A of three digits, B of two) or ``"What is A + B + C?"`` (three numbers of three
-digits). A row is ``{"prompt": [system, user], "answer": "9716"}``; ``answer`` reaches the reward as a keyword.
+digits). A row is ``{"prompt": [system, *EXAMPLE, user], "answer": "9716"}``; ``answer`` reaches the reward as a
+keyword.
+
+The prompt shows one solved episode (:data:`EXAMPLE`: a question, the tool call, the tool's result, the answer) as
+earlier chat turns. Without it SmolLM2-135M never calls the tool, greedy or sampled, whatever the system prompt says
+(0 of 20 held-out questions greedy, 0 of 32 sampled episodes, with the call format shown in the system prompt or with
+the Hermes tool description); with it, it writes a tool call in half of its greedy episodes, though not yet one the
+tool accepts, and does not answer right by itself: room for RL to learn.
+
+The environment (:func:`environment`) is ``ToolEnvironment([calculator])`` with the tool described by the example
+alone, not by the Hermes preamble that ``ChatRenderer`` would put into the system message for a template without tool
+support (SmolLM2's): that preamble is 200 tokens, most of every sequence on CPU.
 
 The reward reads the final answer: 1.0 when the last number of the episode's final assistant turn (the one without a
 tool call) equals the answer, else 0.0. Calling the tool is not rewarded by itself: only a right answer is.
@@ -14,8 +25,20 @@ import random
 import re
 from typing import Any
 
-SYSTEM = ("You are a helpful assistant. Use the calculator tool for arithmetic, then give the final answer as a "
-          "number.")
+from lightning_app_rlhf.agents import ToolEnvironment
+
+SYSTEM = "You are a helpful assistant with a calculator tool. Call it for any arithmetic, then answer with its result."
+EXAMPLE = [
+    {"role": "user", "content": "What is 123 * 45?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}'
+                                     "</tool_call>"},
+    {"role": "tool", "content": "5535"},
+    {"role": "assistant", "content": "The answer is 5535."},
+]
+"""One solved episode, shown before the question: the call format, by example."""
+STOP_STRINGS = ["</tool_call>"]
+"""A turn ends at its tool call's end (``GenerationConfig.stop_strings``): the call runs at once, nothing after it is
+sampled."""
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -25,14 +48,30 @@ def calculator(expression: str) -> str:
     Args:
         expression: The expression to evaluate, e.g. "347 * 28".
     """
-    if not expression or not set(expression) <= set("0123456789+-*() "):
+    if not expression or not set(expression) <= set("0123456789+-*() ") or "**" in expression:
+        # "**" is refused too: 9**9**9 would hold up the rollout for good.
         raise ValueError(f"the expression may only hold integers, +, -, * and parentheses, got {expression!r}")
     return str(eval(expression, {"__builtins__": {}}))  # noqa: S307 - characters checked above
 
 
 def make_row(question: str, answer: int) -> dict[str, Any]:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
     return {"prompt": messages, "answer": str(answer)}
+
+
+class CalculatorEnvironment(ToolEnvironment):
+    """``ToolEnvironment([calculator])``, its tool left out of the rendered prompt (``tools`` empty): the prompt's
+    :data:`EXAMPLE` shows the call instead of the 200-token Hermes description. The calls still run: ``step`` looks
+    tools up by name."""
+
+    def __init__(self) -> None:
+        super().__init__([calculator])
+        self.tools = []
+
+
+def environment() -> ToolEnvironment:
+    """The task's environment: a fresh :class:`CalculatorEnvironment`."""
+    return CalculatorEnvironment()
 
 
 def all_questions(count: int, seed: int) -> list[dict[str, Any]]:
