@@ -9,6 +9,8 @@ the named-size workloads, the search, and the printing::
     python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --critic llama-7b
     python -m lightning_app_rlhf plan --cluster 1x8xA100-80GB --actor llama-7b --algorithm grpo --num_samples 4
     python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch_size 32 --json
+    python -m lightning_app_rlhf plan --cluster 1x8xH100-80GB --actor llama2-7b --algorithm grpo --num_samples 8 \
+        --turns 4 --generation_length 256 --observation_tokens 128   # multi-turn episodes
     python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
 """
 
@@ -159,6 +161,18 @@ class PlanOptions:
     lora_rank: int | None = None
     """Named sizes: train LoRA adapters of this rank (the reference is then the actor's base); 0 = full
     fine-tuning (default: full fine-tuning, and 128 with --sweep, as APP)."""
+    turns: int | None = None
+    """Multi-turn episodes: assistant turns per episode. Each turn is one generate call that prefills the episode's
+    whole context so far, then decodes up to the generation length (--generation_length, or the config's
+    model.generation.max_new_tokens: tokens per turn); the train and forward calls read the whole episode. Default:
+    a training config's model.agent.max_turns where it has a model.environment, else 1 (single-turn)."""
+    observation_tokens: int | None = None
+    """Multi-turn: tokens of each observation the environment appends after a turn (turns - 1 per episode), as the
+    chat template renders them (default: 0)."""
+    environment_s: float | None = None
+    """Multi-turn: Python seconds per episode and turn between the generate calls, on the generating ranks: the
+    environment's step (a run logs the steps' and resets' sum as episode/environment_seconds) and the rendering of
+    its observation (default: 0)."""
 
     def named(self, flag: str) -> Any:
         """A named-size flag's value, or its default (:data:`NAMED_SIZE_DEFAULTS`) when it was left unset."""
@@ -204,9 +218,14 @@ class PlanReport:
     """Lines printed under the table."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The planner's result as JSON (:meth:`PlannerResult.to_dict`), with the config's plan and the notes."""
+        """The planner's result as JSON (:meth:`PlannerResult.to_dict`), with the episode's shape (turns, tokens per
+        observation, tokens of a whole sequence), the config's plan and the notes."""
+        w = self.result.workload
         return {
             **self.result.to_dict(),
+            "turns": w.turns,
+            "observation_tokens": w.observation_length,
+            "episode_length": w.episode_length,
             "configured_strategy": self.configured_strategy,
             "configured": self.configured.to_dict() if self.configured is not None else None,
             "fit_flags": fit_flags(self.result.best, self.result.cluster),
@@ -332,7 +351,20 @@ def named_size_workload(options: PlanOptions, gpu: bool) -> Workload:
         lora_rank=options.lora_rank or None,
         generation_rounds=options.generation_rounds,
         name=workload_name(actor, critic, algorithm, options.named("num_samples"), options.lora_rank),
+        **multi_turn_fields(options),
     )
+
+
+def multi_turn_fields(options: PlanOptions) -> dict[str, Any]:
+    """The :class:`Workload` fields that ``--turns``, ``--observation_tokens`` and ``--environment_s`` set (only
+    those given); a value out of range is a ``ValueError`` naming the flag."""
+    given = {"turns": (options.turns, "--turns", 1),
+             "observation_length": (options.observation_tokens, "--observation_tokens", 0),
+             "environment_s_per_turn": (options.environment_s, "--environment_s", 0)}
+    for value, flag, least in given.values():
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}.")
+    return {name: value for name, (value, _, _) in given.items() if value is not None}
 
 
 # ---------------------------------------------------------------- planning
@@ -367,7 +399,7 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         run: What the config runs.
     """
     check_no_named_sizes(options)
-    workload = replace(run.workload, generation_rounds=options.generation_rounds)
+    workload = replace(run.workload, generation_rounds=options.generation_rounds, **multi_turn_fields(options))
     workload = replace(workload, wrappers=wrappers_option(options)) if options.wrappers else workload
     result = search(options, parse_cluster(run.cluster), workload)
     report = PlanReport(result, configured_strategy=run.strategy, notes=list(run.notes))
@@ -463,8 +495,11 @@ def print_report(report: PlanReport) -> None:
     result = report.result
     w = result.workload
     batch = f"batch {w.batch_size}" if w.num_samples == 1 else f"batch {w.batch_size} prompts x {w.num_samples} samples"
+    tokens = (f"generation {w.generation_length} tokens" if w.turns == 1 else
+              f"{w.turns} turns x {w.generation_length} generated + {w.turns - 1} x {w.observation_length} "
+              f"observation tokens = {w.episode_length} tokens per episode")
     heading = (f"{w.name} ({w.algorithm}: {', '.join(w.roles)}) on {result.cluster.name}: {batch}, prompt "
-               f"{w.prompt_length} + generation {w.generation_length} tokens, {w.ppo_epochs} epoch(s) x "
+               f"{w.prompt_length} + {tokens}, {w.ppo_epochs} epoch(s) x "
                f"{w.num_minibatches} minibatches ({result.search_s:.1f} s search)")
     plans = Table(title="Plans, fastest first" + (" (the config's own last)" if report.configured else ""))
     right = ("#", "iter s", "samples/s", "vs flattening")

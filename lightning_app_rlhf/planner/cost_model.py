@@ -19,6 +19,7 @@ algorithm), and every batch is the rollout's ``samples`` (prompts x ``num_sample
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -354,23 +355,24 @@ class CostModel:
                 gathered = w.held_params(ACTOR.name) * db - self.role_bytes(ACTOR.name, plan.wrappers[ACTOR.name],
                                                                              n, 0)[0]
             g = min(choice.generation_batch or ceil_div(w.samples, n), ceil_div(w.samples, n))
+            prefill = w.turn_context(w.turns - 1)  # the longest prefill: the last turn's (the prompt, single-turn)
             logits = (
-                2 * g * shape.vocab * 4 + g * w.prompt_length * shape.vocab * db
+                2 * g * shape.vocab * 4 + g * prefill * shape.vocab * db
             ) // t  # prefill logits, fp32 softmax; vocab-parallel under TP
             return (
-                logits + 4 * g * w.prompt_length * shape.hidden * db + gathered,
+                logits + 4 * g * prefill * shape.hidden * db + gathered,
                 shape.kv_bytes_per_token * g * s // t,  # TP splits the KV heads
             )
         if call.endswith(".forward"):
             b = self._micro(choice, ceil_div(w.samples, n))
-            head = 2 * b * w.generation_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
+            head = 2 * b * w.response_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
             attention = 0 if w.flash_attention else shape.heads * s * s * b * db // t
             return 4 * b * s * shape.hidden * db + attention + head + gathered, 0
         b = self._micro(choice, ceil_div(w.samples // w.num_minibatches, n))
         scores = 0 if w.flash_attention else 2.5 * shape.heads * s * s * b / t
         # Korthikanti et al. 2022, without recompute: 10 sbh bytes replicated, 24 sbh split by tensor parallelism.
         per_layer = ((5 + 12 / t) * s * b * shape.hidden + scores) * db
-        head = 3 * b * w.generation_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
+        head = 3 * b * w.response_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
         if w.gradient_checkpointing:  # every layer's input, plus one layer recomputed in full
             return int(shape.layers * s * b * shape.hidden * db + per_layer + head) + gathered, 0
         return int(shape.layers * per_layer + head) + gathered, 0
@@ -400,8 +402,10 @@ class CostModel:
 
     def unshards_once(self, plan: PlacementPlan) -> bool:
         """Whether the actor generates on its own sharded (FSDP2 / ZeRO-3) train group with its weights gathered once
-        per rollout (``plan.unshard_for_generation``) rather than once per decoding step."""
-        return plan.unshard_for_generation and self._sharded_call(plan, ACTOR.call("generate"))
+        per rollout (``plan.unshard_for_generation``) rather than once per decoding step. Never for multi-turn
+        episodes (``turns`` > 1): the episode loop generates through the sharded module, a gather per forward."""
+        return (plan.unshard_for_generation and self.workload.turns == 1
+                and self._sharded_call(plan, ACTOR.call("generate")))
 
     def _reference_on_actor(self, plan: PlacementPlan) -> bool:
         """With LoRA: the reference forward runs the actor's own base (adapters off), so it holds no weights. That
@@ -537,16 +541,7 @@ class CostModel:
         op_time = functools.cache(functools.partial(self.op_time, shape))
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         if call == ACTOR.call("generate"):
-            g = min(choice.generation_batch or local, local)
-            compute, forwards, tp_comm = 0.0, 0, 0.0
-            for start in range(0, local, g):
-                b = min(g, local - start)
-                mid_context = w.prompt_length + (w.generation_length + 1) // 2
-                compute += op_time("prefill", b, w.prompt_length) / t
-                compute += (w.generation_length - 1) * op_time("decode", b, mid_context) / t
-                tp_comm += tp_pass_s(b * w.prompt_length)
-                tp_comm += (w.generation_length - 1) * tp_pass_s(b)
-                forwards += w.generation_length
+            compute, tp_comm, forwards = self.generate_time(choice, local, op_time, tp_pass_s)
             if not sharded:
                 return compute, tp_comm
             if self.unshards_once(plan):  # the hybrid engine: one gather of the weights for the whole rollout
@@ -569,6 +564,37 @@ class CostModel:
                 comm += ceil_div(local, b) * self.sharded_gather_s(ranks[::t], shape, t)
             return compute, comm
         return self._train_time(choice, call, shape, ranks)
+
+    def generate_time(self, choice: PlanChoice, local: int, op_time: Callable[..., float],
+                      tp_pass_s: Callable[..., float]) -> tuple[float, float, int]:
+        """(compute seconds, tensor-parallel seconds, forwards) of ``actor.generate`` over a rank's ``local`` samples,
+        in chunks of the generation batch: per turn, the prefill of the turn's whole context
+        (:meth:`~lightning_app_rlhf.planner.workload.Workload.turn_context`; no KV cache is kept across turns) and
+        ``generation_length - 1`` decode steps at its middle context; then the environment's Python time per episode
+        and turn (``environment_s_per_turn``). Single-turn: one prefill of the prompt, and no environment.
+
+        Args:
+            choice: The plan and its generation batch.
+            local: Samples this rank generates.
+            op_time: ``(op, batch, length) -> seconds`` of one rank (the role's :meth:`op_time`).
+            tp_pass_s: ``(tokens) -> seconds`` of the call's tensor-parallel communication (:meth:`tp_pass_s`).
+        """
+        w, t = self.workload, choice.plan.tp_degree(ACTOR.call("generate"))
+        g = min(choice.generation_batch or local, local)
+        compute, forwards, tp_comm = 0.0, 0, 0.0
+        for start in range(0, local, g):
+            b = min(g, local - start)
+            for turn in range(w.turns):
+                context = w.turn_context(turn)
+                mid_context = context + (w.generation_length + 1) // 2
+                compute += op_time("prefill", b, context) / t
+                compute += (w.generation_length - 1) * op_time("decode", b, mid_context) / t
+                tp_comm += tp_pass_s(b * context)
+                tp_comm += (w.generation_length - 1) * tp_pass_s(b)
+                forwards += w.generation_length
+        if w.environment_s_per_turn:  # each episode's environment steps after each of its turns
+            compute += local * w.turns * w.environment_s_per_turn
+        return compute, tp_comm, forwards
 
     def _train_time(
         self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
@@ -611,7 +637,7 @@ class CostModel:
                            for i in range(0, share, b))
             if wrapper.shards_params:
                 comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t)
-            comm += self.all_reduce_s(ranks, 4 * w.samples * w.generation_length)
+            comm += self.all_reduce_s(ranks, 4 * w.samples * w.response_length)
         return compute, comm
 
     def _measured_ddp_step(self, shape: RoleShape, group: int) -> float | None:
@@ -702,7 +728,7 @@ class CostModel:
         behaviour log-probabilities twice, the reference log-probabilities, values, advantages and returns (float32
         per response token), the stop flag and the score."""
         w = self.workload
-        per_sample = 2 * (16 * w.sequence_length + 12 * w.generation_length) + 16 * w.generation_length + 5
+        per_sample = 2 * (16 * w.sequence_length + 12 * w.response_length) + 16 * w.response_length + 5
         return w.samples * per_sample
 
     def receive_s(self, plan: PlacementPlan) -> float:
@@ -753,10 +779,14 @@ class CostModel:
             return tasks + [Task(f"{step.name}:comm", step.ranks, comm, compute=False)] if comm else tasks
         if step.kind == "gather":
             # Bytes per sample of each call's gathered result: the rollout's responses, response mask (int64),
-            # logprobs and stop flag (4 tensors); one float per token for the reference's logprobs and the
-            # critic's values; one score.
-            t_gen = w.generation_length
-            per_row = {ACTOR.call("generate"): (t_gen * (8 + 8 + 4) + 1, 4), REWARD.call("forward"): (4, 1)}
+            # logprobs and stop flag (4 tensors); multi-turn also the prompts the environments rendered and their
+            # mask (int64), the response's attention (int64), the per-token turn rewards and 5 episode statistics
+            # (float32): 9 tensors. One float per token for the reference's logprobs and the critic's values; one
+            # score.
+            t_gen = w.response_length
+            rollout = ((t_gen * (8 + 8 + 4) + 1, 4) if w.turns == 1
+                       else (t_gen * (8 + 8 + 4 + 8 + 4) + 16 * w.prompt_length + 1 + 5 * 4, 9))
+            per_row = {ACTOR.call("generate"): rollout, REWARD.call("forward"): (4, 1)}
             nbytes, tensors = per_row.get(step.name, (t_gen * 4, 1))
             name = "gather.rollout" if step.name == ACTOR.call("generate") else f"gather.{role_of(step.name)}"
             seconds = self.world_gather_s(plan, step.name, nbytes, tensors, step.among)

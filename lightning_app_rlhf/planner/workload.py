@@ -358,7 +358,8 @@ class Workload:
     prompt_length: int
     """Padded prompt tokens."""
     generation_length: int
-    """Generated tokens per response (the cost model assumes every response runs to this length)."""
+    """Generated tokens per response, or per turn of a multi-turn episode (:attr:`turns`): the cost model assumes
+    every response (every turn) runs to this length."""
     ppo_epochs: int = 1
     """Passes of the train calls over the rollout."""
     num_minibatches: int = 1
@@ -395,6 +396,21 @@ class Workload:
     """Attention never stores the [heads, seq, seq] score matrix (fused kernels on GPUs)."""
     reward_fn_s_per_sample: float = 50e-6
     """Time of a Python reward function per sample (decoding and scoring)."""
+    turns: int = 1
+    """Assistant turns per episode (multi-turn rollouts: ``agent.max_turns``). Each turn is one ``generate`` call over
+    the episodes' whole context so far (a full prefill of the prompt, the earlier turns and their observations: no KV
+    cache is kept across turns), then ``generation_length`` decode steps; the environment steps between turns. The
+    train and forward calls read the whole episode (:attr:`episode_length`). 1: single-turn."""
+    observation_length: int = 0
+    """Tokens of each observation appended after a turn that does not end the episode (the environment's answer
+    rendered by the chat template): ``turns - 1`` of them per episode."""
+    environment_s_per_turn: float = 0.0
+    """Python time per episode and turn between the generate calls, on the generating ranks: the environment's
+    ``step`` and its share of ``reset`` (a run logs their sum as ``episode/environment_seconds``), and the chat
+    template's rendering of the observation."""
+    max_episode_tokens: int | None = None
+    """``agent.max_episode_tokens``: the most tokens of an episode after its prompt (it bounds
+    :attr:`response_length`); None: no bound."""
     lora_rank: int | None = None
     """LoRA: the trainable roles train rank-``r`` adapters on every attention and MLP projection (plus the critic's
     value head) and keep their base weights frozen; the reference is the actor's base with the adapters disabled, so
@@ -404,7 +420,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for what in ("batch_size", "prompt_length", "generation_length", "ppo_epochs", "num_minibatches",
-                     "num_samples", "generation_rounds"):
+                     "num_samples", "generation_rounds", "turns"):
             if getattr(self, what) < 1:
                 raise ValueError(f"Workload {what} must be >= 1, got {getattr(self, what)}.")
         if self.samples % self.num_minibatches:
@@ -417,6 +433,11 @@ class Workload:
             raise ValueError(f"Workload wrappers must name at least one of {list(available_wrappers())}.")
         for name in self.wrappers:
             wrapper_class(name)  # unknown, or its package missing: the error names the choices or the install
+        if self.observation_length < 0 or self.environment_s_per_turn < 0:
+            raise ValueError(f"Workload observation_length and environment_s_per_turn must be >= 0, got "
+                             f"{self.observation_length} and {self.environment_s_per_turn}.")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise ValueError(f"Workload max_episode_tokens must be >= 1 (or None), got {self.max_episode_tokens}.")
         if self.optimizer_slots < 0:
             raise ValueError(f"optimizer_slots must be >= 0, got {self.optimizer_slots}.")
 
@@ -447,9 +468,33 @@ class Workload:
         """Sequences per iteration: ``batch_size`` prompts x ``num_samples`` responses each."""
         return self.batch_size * self.num_samples
 
+    def turn_context(self, turn: int) -> int:
+        """Tokens turn ``turn`` (from 0) prefills: the prompt, then the earlier turns' ``generation_length`` sampled
+        tokens and ``observation_length`` observation tokens each (at most ``max_episode_tokens`` of them). Turn 0
+        prefills the prompt alone, as single-turn generation does."""
+        earlier = turn * (self.generation_length + self.observation_length)
+        if self.max_episode_tokens is not None:
+            earlier = min(earlier, self.max_episode_tokens)
+        return self.prompt_length + earlier
+
+    @property
+    def response_length(self) -> int:
+        """Tokens of an episode after its prompt, as the rollout's right-padded width: ``turns x generation_length``
+        sampled plus ``(turns - 1) x observation_length`` observed (at most ``max_episode_tokens``); single-turn, the
+        ``generation_length``. The one place that knows it: every call price reads it through here or
+        :attr:`episode_length`."""
+        tokens = self.turns * self.generation_length + (self.turns - 1) * self.observation_length
+        return tokens if self.max_episode_tokens is None else min(tokens, self.max_episode_tokens)
+
+    @property
+    def episode_length(self) -> int:
+        """Tokens of a whole sequence that the train and forward calls read: the prompt and :attr:`response_length`."""
+        return self.prompt_length + self.response_length
+
     @property
     def sequence_length(self) -> int:
-        return self.prompt_length + self.generation_length
+        """:attr:`episode_length` (the prompt and the response, or the whole episode)."""
+        return self.episode_length
 
     def trainable_params(self, role: str) -> int:
         """Parameters the optimizer updates: all of them, or with LoRA the adapters (and the critic's value head)."""
@@ -547,7 +592,10 @@ def workload_from_module(
     module: Any, batch_size: int, prompt_length: int, optimizer_slots: int = 2
 ) -> Workload:
     """The workload of an ``RLHFModule`` (its algorithm's roles, model specs, generation and PPO configs) at
-    ``batch_size`` prompts, each sampled ``generation.num_samples`` times.
+    ``batch_size`` prompts, each sampled ``generation.num_samples`` times. A module with an ``environment`` runs
+    episodes of ``agent.max_turns`` turns (the most it runs: every episode is priced at every turn) within
+    ``agent.max_episode_tokens``; their observations' tokens and the environment's time are not known before a run
+    (0 here: give them with ``dataclasses.replace``, or ``plan --observation_tokens``).
 
     Args:
         module: An ``RLHFModule`` (models need not be built).
@@ -566,6 +614,7 @@ def workload_from_module(
     reference = reference if REFERENCE.name in roles else None
     reward = shape(module.specs.reward, "classifier") if module.specs.reward is not None else None
     critic = shape(module.specs.critic, "value") if CRITIC.name in roles else None
+    agent = getattr(module, "agent", None) if getattr(module, "environment", None) is not None else None
     return Workload(
         actor=actor,
         critic=critic,
@@ -585,6 +634,8 @@ def workload_from_module(
         wrappers=installed_wrappers(),
         # LoRA: adapters of this rank train (peft's default r is 8); the reference then shares the actor's base.
         lora_rank=int(module.specs.actor.lora.get("r", 8)) if module.specs.actor.lora is not None else None,
+        turns=agent.max_turns if agent is not None else 1,
+        max_episode_tokens=agent.max_episode_tokens if agent is not None else None,
     )
 
 
