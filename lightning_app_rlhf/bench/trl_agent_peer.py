@@ -436,33 +436,14 @@ def run_trl_agent(settings: AgentPeerSettings, model_dir: str, run_dir: Path) ->
     Returns:
         The record written to ``run_dir/record.json``.
     """
-    import datasets
-    import peft
-    import torch
-    import transformers
-    import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from lightning_app_rlhf.bench.smollm2_race import IterationRecorder, load_example, prompt_order
-    from lightning_app_rlhf.bench.trl_grpo_smollm2_peer import _drop_gguf_quantizer
-    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
+    from lightning_app_rlhf.bench.smollm2_race import IterationRecorder
 
-    if trl.__version__ != TRL_VERSION:
-        raise RuntimeError(f"The agent peer is TRL {TRL_VERSION}; found {trl.__version__} in {sys.executable}. "
-                           f"Run it with the SmolLM2 peer environment's python.")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    example, task = load_example(), load_task()
-    torch.set_num_threads(settings.threads)
-    tokenizer = with_tools_template(AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE))
-    tokenizer.padding_side = "left"
-    policy = build_causal_lm(ModelSpec(path=model_dir, gguf_file=example.GGUF_FILE, lora=example.ACTOR_LORA))
-    _drop_gguf_quantizer(policy.get_base_model())
-    train_rows, test_rows = task.train_test_split(settings.train_size, settings.test_size, settings.seed)
-    held_out_rows = test_rows[: settings.eval_size or settings.test_size]
-    order = prompt_order(len(train_rows), settings)  # reads batch_size, iterations, seed: RaceSettings' meaning
-    dataset = datasets.Dataset.from_list([train_rows[i] for i in order])
+    task, tokenizer, policy, dataset, held_out_rows = load_peer_inputs(settings, model_dir)
     generations: list[dict[str, Any]] = []
     held_out: dict[str, dict[str, Any]] = {}
     logged: dict[str, float] = {}
@@ -515,6 +496,45 @@ def run_trl_agent(settings: AgentPeerSettings, model_dir: str, run_dir: Path) ->
             raise RuntimeError("TRL replaced the tools template with a training template (not prefix-preserving?).")
         trainer.train()
 
+    write_record(recorder, settings, policy, generations, held_out)
+    return json.loads((run_dir / "record.json").read_text())
+
+
+def load_peer_inputs(settings: AgentPeerSettings, model_dir: str) -> tuple[Any, Any, Any, Any, list[dict[str, Any]]]:
+    """The task module, the tokenizer with the tools template, the LoRA policy, the training rows in our order, and
+    the held-out rows."""
+    import datasets
+    import torch
+    import trl
+    from transformers import AutoTokenizer
+
+    from lightning_app_rlhf.bench.smollm2_race import load_example, prompt_order
+    from lightning_app_rlhf.bench.trl_grpo_smollm2_peer import _drop_gguf_quantizer
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
+
+    if trl.__version__ != TRL_VERSION:
+        raise RuntimeError(f"The agent peer is TRL {TRL_VERSION}; found {trl.__version__} in {sys.executable}. "
+                           f"Run it with the SmolLM2 peer environment's python.")
+    example, task = load_example(), load_task()
+    torch.set_num_threads(settings.threads)
+    tokenizer = with_tools_template(AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE))
+    tokenizer.padding_side = "left"
+    policy = build_causal_lm(ModelSpec(path=model_dir, gguf_file=example.GGUF_FILE, lora=example.ACTOR_LORA))
+    _drop_gguf_quantizer(policy.get_base_model())
+    train_rows, test_rows = task.train_test_split(settings.train_size, settings.test_size, settings.seed)
+    order = prompt_order(len(train_rows), settings)  # reads batch_size, iterations, seed: RaceSettings' meaning
+    dataset = datasets.Dataset.from_list([train_rows[i] for i in order])
+    return task, tokenizer, policy, dataset, test_rows[: settings.eval_size or settings.test_size]
+
+
+def write_record(recorder: Any, settings: AgentPeerSettings, policy: Any, generations: list[dict[str, Any]],
+                 held_out: dict[str, dict[str, Any]]) -> None:
+    """Check that every iteration generated once, then write ``record.json`` with the run's totals and versions."""
+    import peft
+    import torch
+    import transformers
+    import trl
+
     expected = settings.batch_size * settings.num_samples
     if len(recorder.iterations) != settings.iterations or [g["completions"] for g in generations] != \
             [expected] * settings.iterations:
@@ -527,7 +547,6 @@ def run_trl_agent(settings: AgentPeerSettings, model_dir: str, run_dir: Path) ->
                    completions_per_s=expected * settings.iterations / total_s,
                    versions={"trl": trl.__version__, "transformers": transformers.__version__,
                              "peft": peft.__version__, "torch": torch.__version__})
-    return json.loads((run_dir / "record.json").read_text())
 
 
 def main(argv: list[str]) -> None:
