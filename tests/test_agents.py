@@ -227,3 +227,18 @@ def test_observation_suffix_after_a_stop_string_turn_carries_the_whole_turn_end(
     renderer = ChatRenderer(tok, [], [tok.eos_token_id])
     ids = renderer.observation_ids([{"role": "user", "content": "hi"}], turn_ended=False)
     assert tok.decode(ids) == "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_left_out_of_the_prompt_still_run(smollm2_tokenizer):
+    """``describe_tools=False`` (a prompt that shows the call by example): no tool description in the prompt, and
+    the model's call still runs."""
+    tok = smollm2_tokenizer
+    turns, _ = three_turns(tok)
+    out = run_episodes(PlaybackLM(turns, len(tok)), ToolEnvironment([calculator], describe_tools=False),
+                       [{"prompt": "What is 347 * 28?"}], torch.tensor([3]), tok, GenerationConfig(max_new_tokens=40),
+                       AgentConfig(), [tok.eos_token_id], torch.device("cpu"))
+    rollout = out.rollout
+    prompt = tok.decode(rollout.sequences[0, : rollout.prompt_length][rollout.attention_mask[0, : rollout.prompt_length]
+                                                                       .bool()])
+    assert "<tools>" not in prompt and "What is 347 * 28?" in prompt
+    assert "9716" in tok.decode(rollout.responses[0])

@@ -111,14 +111,18 @@ class ToolEnvironment(Environment):
     Args:
         tools: The functions the model may call (type hints and an ``Args:`` docstring each).
         system_prompt: A system message put first when the row's prompt has none.
+        describe_tools: Render the tools into the prompt (the chat template's ``tools``, or the Hermes description
+            for a template without them). ``False``: the prompt itself shows how to call them (e.g. a solved
+            example), and the calls still run.
     """
 
-    def __init__(self, tools: Sequence[Callable[..., Any]], system_prompt: str | None = None) -> None:
+    def __init__(self, tools: Sequence[Callable[..., Any]], system_prompt: str | None = None,
+                 describe_tools: bool = True) -> None:
         if not tools:
             raise ValueError("ToolEnvironment needs at least one tool: pass tools=[my_function, ...].")
         tool_schemas(tools)  # refuses a tool transformers cannot describe, with its message, before any episode
-        self.tools = list(tools)
-        self.by_name = {tool.__name__: tool for tool in self.tools}
+        self.tools = list(tools) if describe_tools else []  # what the prompt shows
+        self.by_name = {tool.__name__: tool for tool in tools}  # what the calls can reach
         self.system_prompt = system_prompt
 
     def reset(self, row: dict[str, Any]) -> Messages:
