@@ -213,6 +213,7 @@ def main() -> None:
         environment=environment(),
         agent=agent,
         seed=args.seed,
+        preemption_checkpoint=False,  # a stopped example keeps its curve (curve.csv), not a 540 MB last.ckpt
     )
     module.configure_model()  # build now (one process holds every role) to measure before training
     print(f"Model loaded in {time.perf_counter() - started:.0f} s; {len(train_rows)} training and "
@@ -220,6 +221,7 @@ def main() -> None:
     before = evaluate(module, test_rows, generation, agent)
     report("Before training", before, test_rows, args.show)
     curve = [point(0, before, started)]
+    save_curve(curve, Path(args.out), None, "")
 
     summary = RLHFRunSummary(window=5)
     trainer = pl.Trainer(
