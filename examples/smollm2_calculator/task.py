@@ -11,9 +11,9 @@ earlier chat turns. Without it SmolLM2-135M never calls the tool, greedy or samp
 the Hermes tool description); with it, it writes a tool call in half of its greedy episodes, though not yet one the
 tool accepts, and does not answer right by itself: room for RL to learn.
 
-The environment (:func:`environment`) is ``ToolEnvironment([calculator])`` with the tool described by the example
-alone, not by the Hermes preamble that ``ChatRenderer`` would put into the system message for a template without tool
-support (SmolLM2's): that preamble is 200 tokens, most of every sequence on CPU.
+The environment (:func:`environment`) is ``ToolEnvironment([calculator], describe_tools=False)``: the tool is
+described by the example alone, not by the Hermes preamble that ``ChatRenderer`` would put into the system message
+for a template without tool support (SmolLM2's): that preamble is 200 tokens, most of every sequence on CPU.
 
 The reward reads the final answer: 1.0 when the last number of the episode's final assistant turn (the one without a
 tool call) equals the answer, else 0.0. Calling the tool is not rewarded by itself: only a right answer is.
@@ -59,19 +59,10 @@ def make_row(question: str, answer: int) -> dict[str, Any]:
     return {"prompt": messages, "answer": str(answer)}
 
 
-class CalculatorEnvironment(ToolEnvironment):
-    """``ToolEnvironment([calculator])``, its tool left out of the rendered prompt (``tools`` empty): the prompt's
-    :data:`EXAMPLE` shows the call instead of the 200-token Hermes description. The calls still run: ``step`` looks
-    tools up by name."""
-
-    def __init__(self) -> None:
-        super().__init__([calculator])
-        self.tools = []
-
-
 def environment() -> ToolEnvironment:
-    """The task's environment: a fresh :class:`CalculatorEnvironment`."""
-    return CalculatorEnvironment()
+    """The task's environment: ``ToolEnvironment([calculator], describe_tools=False)``. The prompt's :data:`EXAMPLE`
+    shows the call instead of the 200-token Hermes description; the calls still run."""
+    return ToolEnvironment([calculator], describe_tools=False)
 
 
 def all_questions(count: int, seed: int) -> list[dict[str, Any]]:
