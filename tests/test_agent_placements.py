@@ -49,6 +49,7 @@ def test_multi_turn_placements_give_the_same_trajectory_as_one_process(tmp_path,
         check_same([r for r in rows if "reward/mean" in r], one_process, f"{strategy} on {devices}")
 
 
+@pytest.mark.slow  # the default run resumes single-turn runs under every schedule (test_placements.py)
 def test_a_resumed_multi_turn_run_logs_what_the_uninterrupted_run_logged(tmp_path):
     common = [*AGENT, "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
               "--trainer.enable_checkpointing", "true",
@@ -76,6 +77,7 @@ def test_multi_turn_one_version_stale_stays_within_its_bound(tmp_path, one_proce
         assert rows[1][metric] == approx_or_none(one_process[0][metric], rel=1e-5), metric
 
 
+@pytest.mark.slow  # the fixed schedule's staleness bound is in the default run, above
 def test_free_running_multi_turn_stays_within_its_staleness_bound(tmp_path):
     """Free-running Separation (``max_staleness=1``): the generation side runs its episodes a version ahead of the
     training side, and every update trains on episodes at most one version stale."""

@@ -351,6 +351,7 @@ def test_a_deadlocked_reward_function_is_named_with_its_stack(tmp_path):
     assert "in deadlocking_reward" in stack and "lock.acquire()" in stack, stack[-2000:]
 
 
+@pytest.mark.slow  # the same watch as the deadlocked reward function's (default run)
 def test_a_hanging_environment_is_named_with_its_stack(tmp_path):
     """A multi-turn environment's step never returns on rank 1: as a deadlocked reward function, the job ends within
     the heartbeat timeout, and the verdict names the environment's class and method and the line it hangs at."""

@@ -308,6 +308,7 @@ def test_resumed_run_logs_what_the_uninterrupted_run_logged(tmp_path, strategy, 
             assert got.get(metric) == approx_or_none(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
 
 
+@pytest.mark.slow  # each placement's own resume is in the default run
 def test_a_one_process_checkpoint_resumes_under_separation_on_2_processes(tmp_path):
     """A checkpoint saved without a placement strategy (every role whole, one optimizer list) resumes under
     Separation, whose ranks each hold a share of the roles: it logs what the uninterrupted one-process run logged."""
