@@ -48,7 +48,8 @@ def plain_hyperparameters(arguments: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, PreTrainedTokenizerBase):
             value = f"<{type(value).__name__}: embedded in checkpoints>"
         elif name == "environment" and value is not None:  # its class (or factory), restorable when it takes no arguments
-            value = import_path(value if callable(value) and not hasattr(value, "reset") else type(value))
+            instance = not isinstance(value, type) and hasattr(value, "reset")  # not a class or a factory
+            value = import_path(type(value) if instance else value)
         elif callable(value):
             value = import_path(value) if name == "reward_fn" else None
         plain[name] = value

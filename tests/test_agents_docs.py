@@ -22,3 +22,16 @@ def test_the_worked_environment_in_docs_agents_plays_an_episode():
     assert first == StepResult([{"role": "user", "content": "50 is wrong: go lower."}], -0.1, False, {})
     assert checked_step(env.step("Then 42."), "GuessTheNumber.step") == StepResult([], 1.0, True, {})
     assert checked_step(env.step("no idea"), "GuessTheNumber.step").done
+
+
+def test_an_environment_is_saved_as_its_class_path_and_restored_by_it():
+    """A checkpoint's hyperparameters hold the environment's class as an import path (an instance, a class or a
+    factory alike); ``as_environment`` builds it back from the path."""
+    from agent_task import LetterCount
+
+    from lightning_app_rlhf.agents import as_environment
+    from lightning_app_rlhf.module_checkpoint import plain_hyperparameters
+
+    for given in (LetterCount(2), LetterCount):
+        assert plain_hyperparameters({"environment": given})["environment"] == "agent_task.LetterCount"
+    assert isinstance(as_environment("agent_task.LetterCount"), LetterCount)
