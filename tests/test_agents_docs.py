@@ -1,4 +1,5 @@
-"""docs/agents.md's worked environment runs as written: its code block, executed, plays an episode."""
+"""Multi-turn pieces that need no SmolLM2 tokenizer: docs/agents.md's worked environment runs as written, and an
+environment is saved in a checkpoint's hyperparameters by its import path."""
 
 from __future__ import annotations
 
