@@ -18,6 +18,7 @@ from lightning_app_rlhf.bench.peer_env import DEFAULT_CACHE_DIR, is_ready, venv_
 from lightning_app_rlhf.bench.trl_agent_peer import (
     REPOSITORY,
     TOOLS_CHAT_TEMPLATE,
+    tools_chat_template,
     AgentPeerSettings,
     episode_counts,
     final_answer_text,
@@ -38,7 +39,7 @@ def call(expression: str) -> dict:
 
 def test_settings_from_json_map_to_trl_and_refuse_unknown_keys_and_uneven_minibatches():
     settings = AgentPeerSettings.from_json(json.dumps({"iterations": 2, "max_turns": 4, "eval_every": 1}))
-    assert settings.completions_per_step == 8  # 8 prompts x G=4 over 4 optimizer steps
+    assert settings.completions_per_step == 16  # 4 prompts x G=8 over 2 optimizer steps (the example's)
     assert settings.max_tool_calling_iterations == 3  # TRL counts tool rounds after the first turn
     assert [settings.scored(i) for i in range(3)] == [True, True, True]
     assert [AgentPeerSettings(iterations=5).scored(i) for i in range(6)] == [True, False, False, False, False, True]
@@ -99,15 +100,19 @@ def smollm2_tokenizers():
 
 
 @needs_smollm2
-def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smollm2_tokenizers):
-    """What TRL feeds is what ours feeds: the prompt with the Hermes tool description in the system message, and
-    the tool result's suffix (the newline after ``<|im_end|>``, the tool turn, the next generation prompt)."""
-    from lightning_app_rlhf.agents import ChatRenderer
+@pytest.mark.parametrize("describe_tools", [True, False])
+def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smollm2_tokenizers, describe_tools):
+    """What TRL feeds is what ours feeds: the prompt (with the Hermes tool description in the system message, or
+    without it as ``ToolEnvironment(describe_tools=False)`` renders it), and the tool result's suffix (the newline
+    after ``<|im_end|>``, the tool turn, the next generation prompt)."""
+    from lightning_app_rlhf.agents import ChatRenderer, ToolEnvironment
 
     ours, peer = smollm2_tokenizers
     task = load_task()
     train, test = task.train_test_split()
-    renderer = ChatRenderer(ours, [task.calculator], [ours.eos_token_id])
+    peer.chat_template = tools_chat_template(describe_tools)
+    environment = ToolEnvironment([task.calculator], describe_tools=describe_tools)
+    renderer = ChatRenderer(ours, environment.tools, [ours.eos_token_id])
     for row in (train[0], train[1], test[0]):
         ids = peer.apply_chat_template(row["prompt"], tools=[task.calculator], add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
@@ -120,6 +125,10 @@ def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smoll
         assert tool_suffix_ids(peer, messages) == renderer.observation_ids(messages, turn_ended=True)
     suffix = peer.decode(tool_suffix_ids(peer, messages[:1]))
     assert suffix == "\n<|im_start|>tool\n9716<|im_end|>\n<|im_start|>assistant\n"
+    prompt = peer.apply_chat_template(train[0]["prompt"], tools=[task.calculator], tokenize=False,
+                                      add_generation_prompt=True)
+    assert ("<tools>" in prompt) is describe_tools
+    peer.chat_template = TOOLS_CHAT_TEMPLATE  # the module fixture's
 
 
 @needs_smollm2
@@ -194,8 +203,8 @@ def test_trl_agent_peer_trains_one_iteration_and_records_it(tmp_path):
                     "the plain one; race_smollm2 builds this one)")
     from lightning_app_rlhf.models.smollm2 import model_dir
 
-    settings = {"iterations": 1, "batch_size": 2, "minibatches": 2, "max_turns": 2, "max_episode_tokens": 48,
-                "test_size": 2, "threads": 1}
+    settings = {"iterations": 1, "batch_size": 2, "num_samples": 4, "minibatches": 2, "max_turns": 2,
+                "max_episode_tokens": 48, "test_size": 2, "threads": 1}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(REPOSITORY)}
     result = subprocess.run([str(python), "-m", "lightning_app_rlhf.bench.trl_agent_peer", json.dumps(settings),
                              model_dir(), str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200,

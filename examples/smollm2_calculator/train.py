@@ -29,6 +29,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -178,14 +179,44 @@ def save_curve(curve: list[dict], out: Path, plot: str | None, title: str) -> No
     print(f"plot in {plot}")
 
 
-def main() -> None:
+def calculator_module(settings: Any, model_dir: str, gguf_file: str, tokenizer: Any) -> RLHFModule:
+    """The example's ``RLHFModule``: GRPO with LoRA on the actor, the calculator environment, the exact-answer reward.
+    The agent race (``python -m lightning_app_rlhf.bench agent``) trains our side with this very function.
+
+    Args:
+        settings: This script's arguments, or the race's ``AgentPeerSettings`` (the same names): ``num_samples``,
+            ``max_new_tokens``, ``temperature``, ``max_turns``, ``max_episode_tokens``, ``lr``, ``minibatches``,
+            ``kl_loss_coef`` and ``seed``.
+        model_dir: The folder of the GGUF file.
+        gguf_file: The GGUF file's name.
+        tokenizer: SmolLM2's tokenizer, left padding.
+    """
+    return RLHFModule(
+        actor=ModelSpec(path=model_dir, gguf_file=gguf_file, lora=ACTOR_LORA),
+        tokenizer=tokenizer,
+        algorithm="grpo",
+        reward_fn=correct_answer,
+        generation=GenerationConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                                    num_samples=settings.num_samples, stop_strings=STOP_STRINGS),
+        ppo=PPOConfig(ppo_epochs=1, num_minibatches=settings.minibatches, kl_coef=0.0,
+                      kl_loss_coef=settings.kl_loss_coef),
+        actor_optimizer=lambda p: torch.optim.AdamW(p, lr=settings.lr),
+        environment=environment(),
+        agent=AgentConfig(max_turns=settings.max_turns, max_episode_tokens=settings.max_episode_tokens),
+        seed=settings.seed,
+        preemption_checkpoint=False,  # a stopped example keeps its curve (curve.csv), not a 540 MB last.ckpt
+    )
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line; its defaults are the agent race's (``AgentPeerSettings``, the same names)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=5, help="GRPO iterations")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per iteration")
     parser.add_argument("--num-samples", type=int, default=8, help="episodes per prompt (group size G)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="longest assistant turn, in tokens")
-    parser.add_argument("--max-turns", type=int, default=3, help="most assistant turns per episode")
-    parser.add_argument("--max-episode-tokens", type=int, default=160,
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="longest assistant turn, in tokens")
+    parser.add_argument("--max-turns", type=int, default=2, help="most assistant turns per episode")
+    parser.add_argument("--max-episode-tokens", type=int, default=128,
                         help="most tokens per episode after the prompt (turns and tool results)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
@@ -198,28 +229,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds split, sampling and data order")
     parser.add_argument("--out", default="runs/smollm2_calculator", help="where the CSV log and the curve go")
     parser.add_argument("--plot", default="docs/images/calculator_agent.png", help="the curve's plot ('' for none)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
 
     started = time.perf_counter()
     pl.seed_everything(args.seed)
     train_rows, test_rows = train_test_split(args.train_size, args.test_size, seed=args.seed)
     path, gguf_file, tokenizer = smollm2()
-    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  num_samples=args.num_samples, stop_strings=STOP_STRINGS)
-    agent = AgentConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens)
-    module = RLHFModule(
-        actor=ModelSpec(path=path, gguf_file=gguf_file, lora=ACTOR_LORA),
-        tokenizer=tokenizer,
-        algorithm="grpo",
-        reward_fn=correct_answer,
-        generation=generation,
-        ppo=PPOConfig(ppo_epochs=1, num_minibatches=args.minibatches, kl_coef=0.0, kl_loss_coef=args.kl_loss_coef),
-        actor_optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
-        environment=environment(),
-        agent=agent,
-        seed=args.seed,
-        preemption_checkpoint=False,  # a stopped example keeps its curve (curve.csv), not a 540 MB last.ckpt
-    )
+    module = calculator_module(args, path, gguf_file, tokenizer)
+    generation, agent = module.generation, module.agent
     module.configure_model()  # build now (one process holds every role) to measure before training
     print(f"Model loaded in {time.perf_counter() - started:.0f} s; {len(train_rows)} training and "
           f"{len(test_rows)} held-out questions", flush=True)

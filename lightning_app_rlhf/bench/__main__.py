@@ -28,6 +28,7 @@ from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
 from lightning_app_rlhf.bench.report import checkpoint_table, write_report
 from lightning_app_rlhf.bench.results import count_parameters, machine, spread, summarize, summarize_checkpoint
+from lightning_app_rlhf.bench.agent_race import race_agent, report_agent_race
 from lightning_app_rlhf.bench.smollm2_race import race_smollm2, report_race
 from lightning_app_rlhf.bench.turns import TurnJob, run_in_turns
 
@@ -509,7 +510,8 @@ def _save(path: str, section: str, rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     auto_cli({"run": run, "trl": compare_trl, "grpo": compare_grpo, "placements": compare_placements,
               "profile": profile, "report": report, "checkpoint": checkpoint_memory, "soak": soak, "decode": decode,
-              "smollm2": {"run": race_smollm2, "report": report_race}})
+              "smollm2": {"run": race_smollm2, "report": report_race},
+              "agent": {"run": race_agent, "report": report_agent_race}})
 
 
 if __name__ == "__main__":

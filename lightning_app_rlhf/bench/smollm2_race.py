@@ -293,7 +293,6 @@ def greedy_accuracies(model_dir: str, settings: RaceSettings, snapshots: Mapping
     Returns:
         Name -> ``{"accuracy", "correct", "questions"}``.
     """
-    from peft import set_peft_model_state_dict
     from transformers import AutoTokenizer
 
     from lightning_app_rlhf.data import render_prompts
@@ -304,7 +303,6 @@ def greedy_accuracies(model_dir: str, settings: RaceSettings, snapshots: Mapping
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE)
     tokenizer.padding_side = "left"
     model = build_causal_lm(ModelSpec(path=model_dir, gguf_file=example.GGUF_FILE, lora=example.ACTOR_LORA))
-    adapter_weights = sum(1 for name, _ in model.named_parameters() if ".lora_" in name)
     _, test_rows = example.train_test_split(test_size=settings.test_size, seed=settings.seed)
     prompts = render_prompts([row["prompt"] for row in test_rows], tokenizer)
     answers = [row["answer"] for row in test_rows]
@@ -313,17 +311,31 @@ def greedy_accuracies(model_dir: str, settings: RaceSettings, snapshots: Mapping
     evaluator = SimpleNamespace(actor=model, tokenizer=tokenizer)
     results = {}
     for name, folder in snapshots.items():
-        weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
-        loaded = set_peft_model_state_dict(model, weights)
-        if loaded.unexpected_keys or len(weights) != adapter_weights:
-            raise RuntimeError(f"The adapter in {folder} does not fit the example's LoRA config: {len(weights)} "
-                               f"tensors for {adapter_weights} adapter weights, unexpected {loaded.unexpected_keys}.")
+        load_adapter(model, Path(folder))
         with torch.no_grad():
             responses = example.greedy_responses(evaluator, prompts, settings.max_new_tokens)
         correct = int(sum(example.exact_match(prompts, responses, answers)))
         results[name] = {"accuracy": correct / len(test_rows), "correct": correct, "questions": len(test_rows)}
         print(f"{name}: {correct}/{len(test_rows)}", file=sys.stderr, flush=True)
     return results
+
+
+def load_adapter(model: Any, folder: Path) -> None:
+    """Load a snapshot's adapter weights (``save_pretrained`` format) into ``model``, a ``PeftModel`` built with the
+    same LoRA config; refuse a snapshot that does not cover exactly its adapter weights.
+
+    Args:
+        model: The ``PeftModel``.
+        folder: The snapshot folder.
+    """
+    from peft import set_peft_model_state_dict
+
+    adapter_weights = sum(1 for name, _ in model.named_parameters() if ".lora_" in name)
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    loaded = set_peft_model_state_dict(model, weights)
+    if loaded.unexpected_keys or len(weights) != adapter_weights:
+        raise RuntimeError(f"The adapter in {folder} does not fit the model's LoRA config: {len(weights)} tensors for "
+                           f"{adapter_weights} adapter weights, unexpected {loaded.unexpected_keys}.")
 
 
 def same_adapter(first: Path, second: Path) -> bool:
@@ -370,8 +382,8 @@ def race_smollm2(
         folder = Path(run_dir) / side
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        commands[side], records[side] = _run_side(side, python, module, settings, model_dir, folder)
-    timing = equal_time(*(_train_s(records[side]) for side in SIDES))
+        commands[side], records[side] = run_side(side, python, module, settings, model_dir, folder)
+    timing = equal_time(*(train_seconds(records[side]) for side in SIDES))
     points = {side: scored_iterations(iterations, int(timing[side]), eval_every) for side in SIDES}
     same_start = same_adapter(snapshot_dir(Path(run_dir) / "ours", 0), snapshot_dir(Path(run_dir) / "trl", 0))
     snapshots = {f"{side}/{i}": snapshot_dir(Path(run_dir) / side, i) for side in SIDES for i in points[side]
@@ -397,10 +409,12 @@ def race_smollm2(
     return race
 
 
-def _run_side(side: str, python: Path, module: str, settings: RaceSettings, model_dir: str,
-              folder: Path) -> tuple[str, dict[str, Any]]:
+def run_side(side: str, python: Path, module: str, settings: Any, model_dir: str,
+             folder: Path) -> tuple[str, dict[str, Any]]:
     """``python -m module SETTINGS_JSON MODEL_DIR FOLDER`` in a fresh process with ``settings.threads`` threads, its
-    output in ``{folder}/run.log``; the command (as a shell line) and the side's record."""
+    output in ``{folder}/run.log``; the command (as a shell line) and the side's record. ``settings`` is a race's
+    settings dataclass (:class:`RaceSettings`, or the agent race's ``AgentPeerSettings``): its ``iterations`` and
+    ``threads``."""
     threads = str(settings.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
@@ -421,7 +435,8 @@ def _run_side(side: str, python: Path, module: str, settings: RaceSettings, mode
     return shell, record
 
 
-def _train_s(record: Mapping[str, Any]) -> list[float]:
+def train_seconds(record: Mapping[str, Any]) -> list[float]:
+    """A side's cumulative training seconds at the end of each iteration."""
     return [row["train_s"] for row in record["iterations"]]
 
 
@@ -446,21 +461,24 @@ def report_race(results: str = "docs/bench_results/smollm2_race.json", docs: str
     print(f"Updated {docs}", file=sys.stderr)
 
 
-def with_section(text: str, body: str) -> str:
-    """``text`` with the race's section (``body`` between :data:`BEGIN` and :data:`END`) replaced, or inserted after
-    the :data:`AFTER` line, or appended when neither is there.
+def with_section(text: str, body: str, begin: str = BEGIN, end: str = END, after: str = AFTER) -> str:
+    """``text`` with a generated section (``body`` between ``begin`` and ``end``) replaced, or inserted after the
+    ``after`` line, or appended when neither is there.
 
     Args:
         text: The page.
         body: The section's markdown.
+        begin: The section's opening marker (default: the race's, :data:`BEGIN`).
+        end: Its closing marker (:data:`END`).
+        after: The line a page without the markers gets the section after (:data:`AFTER`).
     """
-    section = f"{BEGIN}\n\n{body}\n\n{END}"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        return head + section + rest.partition(END)[2]
-    if AFTER in text:
-        head, _, tail = text.partition(AFTER)
-        return f"{head}{AFTER}\n\n{section}{tail}"
+    section = f"{begin}\n\n{body}\n\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        return head + section + rest.partition(end)[2]
+    if after in text:
+        head, _, tail = text.partition(after)
+        return f"{head}{after}\n\n{section}{tail}"
     return f"{text.rstrip()}\n\n{section}\n"
 
 

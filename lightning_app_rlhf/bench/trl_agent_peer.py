@@ -43,7 +43,9 @@ peer sets, before building the trainer:
   result is a ``tool`` turn, ``<|im_start|>tool\\n{result}<|im_end|>\\n``, as SmolLM2's template renders any role. So
   the prompt tokens and the tool-result tokens TRL feeds are token for token ours (``tests/test_trl_agent_peer.py``
   checks both against our ``ChatRenderer``). The template is ChatML, append-only, so TRL's prefix-preserving check
-  passes and TRL keeps it (no training template substituted).
+  passes and TRL keeps it (no training template substituted). With ``describe_tools=False`` (the calculator
+  example's setting, :func:`tools_chat_template`) the description is left out on both sides: the prompt's solved
+  example shows the call.
 - ``tokenizer.response_template = trl.chat_template_utils.qwen3_template``: TRL's own parser for Hermes
   ``<tool_call>`` JSON blocks in ChatML turns (Qwen2.5's and Qwen3's format, the one the template above asks for).
   With a ``response_template`` already set, TRL skips ``add_response_schema``. ``tokenizer.parse_response`` (through
@@ -69,8 +71,11 @@ How TRL 1.16 runs and masks a multi-turn episode (``GRPOTrainer._tool_call_loop`
   exactly on sampled tokens). The old and reference log-probabilities are computed over the whole sequence and
   masked alike. ``completions/mean_length`` counts only the tool_mask=1 tokens.
 - Budget. ``max_completion_length`` bounds the whole episode after the prompt (sampled and tool tokens together, our
-  ``AgentConfig.max_episode_tokens``); but every turn is generated with ``max_new_tokens=max_completion_length`` and
-  only then cut to what is left of the budget (the extra tokens are generated and thrown away). A tool result that
+  ``AgentConfig.max_episode_tokens``); each turn is generated with ``max_new_tokens`` (``generation_kwargs``, our
+  ``GenerationConfig.max_new_tokens``) and then cut to what is left of the budget (the extra tokens are generated
+  and thrown away; ours stops a turn at the budget). TRL has no stop strings: a tool-calling turn ends at the
+  model's ``<|im_end|>`` (sampled and trained), where ours stops at ``</tool_call>`` and the template's
+  ``<|im_end|>`` belongs to the observation. A tool result that
   would pass the budget is dropped and the episode ends on the tool-calling turn. ``max_tool_calling_iterations`` =
   ``max_turns - 1``: TRL counts tool rounds after the first turn; a turn still calling a tool after the last round
   ends the episode (truncated, our ``max_turns``).
@@ -153,28 +158,36 @@ own; with them, as our side renders SmolLM2 episodes (the module docstring says 
 
 @dataclasses.dataclass(frozen=True)
 class AgentPeerSettings:
-    """What the peer trains with. The optimisation fields mean what :class:`~lightning_app_rlhf.bench.smollm2_race.
-    RaceSettings`' do; the episode fields what our ``AgentConfig``'s do."""
+    """What both sides of the agent race train with (the peer here, ours in :mod:`~lightning_app_rlhf.bench.
+    agent_race`); the defaults are ``examples/smollm2_calculator/train.py``'s. The optimisation fields mean what
+    :class:`~lightning_app_rlhf.bench.smollm2_race.RaceSettings`' do; the episode fields what our ``AgentConfig``'s
+    and ``GenerationConfig``'s do."""
 
     iterations: int = 5
     """GRPO iterations: one generation of ``batch_size`` prompts x ``num_samples`` episodes each."""
-    batch_size: int = 8
+    batch_size: int = 4
     """Prompts per iteration."""
-    num_samples: int = 4
+    num_samples: int = 8
     """Episodes per prompt (the group size G)."""
-    max_turns: int = 3
+    max_turns: int = 2
     """Most assistant turns per episode (TRL's ``max_tool_calling_iterations`` = ``max_turns - 1``)."""
+    max_new_tokens: int = 40
+    """Longest assistant turn, in tokens (TRL: ``generation_kwargs={"max_new_tokens": ...}``, which overrides the
+    per-turn ``max_completion_length`` TRL would otherwise generate)."""
     max_episode_tokens: int = 128
     """Most tokens per episode after its prompt, sampled and tool tokens together (TRL's
     ``max_completion_length``)."""
+    describe_tools: bool = False
+    """Whether the prompt carries the Hermes tool description (the example's ``ToolEnvironment(describe_tools=
+    False)``: the prompt's solved example shows the call instead)."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """AdamW learning rate of the LoRA adapters, constant."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
-    minibatches: int = 4
-    """Optimizer steps per iteration, each on a quarter of the iteration's episodes (one epoch)."""
+    minibatches: int = 2
+    """Optimizer steps per iteration, each on an equal share of the iteration's episodes (one epoch)."""
     kl_loss_coef: float = 0.02
     """Weight of the k3 KL(policy || base) term (TRL's ``beta``)."""
     clip_range: float = 0.2
@@ -183,7 +196,7 @@ class AgentPeerSettings:
     """Global gradient-norm clip."""
     train_size: int = 400
     """Training questions of the task's split."""
-    test_size: int = 50
+    test_size: int = 20
     """Held-out questions of the task's split."""
     eval_size: int | None = None
     """Held-out questions scored (the first of the test rows); None: all ``test_size``."""
@@ -191,7 +204,7 @@ class AgentPeerSettings:
     """Score held-out success every this many iterations too (0: only before training and after the last)."""
     seed: int = 0
     """Seeds the split, the prompt order and the sampling."""
-    threads: int = 1
+    threads: int = 2
     """Torch threads."""
 
     def __post_init__(self) -> None:
@@ -199,9 +212,9 @@ class AgentPeerSettings:
         if self.iterations < 1 or self.minibatches < 1 or completions % self.minibatches:
             raise ValueError(f"Need iterations >= 1 and minibatches dividing batch_size * num_samples "
                              f"({completions}); got iterations={self.iterations}, minibatches={self.minibatches}.")
-        if self.max_turns < 1 or self.max_episode_tokens < 1:
-            raise ValueError(f"Need max_turns >= 1 and max_episode_tokens >= 1; got {self.max_turns}, "
-                             f"{self.max_episode_tokens}.")
+        if self.max_turns < 1 or self.max_new_tokens < 1 or self.max_episode_tokens < 1:
+            raise ValueError(f"Need max_turns, max_new_tokens and max_episode_tokens >= 1; got {self.max_turns}, "
+                             f"{self.max_new_tokens}, {self.max_episode_tokens}.")
         if self.eval_size is not None and not 1 <= self.eval_size <= self.test_size:
             raise ValueError(f"eval_size must be in [1, test_size={self.test_size}], got {self.eval_size}.")
 
@@ -286,12 +299,22 @@ def make_reward(task: ModuleType, sink: list[dict[str, Any]] | None = None) -> C
     return correct_final_answer
 
 
-def with_tools_template(tokenizer: Any) -> Any:
-    """Give SmolLM2's tokenizer the tool-rendering template and TRL's Hermes response parser (the module docstring
-    says why); returns it. Needs TRL (the parser is TRL's ``qwen3_template``)."""
+def tools_chat_template(describe_tools: bool) -> str:
+    """:data:`TOOLS_CHAT_TEMPLATE`, or (``describe_tools=False``) the same template with the tool description left
+    out of the prompt, as our ``ToolEnvironment(describe_tools=False)`` leaves it out: tool calls and results still
+    render (TRL's ``supports_tool_calling`` check passes either way)."""
+    if describe_tools:
+        return TOOLS_CHAT_TEMPLATE
+    return TOOLS_CHAT_TEMPLATE.replace("{%- if tools %}", "{%- if false %}").replace(
+        "{%- if loop.first and message['role'] == 'system' and tools %}", "{%- if false %}")
+
+
+def with_tools_template(tokenizer: Any, describe_tools: bool = True) -> Any:
+    """Give SmolLM2's tokenizer the tool-rendering template (:func:`tools_chat_template`) and TRL's Hermes response
+    parser (the module docstring says why); returns it. Needs TRL (the parser is TRL's ``qwen3_template``)."""
     from trl.chat_template_utils import qwen3_template
 
-    tokenizer.chat_template = TOOLS_CHAT_TEMPLATE
+    tokenizer.chat_template = tools_chat_template(describe_tools)
     tokenizer.response_template = qwen3_template
     return tokenizer
 
@@ -360,7 +383,7 @@ def greedy_success(model: Any, tokenizer: Any, rows: Sequence[dict[str, Any]], s
             running = [e for e in episodes if not e["done"]]
             for first in range(0, len(running), chunk):
                 part = running[first: first + chunk]
-                budgets = [settings.max_episode_tokens - e["used"] for e in part]
+                budgets = [min(settings.max_new_tokens, settings.max_episode_tokens - e["used"]) for e in part]
                 width = max(len(e["ids"]) for e in part)
                 ids = torch.full((len(part), width), tokenizer.pad_token_id, dtype=torch.long)
                 mask = torch.zeros((len(part), width), dtype=torch.long)
@@ -421,6 +444,7 @@ def grpo_config(settings: AgentPeerSettings, output_dir: str) -> Any:
         use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, disable_dropout=True,
         shuffle_dataset=False, seed=settings.seed, use_vllm=False, report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        generation_kwargs={"max_new_tokens": settings.max_new_tokens},
     )
 
 
@@ -517,7 +541,8 @@ def load_peer_inputs(settings: AgentPeerSettings, model_dir: str) -> tuple[Any, 
                            f"Run it with the SmolLM2 peer environment's python.")
     example, task = load_example(), load_task()
     torch.set_num_threads(settings.threads)
-    tokenizer = with_tools_template(AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE))
+    tokenizer = with_tools_template(AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE),
+                                    settings.describe_tools)
     tokenizer.padding_side = "left"
     policy = build_causal_lm(ModelSpec(path=model_dir, gguf_file=example.GGUF_FILE, lora=example.ACTOR_LORA))
     _drop_gguf_quantizer(policy.get_base_model())
