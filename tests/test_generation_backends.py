@@ -34,6 +34,7 @@ from lightning_app_rlhf.generation import (
     static,
 )
 from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
+from lightning_app_rlhf.generation.stopping import stop_condition
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
 PAD, EOS = 0, 2
@@ -201,7 +202,7 @@ def test_static_refuses_a_model_without_a_transformers_config(batch):
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"backend": "vllm"}, "must be one of \\['eager', 'static'\\]"),
+    ({"backend": "vllm"}, "must be one of \\['eager', 'static', 'continuous'\\]"),
     ({"sync_every": 0}, "sync_every must be an integer >= 1"),
     ({"compile": "yes"}, "compile must be true, false or null"),
 ])
@@ -243,8 +244,9 @@ def test_a_registered_backend_is_selected_by_name(counting_backend, batch):
     rollout = run(model, batch, config)
     assert counting_backend.decodes == 2  # six rows in chunks of at most 4
     assert_same_rollout(rollout, run(model, batch, replace(config, backend="eager")))
-    assert registered_backends() == ["eager", "static", "counting"]
-    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static', 'counting'\], got 'countng'\. "
+    assert registered_backends() == ["eager", "static", "continuous", "counting"]
+    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static', 'continuous', 'counting'\], got "
+                                         r"'countng'\. "
                                          r"Did you mean 'counting'\?.*register_backend"):
         GenerationConfig(backend="countng")
 
@@ -283,8 +285,8 @@ def test_cli_help_lists_the_registered_backends(counting_backend, capsys, monkey
         main(["fit", "--help"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
-    assert "--model.generation.backend {eager,static,counting}" in printed
-    assert "Registered: eager, static, counting." in " ".join(printed.split())
+    assert "--model.generation.backend {eager,static,continuous,counting}" in printed
+    assert "Registered: eager, static, continuous, counting." in " ".join(printed.split())
 
 
 def test_the_compiled_cpu_step_takes_math_attention_in_float32_only():
@@ -345,6 +347,61 @@ def test_decode_harness_times_every_decoder_on_full_length_rows():
     assert [r["speedup_vs_eager"] for r in rows if r["decoder"] == "eager"] == [1.0, 1.0]
     assert decode_table(rows).count("\n") == len(rows) + 1
     assert check_equal_tokens("llama-small", 3, 5, 6, "cpu")
+
+
+# ---- continuous batching: a finished row's slot takes the next prompt ----
+
+
+@pytest.mark.parametrize("setting", ["sample", "top_k_top_p_temperature", "greedy", "stop_strings_and_ids"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_continuous_gives_every_row_its_solo_tokens(family, setting, batch, tokenizer):
+    """Six rows of uneven prompt and response lengths through 2 slots (each finished row's slot takes the next waiting
+    prompt; the rows still running stay a prefix): every row gets the tokens, stop flag and (within float tolerance)
+    log-probs eager gives it decoded alone, unpadded; the whole rollout is eager's on all rows."""
+    model = build(family, bias={"greedy": 0.3, "top_k_top_p_temperature": 1.5}.get(setting, 3.0))
+    config = GenerationConfig(max_new_tokens=12, **SETTINGS[setting])
+    continuous = run(model, batch, replace(config, backend="continuous", batch_size=2), tokenizer)
+    assert_same_rollout(continuous, run(model, batch, config, tokenizer))
+    lengths = continuous.response_mask.sum(1)
+    assert lengths.min() < lengths.max()  # uneven: slots are freed at different steps
+    for row in range(len(PROMPTS)):
+        real = batch["attention_mask"][row].bool()
+        alone = {"input_ids": batch["input_ids"][row : row + 1, real], "index": batch["index"][row : row + 1],
+                 "attention_mask": batch["attention_mask"][row : row + 1, real]}
+        solo = run(model, alone, config, tokenizer)
+        length = int(lengths[row])
+        assert solo.response_mask.sum() == length
+        assert torch.equal(continuous.responses[row, :length], solo.responses[0, :length])
+        assert bool(continuous.stopped[row]) == bool(solo.stopped[0])
+        assert_close(continuous.logprobs[row, :length], solo.logprobs[0, :length], atol=1e-5, rtol=1e-4)
+
+
+def test_continuous_refuses_a_sharded_model_and_a_sliding_window_model(batch):
+    """A lockstep group (a sharded actor) must run the same forwards on every rank; a sliding-window model's cache is
+    not full attention: both are refused with the backends that serve them."""
+    config = GenerationConfig(max_new_tokens=4, backend="continuous")
+    request = DecodeRequest(batch["input_ids"], batch["attention_mask"], config, sample_keys(0, 0, batch["index"]),
+                            stop_condition(config, EOS), PAD)
+    with pytest.raises(NotImplementedError, match="sharded model.*'static' or 'eager'"):
+        get_backend("continuous").decode(build("llama"), request.stand_in())
+    mistral = {**FAMILIES["llama"], "model_type": "mistral", "sliding_window": 4}
+    model = build_causal_lm(ModelSpec(config=mistral, init_seed=0))
+    with pytest.raises(NotImplementedError, match="sliding-window.*generation.backend='static'"):
+        run(model, batch, config)
+
+
+def test_decode_harness_measures_useful_tokens_on_uneven_rows():
+    """``bench decode --mean_length``: rows stop after geometric lengths (a stop-id set of vocab / mean ids); static
+    and continuous decode the same tokens, counted up to each row's stop."""
+    from lightning_app_rlhf.bench.decode import compare_decoders, decode_table, stop_ids
+
+    assert stop_ids(8192, 32) == list(range(3, 259)) and stop_ids(8192, None) == []
+    rows = compare_decoders(["llama-small"], [8], new_tokens=24, prompt_tokens=6, decoders=["static", "continuous"],
+                            device="cpu", dtype="float32", warmup=0, repeats=1, mean_length=6, slots=3)
+    static_row, continuous_row = rows
+    assert static_row["tokens"] == continuous_row["tokens"] < 8 * 24  # the same useful tokens, most rows cut short
+    assert continuous_row["speedup_vs_static"] == pytest.approx(static_row["seconds"] / continuous_row["seconds"])
+    assert "| vs static |" in decode_table(rows)
 
 
 # ---- a lockstep group (sharded model): ranks with different row counts stay paired ----

@@ -49,10 +49,11 @@ DECODE_MODELS: dict[str, dict[str, Any]] = {
 }
 """Models by name: Hugging Face config fields (pad 0, bos 1, eos 2 are added)."""
 
-DECODERS = ("eager", "static", "static_compiled", "hf", "hf_static")
-"""``eager``/``static``: our backends (``static`` uncompiled on every device, ``static_compiled`` with
-``generation.compile: true``: ``reduce-overhead``, a CUDA graph, on CUDA); ``hf``: ``model.generate()`` with its
-dynamic cache; ``hf_static``: ``generate(cache_implementation="static")`` (which compiles on CUDA)."""
+DECODERS = ("eager", "static", "static_compiled", "continuous", "hf", "hf_static")
+"""``eager``/``static``/``continuous``: our backends (``static`` uncompiled on every device, ``static_compiled`` with
+``generation.compile: true``: ``reduce-overhead``, a CUDA graph, on CUDA; ``continuous``: continuous batching);
+``hf``: ``model.generate()`` with its dynamic cache; ``hf_static``: ``generate(cache_implementation="static")``
+(which compiles on CUDA)."""
 
 PEAK_BANDWIDTH_ENV = "LIGHTNING_APP_RLHF_PEAK_BANDWIDTH_GBS"
 """Environment variable that overrides the peak memory bandwidth (GB/s) looked up in :data:`HBM_PEAK_GBS`."""
@@ -102,18 +103,42 @@ def prompts(batch_size: int, prompt_tokens: int, vocab: int, device: str) -> tup
     return ids.masked_fill(mask == 0, SPECIAL_TOKENS["pad_token_id"]).to(device), mask.to(device)
 
 
-def decode_once(decoder: str, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> int:
-    """Run one decoder on the prompts; return the number of generated tokens."""
+def stop_ids(vocab: int, mean_length: int | None) -> list[int]:
+    """Stop ids that end a random-init model's rows after about ``mean_length`` tokens: such a model's next token is
+    close to uniform over the vocabulary, so ``vocab / mean_length`` stop ids stop a row at each step with
+    probability ``1 / mean_length``: geometric lengths, most far below the longest (None: no stop id, every row
+    runs to ``new_tokens``)."""
+    if mean_length is None:
+        return []
+    return list(range(3, 3 + max(1, vocab // mean_length)))  # past pad, bos and eos (0, 1, 2)
+
+
+def decode_once(decoder: str, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+                stops: Sequence[int] = (), slots: int | None = None) -> int:
+    """Run one decoder on the prompts; return the number of generated tokens (the useful ones: up to each row's
+    stop).
+
+    Args:
+        stops: Token ids that end a row (:func:`stop_ids`); none: every row generates ``new_tokens``.
+        slots: Rows decoded at once (``generation.batch_size``: ``static``'s chunks, ``continuous``'s slots); None:
+            all.
+    """
     if decoder in ("hf", "hf_static"):
         extra = {"cache_implementation": "static"} if decoder == "hf_static" else {}
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=True, top_k=0, top_p=1.0, temperature=1.0, **extra)
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    backend = "eager" if decoder == "eager" else "static"
-    config = GenerationConfig(max_new_tokens=new_tokens, backend=backend,
-                              compile=None if backend == "eager" else decoder == "static_compiled")
+        length = {"eos_token_id": list(stops)} if stops else {"min_new_tokens": new_tokens}
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True, top_k=0,
+                             top_p=1.0, temperature=1.0, **length, **extra)
+        if not stops:
+            return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        response = out[:, ids.shape[1]:]
+        ended = torch.isin(response, torch.tensor(list(stops), device=response.device)).int()
+        return int((ended.cumsum(1) - ended == 0).sum())  # up to and with each row's first stop
+    backend = {"eager": "eager", "continuous": "continuous"}.get(decoder, "static")
+    config = GenerationConfig(max_new_tokens=new_tokens, backend=backend, batch_size=slots,
+                              compile=None if backend != "static" else decoder == "static_compiled")
     keys = sample_keys(0, 0, torch.arange(ids.shape[0]))
-    rollout = generate(model, ids, mask, config, keys, eos_token_id=[], pad_token_id=SPECIAL_TOKENS["pad_token_id"])
+    rollout = generate(model, ids, mask, config, keys, eos_token_id=list(stops),
+                       pad_token_id=SPECIAL_TOKENS["pad_token_id"])
     return int(rollout.response_mask.sum())
 
 
@@ -228,17 +253,17 @@ def _sync(device: str) -> None:
 
 def measure_decoders(
     decoders: list[str], model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, warmup: int,
-    repeats: int,
+    repeats: int, stops: Sequence[int] = (), slots: int | None = None,
 ) -> list[dict[str, Any]]:
     """Per decoder, the median wall time of ``repeats`` calls after ``warmup`` calls (compilation and CUDA-graph
-    capture happen there), with tokens/s. The decoders take turns call by call, so a slow spell of a shared machine
-    hits them alike."""
+    capture happen there), with tokens/s (useful tokens: up to each row's stop, :func:`decode_once`'s ``stops`` and
+    ``slots``). The decoders take turns call by call, so a slow spell of a shared machine hits them alike."""
     device = str(ids.device)
     warmup_s = {}
     for decoder in decoders:
         start = time.perf_counter()
         for _ in range(warmup):
-            decode_once(decoder, model, ids, mask, new_tokens)
+            decode_once(decoder, model, ids, mask, new_tokens, stops, slots)
         _sync(device)
         warmup_s[decoder] = time.perf_counter() - start
     times: dict[str, list[float]] = {decoder: [] for decoder in decoders}
@@ -247,7 +272,7 @@ def measure_decoders(
         for decoder in decoders:
             _sync(device)
             start = time.perf_counter()
-            tokens[decoder] = decode_once(decoder, model, ids, mask, new_tokens)
+            tokens[decoder] = decode_once(decoder, model, ids, mask, new_tokens, stops, slots)
             _sync(device)
             times[decoder].append(time.perf_counter() - start)
     rows = []
@@ -270,8 +295,12 @@ def compare_decoders(
     warmup: int,
     repeats: int,
     peak_bandwidth_gbs: float | None = None,
+    mean_length: int | None = None,
+    slots: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (model, batch size, decoder): tokens/s, and the memory traffic of a decode step.
+    """One row per (model, batch size, decoder): tokens/s, and the memory traffic of a decode step. With
+    ``mean_length``, rows stop after geometric lengths of that mean (:func:`stop_ids`) and tokens/s counts the useful
+    tokens; ``slots`` rows are decoded at once (:func:`decode_once`).
 
     ``weight_read_gbs`` is the parameter bytes once per generated token position over the whole call's time;
     ``decode_read_gbs`` adds the KV cache a step reads (:func:`decode_bandwidth`), and with ``peak_bandwidth_gbs``
@@ -292,20 +321,22 @@ def compare_decoders(
             ids, mask = prompts(batch_size, prompt_tokens, model.config.vocab_size, device)
             kv_bytes = kv_read_bytes_per_step(layers, kv_heads, head_dim, element_size, batch_size, prompt_tokens,
                                               new_tokens)
-            for row in measure_decoders(decoders, model, ids, mask, new_tokens, warmup, repeats):
+            stops = stop_ids(model.config.vocab_size, mean_length)
+            for row in measure_decoders(decoders, model, ids, mask, new_tokens, warmup, repeats, stops, slots):
                 row.update({"model": name, "params": sum(p.numel() for p in model.parameters()),
                             "batch_size": batch_size, "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
-                            "device": device, "dtype": dtype})
+                            "device": device, "dtype": dtype, "mean_length": mean_length, "slots": slots})
                 row["weight_read_gbs"] = param_bytes * new_tokens / row["seconds"] / 1e9
                 row.update(decode_bandwidth(step_weight_bytes, kv_bytes, row["seconds"], new_tokens,
                                             peak_bandwidth_gbs))
                 rows.append(row)
         del model
-    for row in rows:  # speed-up over eager of the same model and batch
-        eager = next((r for r in rows if r["decoder"] == "eager" and r["model"] == row["model"]
-                      and r["batch_size"] == row["batch_size"]), None)
-        if eager is not None:
-            row["speedup_vs_eager"] = row["tokens_per_s"] / eager["tokens_per_s"]
+    for row in rows:  # speed-ups over eager and static of the same model and batch
+        for base in ("eager", "static"):
+            other = next((r for r in rows if r["decoder"] == base and r["model"] == row["model"]
+                          and r["batch_size"] == row["batch_size"]), None)
+            if other is not None:
+                row[f"speedup_vs_{base}"] = row["tokens_per_s"] / other["tokens_per_s"]
     return rows
 
 
@@ -313,8 +344,8 @@ def decode_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table; with a known peak bandwidth (GPU rows), also the decode step's time, its
     weights + KV cache traffic and that traffic's share of the peak."""
     with_peak = any("bandwidth_fraction" in r for r in rows)
-    header = "| model | params | batch | decoder | tokens/s | vs eager | call s (min-max) | weights GB/s |"
-    rule = "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"
+    header = "| model | params | batch | decoder | tokens/s | vs eager | vs static | call s (min-max) | weights GB/s |"
+    rule = "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
     if with_peak:
         header += " step ms | weights + KV GB/s | of peak |"
         rule += " ---: | ---: | ---: |"
@@ -322,6 +353,7 @@ def decode_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         line = (f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['batch_size']} | `{r['decoder']}` | "
                 f"{r['tokens_per_s']:,.0f} | {r.get('speedup_vs_eager', float('nan')):.2f}x | "
+                f"{r.get('speedup_vs_static', float('nan')):.2f}x | "
                 f"{r['seconds']:.3f} ({r['seconds_min']:.3f}-{r['seconds_max']:.3f}) | "
                 f"{r['weight_read_gbs']:.2f} |")
         if with_peak:
@@ -390,6 +422,8 @@ def decode(
     check_tokens: bool = True,
     out: str = "bench_results/decode.json",
     plot: str | None = None,
+    mean_length: int | None = None,
+    slots: int | None = None,
 ) -> list[dict[str, Any]]:
     """``eager`` vs ``static`` vs Hugging Face ``generate()``: tokens/s of one sampling call, every row generating
     ``new_tokens`` tokens (no stop token).
@@ -415,6 +449,12 @@ def decode(
         check_tokens: Also check that ``static`` samples ``eager``'s tokens (a float32 copy of the first model).
         out: Where the JSON results go (with the markdown table next to it, ``.md``).
         plot: Where to draw the tokens/s bar chart (PNG), if set.
+        mean_length: Uneven rows: each stops after a geometric number of tokens of this mean (a stop id set of
+            ``vocab / mean_length`` ids, :func:`stop_ids`), at most ``new_tokens``; tokens/s counts the useful tokens.
+            Continuous batching against ``static`` on uneven rows: ``--decoders '[static, continuous]' --mean_length
+            16 --new_tokens 128 --batch_sizes '[64]' --slots 16``. None: every row generates ``new_tokens``.
+        slots: Rows decoded at once: ``static``'s and ``eager``'s chunks, ``continuous``'s slots
+            (``generation.batch_size``); None: every row at once.
     """
     import sys
 
@@ -425,7 +465,7 @@ def decode(
     gpu = info.get("gpu") if device.startswith("cuda") else None
     peak = resolve_peak_bandwidth(gpu, peak_bandwidth_gbs)
     rows = compare_decoders(models, batch_sizes, new_tokens, prompt_tokens, decoders, device, dtype, warmup, repeats,
-                            peak)
+                            peak, mean_length, slots)
     equal = (check_equal_tokens(models[0], batch_sizes[0], min(new_tokens, 32), prompt_tokens, device)
              if check_tokens else None)
     table = decode_table(rows)

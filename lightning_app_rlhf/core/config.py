@@ -49,7 +49,8 @@ class GenerationConfig:
     rank's whole shard at once. A shard is split into ceil(rows / batch_size) consecutive chunks of near-equal size
     (ranks of a sharded model use the largest shard of their group, so they run the same number of chunks). Chunks
     give the same tokens (sampling is keyed per sample) and the same scores within float tolerance; lower it when a
-    large rollout does not fit in memory."""
+    large rollout does not fit in memory. With ``backend: continuous`` it is the number of slots: rows decoded at
+    once, a finished row's slot taking the next waiting one."""
     stop_token_ids: list[int] | None = None
     """Token ids that also end a response, besides the tokenizer's EOS and the ids of the actor's
     ``generation_config.eos_token_id`` (chat models often list several, e.g. Llama 3's ``<|eot_id|>``). The
@@ -63,12 +64,14 @@ class GenerationConfig:
     e.g. for evaluation. The behaviour log-probabilities are still taken at ``temperature``."""
     backend: str = "eager"
     """The decoder: a name registered with ``register_backend`` (see docs/api.md, "Generation backends"), the built-in
-    ``eager`` or ``static``, or one of your own. ``eager``: a dynamic Hugging Face KV cache grown token by token, with
+    ``eager``, ``static`` or ``continuous``, or one of your own. ``eager``: a dynamic Hugging Face KV cache grown token by token, with
     a host sync per token to stop as soon as every row is done; works with any model and on any device. ``static``:
     a preallocated KV cache (transformers' ``StaticCache``) and attention mask, keyed sampling on the model's device,
     an "all finished?" check only every ``sync_every`` tokens, and optionally a ``torch.compile``-d decode step
-    (``compile``): the shape a CUDA graph can capture. For the same keys every backend gives the same tokens, and the
-    same log-probabilities within float tolerance."""
+    (``compile``): the shape a CUDA graph can capture. ``continuous``: continuous batching, at most ``batch_size``
+    rows at a time in cache slots, a finished row's slot taking the next prompt, so uneven response lengths cost about
+    their tokens (not on a sharded actor). For the same keys every backend gives the same tokens, and the same
+    log-probabilities within float tolerance."""
     compile: bool | None = None
     """``static`` only: run the decode step through ``torch.compile`` (mode ``reduce-overhead`` on CUDA, so it is
     captured as a CUDA graph; the default mode elsewhere). None: on CUDA only (on the CPU it does not pay off at the

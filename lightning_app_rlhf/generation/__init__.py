@@ -15,10 +15,11 @@ The modules, each importing only those above it:
 - :mod:`.sampling`: positions, keyed uniforms, top-k/top-p filtering, the next token;
 - :mod:`.stopping`: the stop condition, the model's end ids, the context-length check;
 - :mod:`.backend`: the :class:`GenerationBackend` interface, its registry and :func:`generate`;
-- :mod:`.eager` and :mod:`.static`: the built-in decoding loops ``generation.backend`` chooses between, ``eager`` (a
-  dynamic cache, a host sync per token) or ``static`` (a preallocated cache, CUDA-graph friendly). Both draw the same
-  keyed uniforms, so they give the same tokens for the same keys. Each registers itself when imported, and importing
-  this package imports both; a backend of your own is one module that subclasses :class:`GenerationBackend` and
+- :mod:`.eager`, :mod:`.static` and :mod:`.continuous`: the built-in decoding loops ``generation.backend`` chooses
+  between, ``eager`` (a dynamic cache, a host sync per token), ``static`` (a preallocated cache, CUDA-graph friendly)
+  or ``continuous`` (continuous batching: a finished row's slot takes the next prompt). All draw the same keyed
+  uniforms, so they give the same tokens for the same keys. Each registers itself when imported, and importing this
+  package imports all three; a backend of your own is one module that subclasses :class:`GenerationBackend` and
   calls :func:`register_backend` (``generation.backend: <its name>`` then selects it).
 """
 
@@ -46,6 +47,9 @@ from lightning_app_rlhf.generation.sampling import (
     position_ids_from_mask,
 )
 from lightning_app_rlhf.generation.static import OneDtypeStaticCache, StaticBackend
+
+# Registered after eager and static: `--help` lists the backends in registration order, the default first.
+from lightning_app_rlhf.generation.continuous import ContinuousBackend, SlotCache  # noqa: E402
 from lightning_app_rlhf.generation.stopping import (
     StopCondition,
     all_done,
@@ -59,11 +63,13 @@ from lightning_app_rlhf.generation.stopping import (
 )
 
 __all__ = [
+    "ContinuousBackend",
     "DecodeRequest",
     "EagerBackend",
     "GenerationBackend",
     "OneDtypeStaticCache",
     "Rollout",
+    "SlotCache",
     "StaticBackend",
     "StopCondition",
     "all_done",

@@ -74,6 +74,10 @@ class GenerationBackend(ABC):
 
     name: ClassVar[str]
     """The value of ``generation.backend`` that selects it."""
+    schedules_rows: ClassVar[bool] = False
+    """True: :meth:`decode` gets all of a rank's rows in one request and runs at most ``generation.batch_size`` of
+    them at a time itself (continuous batching); False: :func:`generate` splits the rows into chunks of that many,
+    one :meth:`decode` each."""
 
     @abstractmethod
     def decode(self, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
@@ -201,6 +205,8 @@ def _decode_in_chunks(backend: GenerationBackend, model: torch.nn.Module, reques
     """``backend``'s decode of the request's rows, in the chunks of ``config.batch_size`` (see :func:`generate`)."""
     input_ids, attention_mask, config = request.input_ids, request.attention_mask, request.config
     num_rows, lockstep_group = input_ids.shape[0], request.lockstep_group
+    if backend.schedules_rows and num_rows > 0:
+        return backend.decode(model, request)
     chunks = row_chunks(num_rows, config.batch_size, lockstep_group, input_ids.device)
     if len(chunks) == 1 and chunks[0].stop - chunks[0].start == num_rows > 0:
         return backend.decode(model, request)
