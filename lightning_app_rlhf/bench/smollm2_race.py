@@ -375,38 +375,75 @@ def race_smollm2(
     settings = RaceSettings(iterations=iterations, test_size=test_size, threads=threads, seed=seed)
     example = load_example()
     model_dir = example.smollm2_dir()  # the main environment's wheel: both sides load this very file
-    peer = peer_python(SMOLLM2_PEER_NAME, SMOLLM2_PEER)
-    commands, records = {}, {}
-    for side, python, module in (("ours", Path(sys.executable), "lightning_app_rlhf.bench.smollm2_race"),
-                                 ("trl", peer, "lightning_app_rlhf.bench.trl_grpo_smollm2_peer")):
-        folder = Path(run_dir) / side
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        commands[side], records[side] = run_side(side, python, module, settings, model_dir, folder)
-    timing = equal_time(*(train_seconds(records[side]) for side in SIDES))
-    points = {side: scored_iterations(iterations, int(timing[side]), eval_every) for side in SIDES}
-    same_start = same_adapter(snapshot_dir(Path(run_dir) / "ours", 0), snapshot_dir(Path(run_dir) / "trl", 0))
-    snapshots = {f"{side}/{i}": snapshot_dir(Path(run_dir) / side, i) for side in SIDES for i in points[side]
-                 if i > 0 or side == "ours" or not same_start}  # one identical starting adapter is scored once
-    scores = greedy_accuracies(model_dir, settings, snapshots)
-    if same_start:
-        scores["trl/0"] = scores["ours/0"]
+    ran = run_race_sides(settings, model_dir, Path(run_dir), "lightning_app_rlhf.bench.smollm2_race",
+                         "lightning_app_rlhf.bench.trl_grpo_smollm2_peer", eval_every,
+                         lambda snapshots: greedy_accuracies(model_dir, settings, snapshots))
     race = {
         "settings": dataclasses.asdict(settings),
         "model": {"gguf_file": example.GGUF_FILE, "lora": example.ACTOR_LORA},
         "eval_every": eval_every,
         "commands": {"race": _race_command(iterations, test_size, threads, seed, eval_every, run_dir, out, docs),
                      "report": f"python -m lightning_app_rlhf.bench smollm2 report --results {out} --docs {docs}",
-                     **commands},
-        "same_initial_adapter": same_start,
-        "equal_time": timing,
-        "sides": {side: {**records[side], "accuracy": {str(i): scores[f"{side}/{i}"] for i in points[side]}}
-                  for side in SIDES},
+                     **ran.commands},
+        "same_initial_adapter": ran.same_start,
+        "equal_time": ran.timing,
+        "sides": {side: {**ran.records[side], "accuracy": ran.scored(side)} for side in SIDES},
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps({"machine": machine(), "smollm2_race": race}, indent=2))
     report_race(out, docs)
     return race
+
+
+@dataclasses.dataclass(frozen=True)
+class RaceRun:
+    """What :func:`run_race_sides` measured: each side's command and record, the equal-time point, the iterations
+    scored per side, whether both started from the same adapter, and the scores by ``"{side}/{iteration}"``."""
+
+    commands: dict[str, str]
+    records: dict[str, dict[str, Any]]
+    timing: dict[str, float | int]
+    points: dict[str, list[int]]
+    same_start: bool
+    scores: dict[str, Any]
+
+    def scored(self, side: str) -> dict[str, Any]:
+        """One side's scores by iteration (as strings, the JSON's keys)."""
+        return {str(i): self.scores[f"{side}/{i}"] for i in self.points[side]}
+
+
+def run_race_sides(settings: Any, model_dir: str, run_dir: Path, ours_module: str, peer_module: str,
+                   eval_every: int, score: Callable[[Mapping[str, Path]], dict[str, Any]]) -> RaceRun:
+    """A race's common part: our side (``ours_module`` in this interpreter), then the peer's (``peer_module`` in the
+    SmolLM2 peer environment), each with :func:`run_side` into ``{run_dir}/{side}`` (replaced); the equal-time point;
+    the snapshots to score (:func:`scored_iterations`; an initial adapter both sides share is scored once); and
+    ``score`` of them.
+
+    Args:
+        settings: The race's settings dataclass (its ``iterations`` and ``threads``), given to both sides.
+        model_dir: The folder of the GGUF file both sides load.
+        run_dir: Where the sides' folders go.
+        ours_module: Our side's module (``python -m``).
+        peer_module: The peer's module, run with the peer environment's python.
+        eval_every: Also score every this many iterations (0: only the comparison points).
+        score: Scores the snapshots, by name (``"{side}/{iteration}"``) -> folder.
+    """
+    peer = peer_python(SMOLLM2_PEER_NAME, SMOLLM2_PEER)
+    commands, records = {}, {}
+    for side, python, module in (("ours", Path(sys.executable), ours_module), ("trl", peer, peer_module)):
+        folder = run_dir / side
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        commands[side], records[side] = run_side(side, python, module, settings, model_dir, folder)
+    timing = equal_time(*(train_seconds(records[side]) for side in SIDES))
+    points = {side: scored_iterations(settings.iterations, int(timing[side]), eval_every) for side in SIDES}
+    same_start = same_adapter(snapshot_dir(run_dir / "ours", 0), snapshot_dir(run_dir / "trl", 0))
+    snapshots = {f"{side}/{i}": snapshot_dir(run_dir / side, i) for side in SIDES for i in points[side]
+                 if i > 0 or side == "ours" or not same_start}  # one identical starting adapter is scored once
+    scores = score(snapshots)
+    if same_start:
+        scores["trl/0"] = scores["ours/0"]
+    return RaceRun(commands, records, timing, points, same_start, scores)
 
 
 def run_side(side: str, python: Path, module: str, settings: Any, model_dir: str,

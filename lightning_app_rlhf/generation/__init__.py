@@ -48,8 +48,10 @@ from lightning_app_rlhf.generation.sampling import (
 )
 from lightning_app_rlhf.generation.static import OneDtypeStaticCache, StaticBackend
 
-# Registered after eager and static: `--help` lists the backends in registration order, the default first.
-from lightning_app_rlhf.generation.continuous import ContinuousBackend, SlotCache  # noqa: E402
+# isort: split
+# Imported (so registered) after eager and static: `--help` lists the backends in registration order, the default
+# first.
+from lightning_app_rlhf.generation.continuous import ContinuousBackend, SlotCache
 from lightning_app_rlhf.generation.stopping import (
     StopCondition,
     all_done,
