@@ -304,7 +304,10 @@ def run_until_stuck(tmp_path: Path, placement: str, *extra: str,
                                          err.read_text(errors="replace"))
     assert stuck_file.exists(), "no rank got stuck\n" + output_tail(result)
     stuck = json.loads(stuck_file.read_text())
-    left = [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # A rank the launcher killed may still be exiting when the launcher is gone (slower on a loaded machine): what
+    # is still alive after a grace period was left behind.
+    _, alive = psutil.wait_procs([p for p in job if p.is_running()], timeout=15)
+    left = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     for process in left:
         process.kill()
     assert not left, f"processes of the job left behind: {left}\n{output_tail(result)}"
