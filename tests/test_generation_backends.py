@@ -459,10 +459,25 @@ FSDP2_FLATTENING = ("lightning_app_rlhf.strategies.FlatteningStrategy", "--train
 ])
 def test_static_backend_keeps_every_placements_trajectory(tmp_path, eager_one_process, strategy):
     """``generation.backend: static`` on 2 processes logs, step by step, the values eager logs on one process."""
+    assert_same_trajectory(tmp_path, eager_one_process, "static", strategy)
+
+
+@pytest.mark.parametrize("strategy", [
+    pytest.param(("rlhf_flattening",), marks=pytest.mark.slow, id="flattening"),
+    pytest.param(("rlhf_separation",), marks=pytest.mark.slow, id="separation"),  # a shadow
+])
+def test_continuous_backend_keeps_the_placements_trajectory(tmp_path, eager_one_process, strategy):
+    """``generation.backend: continuous`` (2 slots: rows wait for a slot) on 2 processes logs, step by step, the
+    values eager logs on one process."""
+    assert_same_trajectory(tmp_path, eager_one_process, "continuous", strategy, "--model.generation.batch_size", "2")
+
+
+def assert_same_trajectory(tmp_path, eager_one_process, backend, strategy, *extra) -> None:
+    """A 2-process demo run with ``backend`` logs the one-process eager run's values, step by step."""
     from test_placements import COMPARED
 
-    rows = fit_demo(tmp_path, "static", "--trainer.devices", "2", "--trainer.strategy", *strategy,
-                    "--model.generation.backend", "static", steps=2)
+    rows = fit_demo(tmp_path, backend, "--trainer.devices", "2", "--trainer.strategy", *strategy,
+                    "--model.generation.backend", backend, *extra, steps=2)
     got = [r for r in rows if "reward/mean" in r]
     want = [r for r in eager_one_process if "reward/mean" in r]
     assert [r["step"] for r in got] == [0, 1]
