@@ -101,7 +101,8 @@ def smollm2_tokenizers():
 
 @needs_smollm2
 @pytest.mark.parametrize("describe_tools", [True, False])
-def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smollm2_tokenizers, describe_tools):
+def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smollm2_tokenizers, describe_tools,
+                                                                           monkeypatch):
     """What TRL feeds is what ours feeds: the prompt (with the Hermes tool description in the system message, or
     without it as ``ToolEnvironment(describe_tools=False)`` renders it), and the tool result's suffix (the newline
     after ``<|im_end|>``, the tool turn, the next generation prompt)."""
@@ -110,7 +111,7 @@ def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smoll
     ours, peer = smollm2_tokenizers
     task = load_task()
     train, test = task.train_test_split()
-    peer.chat_template = tools_chat_template(describe_tools)
+    monkeypatch.setattr(peer, "chat_template", tools_chat_template(describe_tools))  # the fixture's again after
     environment = ToolEnvironment([task.calculator], describe_tools=describe_tools)
     renderer = ChatRenderer(ours, environment.tools, [ours.eos_token_id])
     for row in (train[0], train[1], test[0]):
@@ -128,7 +129,6 @@ def test_tools_template_renders_our_prompt_and_tool_suffix_token_for_token(smoll
     prompt = peer.apply_chat_template(train[0]["prompt"], tools=[task.calculator], tokenize=False,
                                       add_generation_prompt=True)
     assert ("<tools>" in prompt) is describe_tools
-    peer.chat_template = TOOLS_CHAT_TEMPLATE  # the module fixture's
 
 
 @needs_smollm2
