@@ -18,7 +18,6 @@ from lightning_app_rlhf.bench.peer_env import DEFAULT_CACHE_DIR, is_ready, venv_
 from lightning_app_rlhf.bench.trl_agent_peer import (
     REPOSITORY,
     TOOLS_CHAT_TEMPLATE,
-    tools_chat_template,
     AgentPeerSettings,
     episode_counts,
     final_answer_text,
@@ -26,6 +25,7 @@ from lightning_app_rlhf.bench.trl_agent_peer import (
     make_reward,
     run_tool_calls,
     tool_suffix_ids,
+    tools_chat_template,
 )
 
 needs_smollm2 = pytest.mark.skipif(
