@@ -196,9 +196,11 @@ class CallSignatureOnly(nn.Module):
         raise AssertionError("static must refuse before any forward")
 
 
-def test_static_refuses_a_model_without_a_transformers_config(batch):
-    with pytest.raises(TypeError, match="generation.backend='eager'"):
-        run(CallSignatureOnly(), batch, GenerationConfig(backend="static"))
+@pytest.mark.parametrize("backend", ["static", "continuous"])
+def test_cache_backends_refuse_a_model_without_a_transformers_config(batch, backend):
+    with pytest.raises(TypeError, match=f"generation.backend='{backend}' needs a Hugging Face causal LM.*"
+                                        "generation.backend='eager'"):
+        run(CallSignatureOnly(), batch, GenerationConfig(backend=backend))
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -40,8 +40,10 @@ from lightning_app_rlhf.bench.smollm2_race import (
     REPOSITORY,
     SIDES,
     IterationRecorder,
+    comparison_rows,
     load_adapter,
     run_race_sides,
+    side_names,
     with_section,
 )
 from lightning_app_rlhf.bench.trl_agent_peer import AgentPeerSettings
@@ -256,25 +258,15 @@ def agent_race_table(race: Mapping[str, Any]) -> str:
     Args:
         race: The ``agent_race`` entry of the results JSON.
     """
-    s, sides, timing = race["settings"], race["sides"], race["equal_time"]
-    n = s["iterations"]
-    names = {"ours": "ours", "trl": f"TRL {sides['trl'].get('versions', {}).get('trl', '')}".strip()}
+    s, sides = race["settings"], race["sides"]
+    names = side_names(race)
 
     def scored(side: str, iteration: int) -> str:
         score = sides[side]["success"][str(iteration)]
-        return f"{score['success']:.0%} ({score['correct']}/{score['questions']}), tool called {score['tool_call_rate']:.0%}"
+        return (f"{score['success']:.0%} ({score['correct']}/{score['questions']}), tool called "
+                f"{score['tool_call_rate']:.0%}")
 
-    def seconds(side: str, iteration: int) -> str:
-        return f"{sides[side]['iterations'][iteration - 1]['train_s']:.0f}" if iteration else "0"
-
-    if race["same_initial_adapter"]:
-        rows = [f"| before training | both (the same initial adapter) | 0 | 0 | {scored('ours', 0)} |"]
-    else:
-        rows = [f"| before training | {names[side]} | 0 | 0 | {scored(side, 0)} |" for side in SIDES]
-    rows += [f"| equal iterations ({n}) | {names[side]} | {n} | {seconds(side, n)} | {scored(side, n)} |"
-             for side in SIDES]
-    rows += [f"| equal time ({timing['budget_s']:.0f} s) | {names[side]} | {timing[side]} | "
-             f"{seconds(side, int(timing[side]))} | {scored(side, int(timing[side]))} |" for side in SIDES]
+    rows = comparison_rows(race, scored)
     speed = []
     for side in SIDES:
         its = sides[side]["iterations"]

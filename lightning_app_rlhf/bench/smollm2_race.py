@@ -519,20 +519,20 @@ def with_section(text: str, body: str, begin: str = BEGIN, end: str = END, after
     return f"{text.rstrip()}\n\n{section}\n"
 
 
-def race_table(race: Mapping[str, Any]) -> str:
-    """The race's markdown: the settings, accuracy at equal iterations and at equal time for both sides, the speed and
-    reward of each side, the learning curve, and the commands.
+def side_names(race: Mapping[str, Any]) -> dict[str, str]:
+    """The sides' names in a race's tables: ``ours`` and ``TRL <version>``."""
+    return {"ours": "ours", "trl": f"TRL {race['sides']['trl'].get('versions', {}).get('trl', '')}".strip()}
+
+
+def comparison_rows(race: Mapping[str, Any], scored: Callable[[str, int], str]) -> list[str]:
+    """A race's comparison rows (``| comparison | side | iterations | training s | score |``): before training (once
+    when both sides share the initial adapter), at equal iterations and at equal time.
 
     Args:
-        race: The ``smollm2_race`` entry of the results JSON.
+        race: The race's entry of its results JSON.
+        scored: The score cell of a side after an iteration.
     """
-    s, sides, timing, lora = race["settings"], race["sides"], race["equal_time"], race["model"]["lora"]
-    n = s["iterations"]
-    names = {"ours": "ours", "trl": f"TRL {sides['trl'].get('versions', {}).get('trl', '')}".strip()}
-
-    def scored(side: str, iteration: int) -> str:
-        score = sides[side]["accuracy"][str(iteration)]
-        return f"{score['accuracy']:.0%} ({score['correct']}/{score['questions']})"
+    sides, timing, n, names = race["sides"], race["equal_time"], race["settings"]["iterations"], side_names(race)
 
     def seconds(side: str, iteration: int) -> str:
         return f"{sides[side]['iterations'][iteration - 1]['train_s']:.0f}" if iteration else "0"
@@ -545,6 +545,25 @@ def race_table(race: Mapping[str, Any]) -> str:
              for side in SIDES]
     rows += [f"| equal time ({timing['budget_s']:.0f} s) | {names[side]} | {timing[side]} | "
              f"{seconds(side, int(timing[side]))} | {scored(side, int(timing[side]))} |" for side in SIDES]
+    return rows
+
+
+def race_table(race: Mapping[str, Any]) -> str:
+    """The race's markdown: the settings, accuracy at equal iterations and at equal time for both sides, the speed and
+    reward of each side, the learning curve, and the commands.
+
+    Args:
+        race: The ``smollm2_race`` entry of the results JSON.
+    """
+    s, sides, lora = race["settings"], race["sides"], race["model"]["lora"]
+    n = s["iterations"]
+    names = side_names(race)
+
+    def scored(side: str, iteration: int) -> str:
+        score = sides[side]["accuracy"][str(iteration)]
+        return f"{score['accuracy']:.0%} ({score['correct']}/{score['questions']})"
+
+    rows = comparison_rows(race, scored)
     window = min(10, n)
     speed = []
     for side in SIDES:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,24 @@ class GenerationBackend(ABC):
             The rollout, with as many response columns as the longest response of the lockstep group (of the
             rows, without a group): the width ``eager`` returns.
         """
+
+
+def transformers_config(model: torch.nn.Module, backend: str) -> Any:
+    """The model's transformers config, which a backend that builds transformers cache objects needs; refuses a model
+    without one (a stand-in with only a causal LM's call signature), naming ``eager``, which serves it.
+
+    Args:
+        model: The causal LM (or a PEFT model wrapping one).
+        backend: The refusing backend's name, for the message.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise TypeError(
+            f"generation.backend={backend!r} needs a Hugging Face causal LM (a transformers model, or a PEFT model "
+            f"wrapping one) to build its KV cache; got {type(model).__name__} without a transformers config. Use "
+            "generation.backend='eager', which only needs the call signature of a causal LM."
+        )
+    return config
 
 
 BackendOrClass = TypeVar("BackendOrClass", GenerationBackend, type[GenerationBackend])

@@ -39,7 +39,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
-from lightning_app_rlhf.generation.backend import DecodeRequest, GenerationBackend, register_backend
+from lightning_app_rlhf.generation.backend import (
+    DecodeRequest,
+    GenerationBackend,
+    register_backend,
+    transformers_config,
+)
 from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
 from lightning_app_rlhf.generation.rollout import Rollout
 from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
@@ -126,13 +131,7 @@ class SlotCache(Cache):
 
 def _check_full_attention(model: torch.nn.Module) -> int:
     """The model's number of decoder layers; refuses a model with sliding-window or other non-full layers."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        raise TypeError(
-            f"generation.backend='continuous' needs a Hugging Face causal LM (a transformers model, or a PEFT model "
-            f"wrapping one); got {type(model).__name__} without a transformers config. Use generation.backend='eager'."
-        )
-    text = config.get_text_config()
+    text = transformers_config(model, ContinuousBackend.name).get_text_config()
     layer_types = getattr(text, "layer_types", None) or []
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) or any(
             kind != "full_attention" for kind in layer_types):
@@ -174,6 +173,9 @@ class ContinuousBackend(GenerationBackend):
         last = torch.zeros(slots, dtype=input_ids.dtype, device=device)  # each slot's latest token
         no_row_done = torch.zeros(slots, dtype=torch.bool, device=device)
         window = request.stops.window
+        # The mask's dtype: the attention's (autocast's, else the parameters'), the same at every step.
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else next(model.parameters()).dtype
 
         def record(slot: int, token: torch.Tensor, logprob: torch.Tensor, stop_id: bool) -> bool:
             """Write the slot's row's next token (``stop_id``: it is a stop id); whether the row has ended."""
@@ -211,8 +213,6 @@ class ContinuousBackend(GenerationBackend):
             running = [occupant[slot] for slot in range(n)]
             columns = [lengths[row] for row in running]  # each row's own step
             step_uniforms = None if uniforms is None else uniforms[running, columns].unsqueeze(-1)
-            dtype = next(model.parameters()).dtype
-            dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
             out = model(input_ids=last[:n].unsqueeze(-1), attention_mask=cache.attention_mask(dtype),
                         position_ids=cache.positions[:n].unsqueeze(-1).clone(), use_cache=True,
                         **cache_kwargs(cache))

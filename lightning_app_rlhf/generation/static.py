@@ -39,7 +39,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import StaticCache
 
 from lightning_app_rlhf.core.config import GenerationConfig
-from lightning_app_rlhf.generation.backend import DecodeRequest, GenerationBackend, register_backend
+from lightning_app_rlhf.generation.backend import (
+    DecodeRequest,
+    GenerationBackend,
+    register_backend,
+    transformers_config,
+)
 from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
 from lightning_app_rlhf.generation.rollout import Rollout
 from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token, position_ids_from_mask
@@ -161,17 +166,6 @@ def _check_transformers() -> None:
         )
 
 
-def _model_config(model: torch.nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        raise TypeError(
-            f"generation.backend='static' needs a Hugging Face causal LM (a transformers model, or a PEFT model "
-            f"wrapping one) to build its StaticCache; got {type(model).__name__} without a transformers config. Use "
-            "generation.backend='eager', which only needs the call signature of a causal LM."
-        )
-    return config
-
-
 class StaticBackend(GenerationBackend):
     """``generation.backend: static``: preallocated cache and buffers, keyed sampling on the device, a host sync
     every ``generation.sync_every`` tokens, an optional compiled decode step. Same tokens as ``eager``."""
@@ -195,7 +189,7 @@ class StaticBackend(GenerationBackend):
     def _cache(self, model: torch.nn.Module, state: _ModelState, batch: int, length: int, device: torch.device) -> Any:
         """An empty static cache of ``length`` positions for ``batch`` rows: the previous one, reset, when the shape
         matches (fixed addresses for a CUDA graph), else a new one."""
-        config = _model_config(model)
+        config = transformers_config(model, self.name)
         # The cache takes the dtype of the keys it first sees: the parameters', or autocast's.
         autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         # A cache made under inference mode holds inference tensors, which a reset outside it may not write.
@@ -213,7 +207,7 @@ class StaticBackend(GenerationBackend):
         batch, prompt_length = input_ids.shape
         steps, device, pad_token_id = config.max_new_tokens, input_ids.device, request.pad_token_id
         _check_transformers()
-        _model_config(model)
+        transformers_config(model, self.name)
         state = self._state(model, config, device)
         length = prompt_length + steps
         if state.compiled:
