@@ -21,9 +21,11 @@ from lightning_app_rlhf.engine.experience import RewardShaping, make_experience
 from lightning_app_rlhf.generation import (
     Rollout,
     check_context_length,
-    filter_probs,
+    exponential_race,
+    filter_log_probs,
     generate,
-    inverse_cdf_sample,
+    hash32,
+    keyed_seeds,
     keyed_uniforms,
     model_eos_token_ids,
     position_ids_from_mask,
@@ -207,7 +209,7 @@ def test_position_ids_from_mask_skips_left_padding():
 
 def test_gpt2_masks_follow_first_eos(gpt2, tokenizer):
     """Real GPT-2: mask is 1 up to and including the first EOS, pad and zero log-prob after, 1s without EOS."""
-    model = EOSBiased(gpt2, bias=4.5)
+    model = EOSBiased(gpt2, bias=4.0)
     prompts = ["list some fruit:", "red", "name a few animals: cat dog", "give me colors, like blue:"]
     batch = encode_batch(tokenizer, prompts, [0, 1, 2, 3])
     max_new = 8
@@ -257,13 +259,13 @@ def _until_eos(tokens: torch.Tensor) -> list[int]:
 
 def test_keyed_sampling_is_batch_invariant(gpt2, tokenizer):
     """A prompt alone and inside a left-padded batch with the same key gets the same response tokens."""
-    model = EOSBiased(gpt2, bias=2.5)
+    model = EOSBiased(gpt2, bias=3.0)
     config = GenerationConfig(max_new_tokens=10, temperature=1.0)
     target = "red"
-    alone = run(model, encode_batch(tokenizer, [target], [5]), config, seed=3, iteration=2)
+    alone = run(model, encode_batch(tokenizer, [target], [5]), config, seed=1, iteration=2)
     batch = encode_batch(tokenizer, ["list some fruit: apple banana", target, "name a few animals:"], [3, 5, 7])
     assert batch["attention_mask"][1].sum() < batch["attention_mask"].shape[1]  # the target row is padded
-    together = run(model, batch, config, seed=3, iteration=2)
+    together = run(model, batch, config, seed=1, iteration=2)
 
     expected = _until_eos(alone.responses[0])
     assert len(expected) >= 3 and expected[-1] == EOS  # the interesting case: a few tokens, then EOS
@@ -289,7 +291,7 @@ def test_same_keys_same_output_and_new_iteration_differs(gpt2, tokenizer):
 def test_behaviour_logprobs_match_full_forward(gpt2, tokenizer, top_k, top_p):
     """Behaviour log-probs equal log_softmax(logits / 0.7) of a no-cache forward over the rollout, within 1e-4."""
     temperature = 0.7
-    model = EOSBiased(gpt2, bias=2.5)
+    model = EOSBiased(gpt2, bias=2.0)
     batch = encode_batch(tokenizer, ["list some fruit:", "red", "name a few animals: cat dog", "blue"], [0, 1, 2, 3])
     rollout = run(model, batch, GenerationConfig(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p))
     assert rollout.response_mask.min() == 0  # some positions past EOS, to check they are excluded
@@ -315,20 +317,77 @@ def test_sample_keys_depend_only_on_seed_iteration_index():
     assert all(0 <= k < 2**63 for k in batch_keys.tolist())
 
 
-def test_keyed_uniforms_rows_depend_only_on_their_key():
-    """Row b of keyed_uniforms is a function of keys[b] only, in [0, 1)."""
-    keys = sample_keys(0, 0, torch.tensor([0, 1, 2]))
-    u = keyed_uniforms(keys, 16)
-    assert u.shape == (3, 16) and u.dtype == torch.float64
-    assert torch.equal(u[2], keyed_uniforms(keys[2:], 16)[0])
-    assert torch.all((u >= 0) & (u < 1))
+def _fmix32(x: int) -> int:
+    """murmur3's finalizer in Python integers: the reference for the tensor version."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash32_is_murmur3_fmix32_without_int64_overflow():
+    """hash32 equals murmur3's fmix32 (Python integers), also for inputs near 2**32 whose plain int64 products would
+    overflow; known values: fmix32(0) = 0, fmix32(1) = 0x514E28B7."""
+    inputs = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFE, 0xFFFFFFFF]
+    got = hash32(torch.tensor(inputs, dtype=torch.int64)).tolist()
+    assert got == [_fmix32(x) for x in inputs]
+    assert got[:2] == [0, 0x514E28B7]
+
+
+def test_keyed_seeds_use_both_halves_of_a_key():
+    """A key's seed is in [0, 2**32), the same alone or in a batch, and changes with either 32-bit half."""
+    keys = torch.tensor([5, 5 + (1 << 32), 6, -1], dtype=torch.int64)
+    seeds = keyed_seeds(keys)
+    assert seeds.dtype == torch.int64 and bool(((seeds >= 0) & (seeds < 2**32)).all())
+    assert len(set(seeds.tolist())) == 4
+    assert keyed_seeds(keys[2:3]).item() == seeds[2].item()
+    assert seeds[0].item() == _fmix32(_fmix32(5) ^ 0)
+
+
+def test_keyed_uniforms_rows_depend_only_on_their_seed_and_column():
+    """Row b of keyed_uniforms is a function of (seeds[b], columns[b]) only, float32 in (0, 1), and another column
+    or seed gives other noise."""
+    seeds = keyed_seeds(sample_keys(0, 0, torch.tensor([0, 1, 2])))
+    u = keyed_uniforms(seeds, torch.tensor([0, 0, 3]), 50)
+    assert u.shape == (3, 50) and u.dtype == torch.float32
+    assert bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(u[2], keyed_uniforms(seeds[2:], torch.tensor([3]), 50)[0])
+    assert torch.equal(u[:2], keyed_uniforms(seeds[:2], torch.tensor([0]), 50))  # a [1] column broadcasts
     assert not torch.equal(u[0], u[1])
+    assert not torch.equal(u[2], keyed_uniforms(seeds[2:], torch.tensor([4]), 50)[0])
 
 
-def test_filter_probs_top_k_keeps_two_largest():
+def test_exponential_race_hand_uniforms():
+    """argmax p / E with E = -log u, by hand: p = (1/4, 1/4, 1/2) and u = (0.5, 0.9, 0.1) give E = (0.693, 0.105,
+    2.303) and p / E = (0.361, 2.373, 0.217): token 1. A filtered (-inf) token never wins, even with u near 1."""
+    log_p = torch.tensor([[0.25, 0.25, 0.5]]).log()
+    assert exponential_race(log_p, torch.tensor([[0.5, 0.9, 0.1]])).tolist() == [1]
+    assert exponential_race(log_p + 2.0, torch.tensor([[0.5, 0.9, 0.1]])).tolist() == [1]  # unnormalised works too
+    filtered = torch.tensor([[0.5, 0.0, 0.1]]).log()
+    assert exponential_race(filtered, torch.tensor([[0.5, 1 - 2**-23, 0.5]])).tolist() == [0]
+
+
+def test_keyed_race_samples_each_token_with_its_probability():
+    """Over 40,000 keyed draws (400 keys x 100 columns) of p = (0.5, 0.3, 0.15, 0.05), each token's frequency is its
+    probability within 0.01 (4 standard errors at most), and the filtered token of a top-p=0.7 nucleus never comes."""
+    keys = sample_keys(3, 0, torch.arange(400))
+    seeds = keyed_seeds(keys).repeat_interleave(100)
+    columns = torch.arange(100).repeat(400)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    log_p = probs.log().expand(len(seeds), 4)
+    tokens = exponential_race(log_p, keyed_uniforms(seeds, columns, 4))
+    frequencies = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    assert_close(frequencies, probs, rtol=0, atol=0.01)
+    nucleus = exponential_race(filter_log_probs(log_p, 0, 0.7), keyed_uniforms(seeds, columns, 4))
+    assert set(nucleus.tolist()) == {0, 1}
+    assert abs(float((nucleus == 0).float().mean()) - 0.5 / 0.8) < 0.01
+
+
+def test_filter_log_probs_top_k_keeps_two_largest():
     """top_k=2 keeps exactly the two most likely tokens of each row, untouched."""
     probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.7, 0.05, 0.05, 0.2]])
-    out = filter_probs(probs, top_k=2, top_p=1.0)
+    out = filter_log_probs(probs.log(), top_k=2, top_p=1.0).exp()
     assert_close(out, torch.tensor([[0.0, 0.4, 0.0, 0.3], [0.7, 0.0, 0.0, 0.2]]))
 
 
@@ -338,27 +397,19 @@ def test_filter_probs_top_k_keeps_two_largest():
     (0.4, [0.5, 0.0, 0.0, 0.0]),
     (1.0, [0.5, 0.3, 0.15, 0.05]),
 ])
-def test_filter_probs_top_p_keeps_smallest_nucleus(top_p, expected):
+def test_filter_log_probs_top_p_keeps_smallest_nucleus(top_p, expected):
     """top_p keeps the smallest set of most likely tokens whose mass reaches top_p."""
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64)
-    assert_close(filter_probs(probs, top_k=0, top_p=top_p), torch.tensor([expected], dtype=torch.float64))
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert_close(filter_log_probs(probs.log(), top_k=0, top_p=top_p).exp(), torch.tensor([expected]))
 
 
-def test_filter_probs_top_p_unsorted_row():
-    """The nucleus is found by probability, not by position in the vocabulary."""
-    probs = torch.tensor([[0.05, 0.3, 0.15, 0.5]], dtype=torch.float64)
-    assert_close(filter_probs(probs, top_k=0, top_p=0.7), torch.tensor([[0.0, 0.3, 0.0, 0.5]], dtype=torch.float64))
-
-
-def test_inverse_cdf_sample_hand_uniforms():
-    """Inverse-CDF sampling picks the token whose CDF interval holds u (unnormalised probs work too)."""
-    probs = torch.tensor([[0.25, 0.25, 0.5]] * 3)
-    u = torch.tensor([0.1, 0.3, 0.6], dtype=torch.float64)
-    assert inverse_cdf_sample(probs, u).tolist() == [0, 1, 2]
-    assert inverse_cdf_sample(probs * 4, u).tolist() == [0, 1, 2]
-    # A zeroed (filtered) token is never picked, even at the boundary of its empty interval.
-    filtered = torch.tensor([[0.5, 0.0, 0.5]] * 3)
-    assert inverse_cdf_sample(filtered, torch.tensor([0.0, 0.5, 0.999], dtype=torch.float64)).tolist() == [0, 2, 2]
+def test_filter_log_probs_top_p_unsorted_row_and_after_top_k():
+    """The nucleus is found by probability, not by position in the vocabulary; after top-k, it is a share of the
+    mass top-k left (0.8 of it: 0.5 and 0.3 reach 0.7 x 0.8 = 0.56 only together)."""
+    probs = torch.tensor([[0.05, 0.3, 0.15, 0.5]])
+    assert_close(filter_log_probs(probs.log(), top_k=0, top_p=0.7).exp(), torch.tensor([[0.0, 0.3, 0.0, 0.5]]))
+    assert_close(filter_log_probs(probs.log(), top_k=2, top_p=0.7).exp(), torch.tensor([[0.0, 0.3, 0.0, 0.5]]))
+    assert_close(filter_log_probs(probs.log(), top_k=2, top_p=0.6).exp(), torch.tensor([[0.0, 0.0, 0.0, 0.5]]))
 
 
 def test_check_context_length_message_names_the_fixes():
@@ -720,7 +771,7 @@ def test_stop_strings_match_within_the_response_only(tokenizer, fruit_ids):
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_chunked_generation_with_stops_equals_whole(gpt2, chunk_batch, tokenizer, batch_size):
     """Stop strings and extra stop ids stop the same rows at the same tokens whether the rows run in chunks or not."""
-    model = EOSBiased(gpt2, bias=2.0)
+    model = EOSBiased(gpt2, bias=1.5)
     stops = {"stop_strings": ["e"], "stop_token_ids": [5]}
     whole = run_with_tokenizer(model, chunk_batch, GenerationConfig(max_new_tokens=8, **stops), tokenizer)
     chunked = run_with_tokenizer(model, chunk_batch, GenerationConfig(max_new_tokens=8, batch_size=batch_size,

@@ -33,7 +33,8 @@ from lightning_app_rlhf.generation import (
     sample_keys,
     static,
 )
-from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
+from lightning_app_rlhf.generation.hf_cache import cache_kwargs
+from lightning_app_rlhf.generation.sampling import keyed_seeds, next_token, position_ids_from_mask
 from lightning_app_rlhf.generation.stopping import stop_condition
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm
 
@@ -101,7 +102,8 @@ def assert_same_rollout(got: Rollout, want: Rollout, atol: float = 1e-5) -> None
 def test_static_gives_the_tokens_of_eager(family, setting, batch, tokenizer):
     """Same keys: ``static`` samples exactly eager's tokens, masks and stop flags, with log-probs within 1e-5, for
     left-padded prompts whose rows stop at EOS (or a stop string / id) at different steps or run to the limit."""
-    model = build(family, bias=0.3 if setting == "greedy" else 3.0)  # random-init logits spread only ~0.3
+    # Random-init logits spread only ~0.3; temperature 0.7 sharpens the EOS bias, so that setting gets less.
+    model = build(family, bias={"greedy": 0.3, "top_k_top_p_temperature": 1.5}.get(setting, 3.0))
     config = GenerationConfig(max_new_tokens=12, **SETTINGS[setting])
     eager = run(model, batch, config, tokenizer)
     static = run(model, batch, replace(config, backend="static"), tokenizer)
@@ -303,6 +305,30 @@ def test_the_compiled_cpu_step_takes_math_attention_in_float32_only():
     assert static._step_function(model.to(torch.bfloat16), True, cpu) is static._decode_step
 
 
+@pytest.mark.parametrize("setting", ["sample", "top_k_top_p_temperature", "greedy"])
+def test_the_decode_step_with_its_draw_is_one_graph(setting, batch):
+    """Dynamo sees the static decode step, the forward and the keyed draw (temperature, top-k/top-p filter,
+    exponential race, log-probability) together, as one graph without a break: what a CUDA graph captures whole."""
+    model = build("llama")
+    config = GenerationConfig(max_new_tokens=4, **SETTINGS[setting])
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    rows, length = input_ids.shape
+    cache = static.OneDtypeStaticCache(config=model.config, max_cache_len=length + 4)
+    mask = attention_mask.new_ones(rows, length + 4)
+    mask[:, :length] = attention_mask
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                    position_ids=position_ids_from_mask(attention_mask), **cache_kwargs(cache))
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        position = position_ids_from_mask(attention_mask)[:, -1:] + 1
+        seeds = keyed_seeds(sample_keys(7, 3, batch["index"])) if config.do_sample else None
+        column = torch.ones(1, dtype=torch.int64) if config.do_sample else None
+        explanation = torch._dynamo.explain(static._decode_step)(
+            model, cache, token, position, mask, config, seeds, column, torch.zeros(rows, dtype=torch.bool), PAD)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
 @pytest.mark.slow  # torch.compile on the CPU: ~20-70 s of compilation
 def test_compiled_static_decode_gives_the_tokens_of_eager(batch):
     """``generation.compile: true`` on the CPU (inductor; the cache length rounded up to 64): eager's tokens, also
@@ -313,6 +339,8 @@ def test_compiled_static_decode_gives_the_tokens_of_eager(batch):
     four = {key: batch[key][:4] for key in ("input_ids", "attention_mask", "index")}
     for rows in (batch, four, batch):
         assert_same_rollout(run(model, rows, replace(config, backend="static", compile=True)), run(model, rows, config))
+    filtered = GenerationConfig(max_new_tokens=12, **SETTINGS["top_k_top_p_temperature"])  # the filters compiled too
+    assert_same_rollout(run(model, batch, replace(filtered, backend="static", compile=True)), run(model, batch, filtered))
     doubled = torch.compile(lambda x: x * 2)
     assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
     assert torch.equal(doubled(torch.ones(3)), torch.full((3,), 2.0))  # guards run again: a graph for 3 elements
@@ -527,16 +555,17 @@ def test_cuda_bf16_static_decode_runs(batch):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_compiled_sampling_over_a_real_vocabulary_gives_eager_tokens():
-    """The sampling arithmetic compiled on CUDA over a SmolLM2-sized vocabulary (49152: Inductor splits the float64
-    CDF scan there, which its Triton code could not compile) picks eager's tokens for the same uniforms."""
+    """The sampling arithmetic compiled on CUDA over a SmolLM2-sized vocabulary (49152, where Inductor could not
+    compile the former float64 CDF scan) picks eager's tokens for the same seeds and columns."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(8, 49152, generator=generator).cuda()
-    uniforms = keyed_uniforms(torch.arange(8), 4).cuda()
+    seeds = keyed_seeds(torch.arange(8)).cuda()
     done = torch.zeros(8, dtype=torch.bool, device="cuda")
     config = GenerationConfig(top_k=50, top_p=0.9)
     compiled = torch.compile(next_token, dynamic=False)
     for step in range(2):
-        got = compiled(logits, config, uniforms, step, done, 0)
-        want = next_token(logits, config, uniforms, step, done, 0)
+        column = torch.tensor([step], device="cuda")
+        got = compiled(logits, config, seeds, column, done, 0)
+        want = next_token(logits, config, seeds, column, done, 0)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1])

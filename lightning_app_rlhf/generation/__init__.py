@@ -12,13 +12,13 @@ The modules, each importing only those above it:
 
 - :mod:`.hf_cache`: the KV-cache keyword of the installed transformers;
 - :mod:`.rollout`: :class:`Rollout`, the per-sample keys, repeated samples, row chunks;
-- :mod:`.sampling`: positions, keyed uniforms, top-k/top-p filtering, the next token;
+- :mod:`.sampling`: positions, keyed noise, top-k/top-p filtering, the exponential-race draw, the next token;
 - :mod:`.stopping`: the stop condition, the model's end ids, the context-length check;
 - :mod:`.backend`: the :class:`GenerationBackend` interface, its registry and :func:`generate`;
 - :mod:`.eager`, :mod:`.static` and :mod:`.continuous`: the built-in decoding loops ``generation.backend`` chooses
   between, ``eager`` (a dynamic cache, a host sync per token), ``static`` (a preallocated cache, CUDA-graph friendly)
   or ``continuous`` (continuous batching: a finished row's slot takes the next prompt). All draw the same keyed
-  uniforms, so they give the same tokens for the same keys. Each registers itself when imported, and importing this
+  noise, so they give the same tokens for the same keys. Each registers itself when imported, and importing this
   package imports all three; a backend of your own is one module that subclasses :class:`GenerationBackend` and
   calls :func:`register_backend` (``generation.backend: <its name>`` then selects it).
 """
@@ -40,8 +40,10 @@ from lightning_app_rlhf.generation.rollout import (
     sample_keys,
 )
 from lightning_app_rlhf.generation.sampling import (
-    filter_probs,
-    inverse_cdf_sample,
+    exponential_race,
+    filter_log_probs,
+    hash32,
+    keyed_seeds,
     keyed_uniforms,
     next_token,
     position_ids_from_mask,
@@ -80,10 +82,12 @@ __all__ = [
     "config_context_length",
     "context_length",
     "context_length_error",
-    "filter_probs",
+    "exponential_race",
+    "filter_log_probs",
     "generate",
     "get_backend",
-    "inverse_cdf_sample",
+    "hash32",
+    "keyed_seeds",
     "keyed_uniforms",
     "model_eos_token_ids",
     "next_token",

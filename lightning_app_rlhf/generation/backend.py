@@ -35,7 +35,7 @@ class DecodeRequest:
     config: GenerationConfig
     """Sampling settings."""
     keys: torch.Tensor
-    """[B] per-row keys; row b's draws are ``keyed_uniforms(keys[b:b+1], config.max_new_tokens)``."""
+    """[B] per-row keys; row b's noise at response column c is ``keyed_uniforms(keyed_seeds(keys[b:b+1]), c, V)``."""
     stops: StopCondition
     """What ends a row."""
     pad_token_id: int

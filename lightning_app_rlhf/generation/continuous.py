@@ -13,8 +13,8 @@ How a row gets the tokens it would get alone:
   copied into its slot: the prefill's numbers are the solo ones.
 - Each decode step gives every slot its own position (``position_ids``) and a 4D attention mask that shows it its
   own positions only, so a slot never attends to another row's, or a previous occupant's, keys.
-- The draw is keyed by the row's key and its own step (:func:`~lightning_app_rlhf.generation.sampling.keyed_uniforms`),
-  whichever slot and batch it runs in.
+- The draw is keyed by the row's seed and its own response column
+  (:func:`~lightning_app_rlhf.generation.sampling.keyed_uniforms`), whichever slot and batch it runs in.
 
 As in ``static``, the batched decode step rounds floats in other places than a solo one; the tokens are eager's, and
 the log-probabilities equal within float tolerance.
@@ -47,7 +47,7 @@ from lightning_app_rlhf.generation.backend import (
 )
 from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
 from lightning_app_rlhf.generation.rollout import Rollout
-from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token
+from lightning_app_rlhf.generation.sampling import keyed_seeds, next_token
 
 
 class SlotLayer(StaticLayer):
@@ -163,7 +163,7 @@ class ContinuousBackend(GenerationBackend):
         num_layers = _check_full_attention(model)
         slots = min(rows, config.batch_size or rows)
         cache = SlotCache(num_layers, slots, prompt_length + steps)
-        uniforms = keyed_uniforms(request.keys, steps).to(device) if config.do_sample else None
+        seeds = keyed_seeds(request.keys).to(device) if config.do_sample else None
         tokens = torch.full((rows, steps), pad_token_id, dtype=input_ids.dtype, device=device)
         logprobs = torch.zeros(rows, steps, device=device)
         lengths = [0] * rows
@@ -172,6 +172,7 @@ class ContinuousBackend(GenerationBackend):
         occupant = [-1] * slots  # the row in each slot
         last = torch.zeros(slots, dtype=input_ids.dtype, device=device)  # each slot's latest token
         no_row_done = torch.zeros(slots, dtype=torch.bool, device=device)
+        first_column = torch.zeros(1, dtype=torch.int64, device=device)
         window = request.stops.window
         # The mask's dtype: the attention's (autocast's, else the parameters'), the same at every step.
         autocast = torch.is_autocast_enabled(device.type)
@@ -197,8 +198,9 @@ class ContinuousBackend(GenerationBackend):
                 solo = model(input_ids=prompt, position_ids=torch.arange(prompt.shape[1], device=device)[None],
                              use_cache=True, logits_to_keep=1, **cache_kwargs(DynamicCache()))
                 occupant[slot] = row
-                column = None if uniforms is None else uniforms[row : row + 1, :1]
-                token, logprob = next_token(solo.logits[:, -1, :], config, column, 0, no_row_done[:1], pad_token_id)
+                row_seed = None if seeds is None else seeds[row : row + 1]
+                token, logprob = next_token(solo.logits[:, -1, :], config, row_seed, first_column, no_row_done[:1],
+                                            pad_token_id)
                 if not record(slot, token[0], logprob[0], bool(torch.isin(token, request.stops.token_ids))):
                     cache.fill(slot, returned_cache(solo))
                     return
@@ -211,12 +213,13 @@ class ContinuousBackend(GenerationBackend):
         while cache.occupied:
             n = cache.occupied
             running = [occupant[slot] for slot in range(n)]
-            columns = [lengths[row] for row in running]  # each row's own step
-            step_uniforms = None if uniforms is None else uniforms[running, columns].unsqueeze(-1)
+            running_seeds = None if seeds is None else seeds[running]
+            columns = torch.tensor([lengths[row] for row in running], device=device)  # each row's own step
             out = model(input_ids=last[:n].unsqueeze(-1), attention_mask=cache.attention_mask(dtype),
                         position_ids=cache.positions[:n].unsqueeze(-1).clone(), use_cache=True,
                         **cache_kwargs(cache))
-            token, logprob = next_token(out.logits[:, -1, :], config, step_uniforms, 0, no_row_done[:n], pad_token_id)
+            token, logprob = next_token(out.logits[:, -1, :], config, running_seeds, columns, no_row_done[:n],
+                                        pad_token_id)
             cache.positions[:n] += 1
             stop_ids = torch.isin(token, request.stops.token_ids).tolist()
             ended = [slot for slot in range(n) if record(slot, token[slot], logprob[slot], stop_ids[slot])]

@@ -9,13 +9,13 @@ import torch
 from lightning_app_rlhf.generation.backend import DecodeRequest, GenerationBackend, register_backend
 from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
 from lightning_app_rlhf.generation.rollout import Rollout
-from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token, position_ids_from_mask
+from lightning_app_rlhf.generation.sampling import keyed_seeds, next_token, position_ids_from_mask
 from lightning_app_rlhf.generation.stopping import all_done
 
 
 class EagerBackend(GenerationBackend):
     """Today's decoder: a dynamic Hugging Face cache, the mask grown per token, a host sync per token to stop as
-    soon as every row is done, the keyed uniforms drawn on the CPU in float64. Works with any model on any device
+    soon as every row is done. Works with any model on any device
     (also stand-ins that only share a Hugging Face causal LM's call signature)."""
 
     name = "eager"
@@ -23,7 +23,7 @@ class EagerBackend(GenerationBackend):
     def decode(self, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
         input_ids, attention_mask, config = request.input_ids, request.attention_mask, request.config
         batch_size = input_ids.shape[0]
-        uniforms = keyed_uniforms(request.keys, config.max_new_tokens) if config.do_sample else None  # greedy: none
+        seeds = keyed_seeds(request.keys).to(input_ids.device) if config.do_sample else None  # greedy: none
         position_ids = position_ids_from_mask(attention_mask)
         # Only the last prompt position's logits are needed: with a large vocabulary the LM head dominates a prefill.
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
@@ -32,7 +32,8 @@ class EagerBackend(GenerationBackend):
         tokens, logprobs, masks = [], [], []
         mask = attention_mask
         for step in range(config.max_new_tokens):
-            token, logprob = next_token(out.logits[:, -1, :], config, uniforms, step, done, request.pad_token_id)
+            column = None if seeds is None else torch.tensor([step], device=input_ids.device)
+            token, logprob = next_token(out.logits[:, -1, :], config, seeds, column, done, request.pad_token_id)
             masks.append(~done)
             logprobs.append(logprob)
             tokens.append(token)

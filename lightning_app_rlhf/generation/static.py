@@ -6,19 +6,17 @@ The approach of gpt-fast and litgpt, on the model family's own Hugging Face modu
   by later calls of the same shape, so its addresses stay fixed);
 - the attention mask is allocated once at that length: the prompt's padding followed by ones. Slots not written yet
   need no masking: the causal mask (from the cache's own write offset) already hides them;
-- the keyed uniforms are moved to the model's device once per call, and the draw (top-k/top-p filter, inverse CDF)
-  runs there; the tokens, masks and log-probs go into preallocated buffers;
+- the keyed draw (top-k/top-p filter, exponential race) runs on the device from the rows' seeds and a column counter
+  kept there; the tokens, masks and log-probs go into preallocated buffers;
 - the host learns whether every row has stopped only every ``generation.sync_every`` tokens;
 - the decode step can run through ``torch.compile`` (``generation.compile``; ``reduce-overhead``, i.e. CUDA graphs,
   on CUDA; on the CPU, Dynamo's guards are checked on a decode's first step only, and in float32 the attention takes
   the math backend that Inductor fuses).
 
-The uniforms are eager's own (:func:`~lightning_app_rlhf.generation.sampling.keyed_uniforms`: one CPU generator per
-key, float64), drawn once per call and copied to the device: a device generator (CUDA's Philox) would draw another
-stream, and the same keys must give the same tokens under every backend, device and placement. The sampling
-arithmetic is eager's too (:func:`~lightning_app_rlhf.generation.sampling.next_token`), so tokens are equal and
-log-probs equal within float tolerance (the attention runs over the preallocated length, which changes the float
-rounding only).
+The sampling arithmetic is eager's (:func:`~lightning_app_rlhf.generation.sampling.next_token`: integer-hash noise
+from the row's seed and column, no device generator, whose stream would depend on the device and the batch), so
+tokens are equal and log-probs equal within float tolerance (the attention runs over the preallocated length, which
+changes the float rounding only). Compiled, the forward and the draw are one graph per step.
 
 Supported: every model whose attention writes through transformers' ``Cache`` API, which in transformers 5 includes
 GPT-2, Llama, Qwen2/Qwen3 and SmolLM2 (Llama). A model that ignores the static cache is detected after the prefill and
@@ -47,7 +45,7 @@ from lightning_app_rlhf.generation.backend import (
 )
 from lightning_app_rlhf.generation.hf_cache import cache_kwargs, returned_cache
 from lightning_app_rlhf.generation.rollout import Rollout
-from lightning_app_rlhf.generation.sampling import keyed_uniforms, next_token, position_ids_from_mask
+from lightning_app_rlhf.generation.sampling import keyed_seeds, next_token, position_ids_from_mask
 from lightning_app_rlhf.generation.stopping import all_done
 
 COMPILED_LENGTH_MULTIPLE = 64
@@ -93,17 +91,17 @@ def _decode_step(
     position_ids: torch.Tensor,
     mask: torch.Tensor,
     config: GenerationConfig,
-    uniforms: torch.Tensor | None,
+    seeds: torch.Tensor | None,
+    column: torch.Tensor | None,
     done: torch.Tensor,
     pad_token_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row through the model with the static cache, and the next token drawn from its logits
-    (:func:`~lightning_app_rlhf.generation.sampling.next_token`, ``uniforms`` [B] the step's column): the next
-    tokens [B] and their log-probabilities [B]. Compiled, the draw is part of the graph (fused with the LM head's
-    log-softmax instead of a dozen small eager ops per token)."""
+    (:func:`~lightning_app_rlhf.generation.sampling.next_token`; ``column`` [1] the response column, a device tensor
+    so that one graph serves every step): the next tokens [B] and their log-probabilities [B]. Compiled, the draw is
+    part of the graph (fused with the LM head's log-softmax instead of a dozen small eager ops per token)."""
     out = model(input_ids=token, attention_mask=mask, position_ids=position_ids, use_cache=True, **cache_kwargs(cache))
-    column = None if uniforms is None else uniforms.unsqueeze(-1)
-    return next_token(out.logits[:, -1, :], config, column, 0, done, pad_token_id)
+    return next_token(out.logits[:, -1, :], config, seeds, column, done, pad_token_id)
 
 
 def _decode_step_with_math_attention(model: torch.nn.Module, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,8 +211,8 @@ class StaticBackend(GenerationBackend):
         if state.compiled:
             length = -(-length // COMPILED_LENGTH_MULTIPLE) * COMPILED_LENGTH_MULTIPLE
         cache = self._cache(model, state, batch, length, device)
-        # Eager's uniforms (CPU generators, float64), moved once: the draws then happen on the device.
-        uniforms = keyed_uniforms(request.keys, steps).to(device, non_blocking=True) if config.do_sample else None
+        seeds = keyed_seeds(request.keys).to(device, non_blocking=True) if config.do_sample else None
+        column = torch.zeros(1, dtype=torch.int64, device=device)  # the response column; advanced in place
         mask = attention_mask.new_ones(batch, length)
         mask[:, :prompt_length] = attention_mask
         position_ids = position_ids_from_mask(attention_mask)
@@ -231,15 +229,16 @@ class StaticBackend(GenerationBackend):
         masks = torch.zeros(batch, steps, dtype=torch.bool, device=device)
         done = torch.full((batch,), not request.active, dtype=torch.bool, device=device)
         stops, lockstep_group = request.stops, request.lockstep_group
-        token, logprob = next_token(out.logits[:, -1, :], config, uniforms, 0, done, pad_token_id)
+        token, logprob = next_token(out.logits[:, -1, :], config, seeds, column, done, pad_token_id)
         with contextlib.ExitStack() as later_steps:
             for step in range(steps):
                 if step > 0:
                     position.add_(1)
+                    column.add_(1)
                     if state.compiled and device.type == "cuda":
                         torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-                    inputs = (model, cache, token.unsqueeze(-1), position, mask, config,
-                              None if uniforms is None else uniforms[:, step], done, pad_token_id)
+                    inputs = (model, cache, token.unsqueeze(-1), position, mask, config, seeds, column, done,
+                              pad_token_id)
                     try:
                         token, logprob = state.step(*inputs)
                     except RuntimeError as error:
