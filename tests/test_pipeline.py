@@ -344,3 +344,59 @@ def test_a_missing_stage_is_an_error_not_a_hang():
     """Stage 0 waits for a stage that is stuck (alive, never running its part): a PlacementError naming the stage and
     the call within the pipeline group's timeout (2 s), not a hang."""
     run_ranks(_dead_stage_ranks, 2, timeout=60)
+
+
+# ---- the plan's pipeline-parallel degrees ----
+
+
+def _plan_fields(**changes) -> dict:
+    from lightning_app_rlhf.parallel.plan import flattening_plan
+
+    return {**flattening_plan(4).to_dict(), **changes}
+
+
+def test_plan_pp_degrees_validate_round_trip_and_show():
+    """A plan's pp degrees and schedule: kept (1s dropped), saved and read back, filtered with the roles, shown
+    beside the ranks (a train call with its schedule)."""
+    from lightning_app_rlhf.parallel.plan import PlacementPlan
+    from lightning_app_rlhf.planner.cost_model import call_ranks
+
+    plan = PlacementPlan(**_plan_fields(pp={"actor.train": 2, "reference.forward": 4, "critic.train": 1},
+                                        tp={"actor.train": 2}, wrappers={"actor": "fsdp2", "critic": "ddp"},
+                                        pipeline_schedule="gpipe"))
+    assert plan.pp == {"actor.train": 2, "reference.forward": 4}
+    assert plan.pp_degree("actor.train") == 2 and plan.pp_degree("critic.train") == 1
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    assert plan.for_roles(("actor", "reward")).pp == {"actor.train": 2}
+    shown = call_ranks(plan)
+    assert "actor.train 0-3 tp2 pp2 gpipe" in shown and "reference.forward 0-3 pp4" in shown
+    assert "critic.train 0-3" in shown
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"pp": {"actor.generate": 2}}, r"'actor.generate' has pipeline-parallel degree 2.*give it a `tp` degree"),
+    ({"pp": {"actor.train": 3}}, r"degree 3 on 4 ranks: tp x pp must divide.*Use pp among \[1, 2, 4\]"),
+    ({"pp": {"actor.train": 4}, "tp": {"actor.train": 2}, "wrappers": {"actor": "fsdp2", "critic": "ddp"}},
+     r"degree 4 and tensor-parallel degree 2 on 4 ranks.*Use pp among \[1, 2\] with this tp"),
+    ({"pp": {"critic.forward": 2}, "calls": {**_plan_fields()["calls"], "critic.forward": [0]}},
+     r"degree 2 on 1 ranks.*Use pp among \[1\]"),
+    ({"pp": {"reward.train": 2}}, r"pp names call 'reward.train', which the plan does not run"),
+    ({"pipeline_schedule": "zb"}, r"pipeline_schedule='zb': use one of \['1f1b', 'gpipe'\]"),
+])
+def test_plan_pp_refusals_name_the_fix(changes, message):
+    from lightning_app_rlhf.parallel.plan import PlacementPlan
+
+    with pytest.raises(ValueError, match=message):
+        PlacementPlan(**_plan_fields(**changes))
+
+
+def test_plan_with_pp_is_refused_by_the_engine_until_it_runs_pipelines():
+    """A plan with pp validates, but the strategies and the planner refuse it (the engine does not run pipelined
+    calls yet): never silently unpipelined. The plan's schedule names are the pipeline's."""
+    from lightning_app_rlhf.parallel.pipeline import SCHEDULES, check_pipeline_parallel
+    from lightning_app_rlhf.parallel.plan import PIPELINE_SCHEDULES, PlacementPlan
+
+    assert tuple(SCHEDULES) == PIPELINE_SCHEDULES
+    check_pipeline_parallel(PlacementPlan(**_plan_fields()))
+    with pytest.raises(ValueError, match=r"pipeline-parallel degrees \{'actor.train': 2\}.*Remove `pp`"):
+        check_pipeline_parallel(PlacementPlan(**_plan_fields(pp={"actor.train": 2})))

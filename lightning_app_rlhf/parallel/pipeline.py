@@ -32,12 +32,27 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from lightning_app_rlhf.algorithms import functional
 from lightning_app_rlhf.parallel.pipeline_split import CAUSAL_LM, SCORE, VALUE, PipelineStageModule
 from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, named_failure
+from lightning_app_rlhf.parallel.plan import PlacementPlan
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-"""The schedule names a plan takes -> torch's schedule classes (one stage per rank)."""
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+"""The schedule names a plan takes (:data:`~lightning_app_rlhf.parallel.plan.PIPELINE_SCHEDULES`) -> torch's
+schedule classes (one stage per rank)."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(last stage's output for a micro-batch, the batch rows it covers) -> loss``: what a training call runs."""
+
+
+def check_pipeline_parallel(plan: PlacementPlan) -> None:
+    """Raise a ``ValueError`` naming the fix for a plan with a pipeline-parallel degree: the engine's calls and the
+    planner's cost model do not run or price pipelined calls yet (this module's stages and schedules are their
+    building blocks), and a plan must not silently run unpipelined.
+
+    Args:
+        plan: The placement plan, already validated.
+    """
+    if plan.pp:
+        raise ValueError(f"The plan gives pipeline-parallel degrees {plan.pp}, which the engine does not run yet. "
+                         "Remove `pp` from the plan (use `tp` or data parallelism to spread the calls).")
 
 
 def check_schedule(name: str) -> type[PipelineScheduleSingle]:

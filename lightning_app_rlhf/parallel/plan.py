@@ -28,6 +28,10 @@ from lightning_app_rlhf.core.role_table import (
 )
 from lightning_app_rlhf.core.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS, check_wrapper
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+"""The schedules a pipelined train call runs (torch's ``Schedule1F1B`` and ``ScheduleGPipe``,
+:data:`~lightning_app_rlhf.parallel.pipeline.SCHEDULES`); a scoring call runs forwards only."""
+
 
 @dataclass(frozen=True)
 class PlacementPlan:
@@ -58,6 +62,15 @@ class PlacementPlan:
     """Call name -> its tensor-parallel degree (1 for a call left out). A call with degree ``t`` on ``n`` ranks runs
     as ``n / t`` data-parallel replicas, each a ``t``-way DTensor tensor-parallel copy of the role (the model
     family's own ``tp_plan``); replica ``i`` is the ``t`` consecutive ranks ``ranks[i * t:(i + 1) * t]``."""
+    pp: dict[str, int] = field(default_factory=dict)
+    """Call name -> its pipeline-parallel degree (1 for a call left out). A call with degree ``p`` (and
+    tensor-parallel degree ``t``) on ``n`` ranks runs as ``n / (t * p)`` data-parallel replicas, each cutting the
+    role at its decoder layers into ``p`` stages (``torch.distributed.pipelining``,
+    :mod:`~lightning_app_rlhf.parallel.pipeline`). Train calls and the scoring forwards take one; ``actor.generate``
+    stays data x tensor parallel, as in ReaLHF."""
+    pipeline_schedule: str = "1f1b"
+    """The schedule of the pipelined train calls: ``1f1b`` (one forward, one backward in the steady state: at most
+    ``p`` micro-batches' activations alive) or ``gpipe`` (every forward, then every backward)."""
     unshard_for_generation: bool = True
     """A sharded actor (FSDP2, ZeRO-3) that generates on its own train group gathers its weights once per rollout
     and frees them after (the hybrid engine); False gathers them for every decoding step (less memory)."""
@@ -72,6 +85,7 @@ class PlacementPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
         object.__setattr__(self, "tp", {c: int(t) for c, t in self.tp.items() if int(t) != 1})
+        object.__setattr__(self, "pp", {c: int(p) for c, p in self.pp.items() if int(p) != 1})
         trainable = [r for r in TRAINABLE_ROLES if f"{r}.train" in self.calls]
         object.__setattr__(self, "wrappers", {**{r: "ddp" for r in trainable}, **self.wrappers})
         self.validate()
@@ -132,6 +146,7 @@ class PlacementPlan:
                             f"of '{role}.train': a sharded role can only run a call on all of its train ranks or on "
                             "ranks outside them (shadow copies). Change the call's ranks, or use wrapper 'ddp'.")
         self._validate_tp()
+        self._validate_pp()
         if self.free_running:
             self._validate_free_running()
         unknown = sorted(set(self.wrappers) - set(self.roles))
@@ -157,6 +172,25 @@ class PlacementPlan:
                 raise ValueError(f"Call {call!r} has tensor-parallel degree {degree} on {size} ranks: the degree must "
                                  f"divide the call's group size ({[d for d in range(1, size + 1) if size % d == 0]}).")
 
+    def _validate_pp(self) -> None:
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.pipeline_schedule!r}: use one of {list(PIPELINE_SCHEDULES)}.")
+        for call, degree in self.pp.items():
+            if call not in self.calls:
+                raise ValueError(f"pp names call {call!r}, which the plan does not run: give degrees to calls among "
+                                 f"{[c for c in self.calls if c != ACTOR.call('generate')]}.")
+            if call == ACTOR.call("generate"):
+                raise ValueError(f"'actor.generate' has pipeline-parallel degree {degree}: generation runs data x "
+                                 "tensor parallel (a pipeline would idle its stages at every decoding step). Drop "
+                                 "'actor.generate' from `pp`; give it a `tp` degree to spread the model instead.")
+            size, tp = len(self.calls[call]), self.tp_degree(call)
+            if degree < 1 or size % (degree * tp):
+                fits = [d for d in range(1, size + 1) if size % (d * tp) == 0]
+                raise ValueError(f"Call {call!r} has pipeline-parallel degree {degree}"
+                                 + (f" and tensor-parallel degree {tp}" if tp > 1 else "")
+                                 + f" on {size} ranks: tp x pp must divide the call's group size. Use pp among "
+                                 f"{fits}{' with this tp' if tp > 1 else ''}, or give the call more ranks.")
+
     def _validate_free_running(self) -> None:
         """A free-running plan splits the world in two: the generation side (generate and every forward call, on the
         same ranks) and the training side (the train calls, on the other ranks)."""
@@ -174,6 +208,9 @@ class PlacementPlan:
             if not call.endswith(".train") and self.tp_degree(call) > 1:
                 raise ValueError(f"free_running: {call!r} has tensor-parallel degree {self.tp_degree(call)}; the "
                                  f"generation side holds whole shadow copies: drop its 'tp' entry, or {fix}.")
+            if not call.endswith(".train") and self.pp_degree(call) > 1:
+                raise ValueError(f"free_running: {call!r} has pipeline-parallel degree {self.pp_degree(call)}; the "
+                                 f"generation side holds whole shadow copies: drop its 'pp' entry, or {fix}.")
 
     @property
     def generation_ranks(self) -> tuple[int, ...]:
@@ -195,6 +232,18 @@ class PlacementPlan:
     def tp_degree(self, call: str) -> int:
         """The tensor-parallel degree of ``call`` (1 unless :attr:`tp` names it)."""
         return self.tp.get(call, 1)
+
+    def pp_degree(self, call: str) -> int:
+        """The pipeline-parallel degree of ``call`` (1 unless :attr:`pp` names it)."""
+        return self.pp.get(call, 1)
+
+    def layout_text(self, call: str) -> str:
+        """``" tp2 pp2 1f1b"``: the call's tensor- and pipeline-parallel degrees where above 1 (a pipelined train
+        call with its schedule), as the placement summary and ``plan`` print them; empty for a data-parallel call."""
+        text = f" tp{self.tp_degree(call)}" if self.tp_degree(call) > 1 else ""
+        if self.pp_degree(call) > 1:
+            text += f" pp{self.pp_degree(call)}" + (f" {self.pipeline_schedule}" if call.endswith(".train") else "")
+        return text
 
     def layout_reallocations(self) -> tuple[str, ...]:
         """Calls of a trainable role with a tensor-parallel degree that run on ranks of its train call: they run on
@@ -239,7 +288,7 @@ class PlacementPlan:
         """Plain fields (lists, not tuples): for checkpoints, JSON, and a strategy's ``plan:`` in a CLI config."""
         return {"world_size": self.world_size, "calls": {c: list(r) for c, r in self.calls.items()},
                 "wrappers": dict(self.wrappers), "name": self.name, "max_staleness": self.max_staleness,
-                "tp": dict(self.tp),
+                "tp": dict(self.tp), "pp": dict(self.pp), "pipeline_schedule": self.pipeline_schedule,
                 "unshard_for_generation": self.unshard_for_generation, "free_running": self.free_running}
 
     @classmethod
@@ -256,7 +305,7 @@ class PlacementPlan:
         return self.calls[call]
 
     def for_roles(self, roles: tuple[str, ...]) -> PlacementPlan:
-        """This plan without the calls, wrappers and tensor-parallel degrees of the roles outside ``roles`` (an
+        """This plan without the calls, wrappers and tensor- and pipeline-parallel degrees of the roles outside ``roles`` (an
         algorithm's): a plan written for PPO's four roles places an algorithm with fewer (no critic; no reference at
         KL 0) as it stands, so a config with a plan of its own runs every algorithm. A role it lacks stays missing
         (:meth:`check_roles` names it).
@@ -271,6 +320,7 @@ class PlacementPlan:
         fields["calls"] = {c: r for c, r in fields["calls"].items() if role_of(c) not in unused}
         fields["wrappers"] = {role: w for role, w in fields["wrappers"].items() if role not in unused}
         fields["tp"] = {c: t for c, t in fields["tp"].items() if role_of(c) not in unused}
+        fields["pp"] = {c: p for c, p in fields["pp"].items() if role_of(c) not in unused}
         return PlacementPlan.from_dict(fields)
 
     def check_roles(self, roles: tuple[str, ...], algorithm: str) -> None:

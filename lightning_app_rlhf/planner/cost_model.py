@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
+from lightning_app_rlhf.parallel.pipeline import check_pipeline_parallel
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
@@ -84,11 +85,11 @@ class PlanChoice:
 
 
 def call_ranks(plan: PlacementPlan) -> list[str]:
-    """``["actor.generate 0-7 tp4", "reference.forward 0-3", ...]``: every call of ``plan`` by its full name with its
-    ranks and its tensor-parallel degree where above 1, in phase order. The planner's tables, labels and sweep print
-    calls this way (the tuner's log line and the placement summary name them the same)."""
-    return [f"{call} {ranks_text(plan.ranks(call))}" + (f" tp{plan.tp_degree(call)}" if plan.tp_degree(call) > 1 else "")
-            for call in calls_of(plan.roles)]
+    """``["actor.generate 0-7 tp4", "reference.forward 0-3", "actor.train 0-7 pp2 1f1b", ...]``: every call of
+    ``plan`` by its full name with its ranks and its tensor- and pipeline-parallel degrees where above 1
+    (:meth:`PlacementPlan.layout_text`), in phase order. The planner's tables, labels and sweep print calls this way
+    (the tuner's log line and the placement summary name them the same)."""
+    return [f"{call} {ranks_text(plan.ranks(call))}{plan.layout_text(call)}" for call in calls_of(plan.roles)]
 
 
 def role_wrappers(wrappers: dict[str, str]) -> list[str]:
@@ -313,6 +314,7 @@ class CostModel:
         tensor-parallel replica within a node (its all-reduces run at every layer: NVLink, not the network)."""
         plan.check_roles(self.workload.roles, self.workload.algorithm)
         check_tensor_parallel(plan)  # what the engine runs: TP training only over FSDP2, ...
+        check_pipeline_parallel(plan)  # ... and no pipelined call yet
         for call, t in plan.tp.items():
             if self.workload.shape(role_of(call)) is None:
                 raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a Python function.")

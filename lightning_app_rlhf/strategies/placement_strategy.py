@@ -34,6 +34,7 @@ from lightning_app_rlhf.checkpoint.format import (
 )
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
 from lightning_app_rlhf.parallel.heartbeat import before_exit
+from lightning_app_rlhf.parallel.pipeline import check_pipeline_parallel
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import create_placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -132,6 +133,7 @@ class PlacementStrategy(PlacementProcesses, ParallelStrategy):
                              f"{self.world_size} ranks, or launch {plan.world_size} processes.")
         plan.check_roles(module.algorithm.roles, module.algorithm.name)
         check_tensor_parallel(plan)
+        check_pipeline_parallel(plan)
         module.placed_roles = PlacedRoles(create_placement(plan, self.global_rank, self.root_device, self._timeout))
         self.placement_plan = plan
 
