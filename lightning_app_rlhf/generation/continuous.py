@@ -163,7 +163,7 @@ class ContinuousBackend(GenerationBackend):
         num_layers = _check_full_attention(model)
         slots = min(rows, config.batch_size or rows)
         cache = SlotCache(num_layers, slots, prompt_length + steps)
-        seeds = keyed_seeds(request.keys).to(device) if config.do_sample else None
+        seeds = keyed_seeds(request.keys).to(device)  # greedy decoding reads none
         tokens = torch.full((rows, steps), pad_token_id, dtype=input_ids.dtype, device=device)
         logprobs = torch.zeros(rows, steps, device=device)
         lengths = [0] * rows
@@ -198,9 +198,8 @@ class ContinuousBackend(GenerationBackend):
                 solo = model(input_ids=prompt, position_ids=torch.arange(prompt.shape[1], device=device)[None],
                              use_cache=True, logits_to_keep=1, **cache_kwargs(DynamicCache()))
                 occupant[slot] = row
-                row_seed = None if seeds is None else seeds[row : row + 1]
-                token, logprob = next_token(solo.logits[:, -1, :], config, row_seed, first_column, no_row_done[:1],
-                                            pad_token_id)
+                token, logprob = next_token(solo.logits[:, -1, :], config, seeds[row : row + 1], first_column,
+                                            no_row_done[:1], pad_token_id)
                 if not record(slot, token[0], logprob[0], bool(torch.isin(token, request.stops.token_ids))):
                     cache.fill(slot, returned_cache(solo))
                     return
@@ -213,12 +212,11 @@ class ContinuousBackend(GenerationBackend):
         while cache.occupied:
             n = cache.occupied
             running = [occupant[slot] for slot in range(n)]
-            running_seeds = None if seeds is None else seeds[running]
             columns = torch.tensor([lengths[row] for row in running], device=device)  # each row's own step
             out = model(input_ids=last[:n].unsqueeze(-1), attention_mask=cache.attention_mask(dtype),
                         position_ids=cache.positions[:n].unsqueeze(-1).clone(), use_cache=True,
                         **cache_kwargs(cache))
-            token, logprob = next_token(out.logits[:, -1, :], config, running_seeds, columns, no_row_done[:n],
+            token, logprob = next_token(out.logits[:, -1, :], config, seeds[running], columns, no_row_done[:n],
                                         pad_token_id)
             cache.positions[:n] += 1
             stop_ids = torch.isin(token, request.stops.token_ids).tolist()
