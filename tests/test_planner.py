@@ -660,7 +660,8 @@ def test_frozen_roles_sharded_with_fsdp2_hold_a_shard_per_rank():
 
 
 def test_llama_33b_and_65b_with_lora_are_plannable_on_one_node():
-    """APP's setting (LoRA 128): sharding the frozen reward model and the actor/critic bases makes 65B fit 1x8."""
+    """APP's setting (LoRA 128): sharding the actor/critic bases, and the frozen reward model or pipelining the calls
+    (each rank a stage), makes 65B fit 1x8."""
     for size in ("llama-33b", "llama-65b"):
         result = plan_placement(
             parse_cluster("1x8xA100-80GB"),
@@ -669,7 +670,8 @@ def test_llama_33b_and_65b_with_lora_are_plannable_on_one_node():
         )
         best = result.best
         assert best.estimate.fits and best.estimate.peak_bytes <= 0.9 * 80 * 2**30
-        assert best.plan.wrappers["actor"] == "fsdp2" and best.plan.wrappers.get("reward") == "fsdp2"
+        assert best.plan.wrappers["actor"] == "fsdp2"
+        assert best.plan.wrappers.get("reward") == "fsdp2" or best.plan.pp_degree("reward.forward") > 1
 
 
 # ---------------------------------------------------------------- critic-free workloads (GRPO and friends)

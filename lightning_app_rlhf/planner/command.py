@@ -542,9 +542,9 @@ def print_report(report: PlanReport) -> None:
 
 
 def _call_cell(plan: PlacementPlan, call: str) -> str:
-    """A call's ranks, with its tensor-parallel degree where above 1 (``0-7 tp4``: two replicas of 4 ranks)."""
-    t = plan.tp_degree(call)
-    return ranks_text(plan.ranks(call)) + (f" tp{t}" if t > 1 else "")
+    """A call's ranks, with its tensor- and pipeline-parallel degrees where above 1 (``0-7 tp4``: two replicas of 4
+    ranks; ``0-15 tp8 pp2 1f1b``: one replica of two 8-way stages)."""
+    return ranks_text(plan.ranks(call)) + plan.layout_text(call)
 
 
 def summary_lines(report: PlanReport, candidates: list[Candidate]) -> list[str]:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
-from lightning_app_rlhf.parallel.pipeline import check_pipeline_parallel
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
@@ -265,26 +264,31 @@ class CostModel:
             holders = {r for c in plan.calls if role_of(c) == role for r in plan.ranks(c)}
             reference_on_actor = role == REFERENCE.name and self._reference_on_actor(plan)
             whole = w.held_params(role) * shape.dtype_bytes
-            t = plan.tp_degree(f"{role}.train") if trainable else 1  # DP x TP training: FSDP2 over n / t replicas
+            # The call that lays the role out on its group: DP x TP x PP training, a frozen role's forward.
+            home = f"{role}.train" if trainable else f"{role}.forward"
+            t = plan.tp_degree(home) if trainable else 1  # DP x TP training: FSDP2 over n / t replicas
+            p = plan.pp_degree(home) if home in plan.calls else 1  # a pipeline stage holds 1/p of the layers
             for rank in sorted(holders):
                 row = rows[rank]
                 if reference_on_actor:
                     row.roles[role] = "actor base, adapters off"
                 elif rank in group:
-                    dp, dp_rank = n // t, group.index(rank) // t
+                    dp, dp_rank = n // (t * p), group.index(rank) // (t * p)
                     weights, grads, optimizer = self.role_bytes(role, wrapper, dp, dp_rank)
-                    row.weights += weights // t
-                    row.grads += grads // t
-                    row.optimizer += optimizer // t
+                    row.weights += weights // (t * p)
+                    row.grads += grads // (t * p)
+                    row.optimizer += optimizer // (t * p)
                     sharded = _shards_params(wrapper) and dp > 1
-                    tp = f" tp{t}" if t > 1 else ""
+                    layout = (f" tp{t}" if t > 1 else "") + (f" stage 1/{p}" if p > 1 else "")
                     if trainable:
-                        row.roles[role] = (f"shard 1/{dp} {wrapper}" if sharded else f"trained {wrapper}") + tp
+                        row.roles[role] = (f"shard 1/{dp} {wrapper}" if sharded else f"trained {wrapper}") + layout
                     else:
-                        row.roles[role] = (f"frozen shard 1/{dp} {wrapper}" if sharded else "frozen") + tp
+                        row.roles[role] = (f"frozen shard 1/{dp} {wrapper}" if sharded else "frozen") + layout
                 else:
-                    row.weights += whole
-                    row.roles[role] = "shadow" if trainable else "frozen"
+                    # A frozen role held whole by a pipelined forward holds its stage only; shadows stay whole.
+                    stage = p if not trainable and rank in plan.ranks(home) else 1
+                    row.weights += whole // stage
+                    row.roles[role] = ("shadow" if trainable else "frozen") + (f" stage 1/{stage}" if stage > 1 else "")
                 # A generate / forward call with a degree runs on a tensor-parallel copy of its own, beside the
                 # role's module (which a shadow's refresh and the wrapper still need): 1/t of the weights more.
                 for call in plan.tp:
@@ -310,11 +314,19 @@ class CostModel:
         return self._role_bytes[key]
 
     def check_plan(self, plan: PlacementPlan) -> None:
-        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles and keeps every
-        tensor-parallel replica within a node (its all-reduces run at every layer: NVLink, not the network)."""
+        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles, cuts pipelined
+        calls into at most one stage per layer, and keeps every tensor-parallel replica within a node (its all-reduces
+        run at every layer: NVLink, not the network). A pipeline may span nodes: it sends one micro-batch's
+        activations per stage boundary, the way ReaLHF grows a call past a node."""
         plan.check_roles(self.workload.roles, self.workload.algorithm)
-        check_tensor_parallel(plan)  # what the engine runs: TP training only over FSDP2, ...
-        check_pipeline_parallel(plan)  # ... and no pipelined call yet
+        check_tensor_parallel(plan)  # what the engine runs: TP training only over FSDP2
+        for call, p in plan.pp.items():
+            shape = self.workload.shape(role_of(call))
+            if shape is None:
+                raise ValueError(f"Call {call!r} has a pipeline-parallel degree, but its role is a Python function.")
+            if p > shape.layers:
+                raise ValueError(f"Call {call!r} has pipeline-parallel degree {p}, more than the {shape.layers} "
+                                 "decoder layers it is cut at: use pp <= the number of layers.")
         for call, t in plan.tp.items():
             if self.workload.shape(role_of(call)) is None:
                 raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a Python function.")
@@ -336,11 +348,17 @@ class CostModel:
             shadows, train = plan.shadow_ranks(role), plan.ranks(f"{role}.train")
             if shadows:
                 ranks |= {*shadows, train[0]}
-            sharded = ((_shards_params(plan.wrappers.get(role)) and len(train) > 1)
-                       or plan.tp_degree(f"{role}.train") > 1)
-            if sharded and (shadows or relayout_calls(plan, role)):
+            if CostModel._split_training(plan, role) and (shadows or relayout_calls(plan, role)):
                 ranks |= set(train)
         return ranks
+
+    @staticmethod
+    def _split_training(plan: PlacementPlan, role: str) -> bool:
+        """Whether ``role``'s training layout splits its weights over its train ranks (FSDP2 / ZeRO-3 shards, tensor
+        parallelism, pipeline stages): its other layouts then need the full weights gathered first."""
+        train = f"{role}.train"
+        return ((_shards_params(plan.wrappers.get(role)) and len(plan.ranks(train)) > 1)
+                or plan.tp_degree(train) > 1 or plan.pp_degree(train) > 1)
 
     def transient(self, choice: PlanChoice, call: str) -> tuple[int, int]:
         """(activation bytes, KV-cache bytes) one rank needs while it runs ``call``."""
@@ -348,8 +366,8 @@ class CostModel:
         shape = w.shape(role_of(call))
         if shape is None:
             return 0, 0
-        t = plan.tp_degree(call)
-        n = len(plan.ranks(call)) // t  # data-parallel replicas: each shards the batch, t ranks per replica
+        t, p = plan.tp_degree(call), plan.pp_degree(call)
+        n = len(plan.ranks(call)) // (t * p)  # data-parallel replicas: each shards the batch, t x p ranks per replica
         s, db = w.sequence_length, shape.dtype_bytes
         gathered = 2 * shape.param_bytes // shape.layers if self._sharded_call(plan, call) else 0
         if call == ACTOR.call("generate"):
@@ -370,14 +388,21 @@ class CostModel:
             head = 2 * b * w.response_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
             attention = 0 if w.flash_attention else shape.heads * s * s * b * db // t
             return 4 * b * s * shape.hidden * db + attention + head + gathered, 0
-        b = self._micro(choice, ceil_div(w.samples // w.num_minibatches, n))
+        local = ceil_div(w.samples // w.num_minibatches, n)
+        b = self._micro(choice, local)
         scores = 0 if w.flash_attention else 2.5 * shape.heads * s * s * b / t
         # Korthikanti et al. 2022, without recompute: 10 sbh bytes replicated, 24 sbh split by tensor parallelism.
         per_layer = ((5 + 12 / t) * s * b * shape.hidden + scores) * db
         head = 3 * b * w.response_length * shape.head_outputs * 4 // t if shape.kind == "causal_lm" else 0
+        # A pipeline stage holds 1/p of the layers, for the micro-batches in flight: 1F1B's first stage keeps p of
+        # them (Narayanan et al. 2021, section 2.2.2), GPipe every micro-batch of the minibatch.
+        layers = ceil_div(shape.layers, p)
+        if p > 1:
+            micro = ceil_div(local, b)
+            layers *= min(micro, p) if plan.pipeline_schedule == "1f1b" else micro
         if w.gradient_checkpointing:  # every layer's input, plus one layer recomputed in full
-            return int(shape.layers * s * b * shape.hidden * db + per_layer + head) + gathered, 0
-        return int(shape.layers * per_layer + head) + gathered, 0
+            return int(layers * s * b * shape.hidden * db + per_layer + head) + gathered, 0
+        return int(layers * per_layer + head) + gathered, 0
 
     @staticmethod
     def _micro(choice: PlanChoice, shard: int) -> int:
@@ -514,13 +539,39 @@ class CostModel:
 
     def tp_pass_s(self, plan: PlacementPlan, call: str, shape: RoleShape, tokens: int, passes: int = 1) -> float:
         """Tensor-parallel communication of ``passes`` forward passes over ``tokens`` tokens (all sequences of the
-        micro-batch together): :data:`TP_ALL_REDUCES_PER_LAYER` all-reduces of the activations per layer."""
+        micro-batch together): :data:`TP_ALL_REDUCES_PER_LAYER` all-reduces of the activations per layer (of a
+        pipeline stage's layers, for a pipelined call)."""
         t = plan.tp_degree(call)
         if t <= 1:
             return 0.0
         replica = plan.ranks(call)[:t]
         per_layer = TP_ALL_REDUCES_PER_LAYER * self.tp_all_reduce_s(replica, tokens * shape.hidden * shape.dtype_bytes)
-        return passes * shape.layers * per_layer
+        return passes * ceil_div(shape.layers, plan.pp_degree(call)) * per_layer
+
+    def pipeline_send_s(self, plan: PlacementPlan, call: str, shape: RoleShape, tokens: int) -> float:
+        """One stage boundary's send of a micro-batch of ``tokens`` tokens' activations (or their gradients) between
+        two consecutive stages of the call's first pipeline (stage ``s`` is ranks ``[s * t, (s + 1) * t)`` of it,
+        each tensor-parallel rank sending its own ``1/t``), at the slowest boundary's bandwidth."""
+        t, p = plan.tp_degree(call), plan.pp_degree(call)
+        if p <= 1:
+            return 0.0
+        stages = plan.ranks(call)[: t * p : t]
+        return tokens * shape.hidden * shape.dtype_bytes / t / self.cluster.bandwidth(stages) + self.collective_latency
+
+    def pipelined(self, plan: PlacementPlan, call: str, shape: RoleShape, micro_tokens: list[int],
+                  passes: int) -> tuple[float, float]:
+        """(bubble factor, send seconds) of a pipelined call over micro-batches of ``micro_tokens`` tokens each.
+
+        Both schedules (GPipe, 1F1B) run ``m`` micro-batches over ``p`` stages in the time of ``m + p - 1`` stage
+        steps: the bubble is ``(p - 1) / m`` of the work (Narayanan et al. 2021, "Efficient Large-Scale Language
+        Model Training on GPU Clusters Using Megatron-LM", section 2.2). Each step sends a micro-batch's activations
+        forward (and, in training, their gradients back: ``passes`` = 2) over a stage boundary. (1.0, 0.0) for an
+        unpipelined call."""
+        p, m = plan.pp_degree(call), len(micro_tokens)
+        if p <= 1 or m == 0:
+            return 1.0, 0.0
+        largest = max(micro_tokens)
+        return (m + p - 1) / m, (m + p - 1) * passes * self.pipeline_send_s(plan, call, shape, largest)
 
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
         if len(ranks) <= 1:
@@ -534,7 +585,8 @@ class CostModel:
         w, plan = self.workload, choice.plan
         ranks = plan.ranks(call)
         t = plan.tp_degree(call)
-        n = len(ranks) // t  # data-parallel replicas; each of a replica's t ranks computes 1/t of every op
+        # Data-parallel replicas; each of a replica's t x p ranks computes 1/t of 1/p of the layers of every op.
+        n = len(ranks) // (t * plan.pp_degree(call))
         role = role_of(call)
         shape = w.shape(role)
         local = ceil_div(w.samples, n)
@@ -556,14 +608,18 @@ class CostModel:
             return local * per_sample, 0.0
         if call.endswith(".forward"):
             b = self._micro(choice, local)
-            compute = sum(
-                op_time("forward", min(b, local - i), w.sequence_length) / t
+            p = plan.pp_degree(call)
+            micro_tokens = [min(b, local - i) * w.sequence_length for i in range(0, local, b)]
+            bubble, sends = self.pipelined(plan, call, shape, micro_tokens, passes=1)
+            compute = bubble * sum(
+                op_time("forward", min(b, local - i), w.sequence_length) / (t * p)
                 for i in range(0, local, b)
             )
-            comm = sum(tp_pass_s(min(b, local - i) * w.sequence_length)
-                       for i in range(0, local, b))
+            comm = sends + sum(tp_pass_s(tokens) for tokens in micro_tokens)
+            if p > 1:  # the last stage's results (a float per response token) to the pipeline's other stages
+                comm += self.broadcast_s(ranks[: t * p : t], 4 * local * w.response_length)
             if sharded:
-                comm += ceil_div(local, b) * self.sharded_gather_s(ranks[::t], shape, t)
+                comm += ceil_div(local, b) * self.sharded_gather_s(ranks[:: t * p], shape, t * p)
             return compute, comm
         return self._train_time(choice, call, shape, ranks)
 
@@ -602,9 +658,10 @@ class CostModel:
         self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
     ) -> tuple[float, float]:
         plan = choice.plan
-        t = plan.tp_degree(call)
-        w, n = self.workload, len(ranks) // t  # DP x TP: n replicas of t ranks; the wrapper works over the n
-        dp_ranks = ranks[::t]  # one TP rank's data-parallel group
+        t, p = plan.tp_degree(call), plan.pp_degree(call)
+        # DP x TP x PP: n replicas of t x p ranks (TP innermost, then the stages); the wrapper works over the n.
+        w, n = self.workload, len(ranks) // (t * p)
+        dp_ranks = ranks[:: t * p]  # one (TP rank, stage)'s data-parallel group
         wrapper = WRAPPERS[plan.wrappers[role_of(call)]]
         local = ceil_div(w.samples // w.num_minibatches, n)
         b = self._micro(choice, local)
@@ -612,33 +669,37 @@ class CostModel:
         micro_steps = ceil_div(local, b)
         op_time = functools.cache(functools.partial(self.op_time, shape))  # as in call_time: once per chunk size
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
-        compute = sum(
-            op_time("train", min(b, local - i), w.sequence_length) / t for i in range(0, local, b)
+        micro_tokens = [min(b, local - i) * w.sequence_length for i in range(0, local, b)]
+        bubble, sends = self.pipelined(plan, call, shape, micro_tokens, passes=2)
+        compute = bubble * sum(
+            op_time("train", min(b, local - i), w.sequence_length) / (t * p) for i in range(0, local, b)
         )
         # Forward and backward (and the recomputed forward with gradient checkpointing) all-reduce activations.
         passes = 2 + w.gradient_checkpointing
-        tp_comm = sum(tp_pass_s(min(b, local - i) * w.sequence_length, passes)
-                      for i in range(0, local, b))
-        trained = ceil_div(w.trainable_params(role_of(call)), t)
+        tp_comm = sends + sum(tp_pass_s(tokens, passes) for tokens in micro_tokens)
+        trained = ceil_div(w.trainable_params(role_of(call)), t * p)
         local_params = ceil_div(trained, n) if wrapper.shards_optimizer and n > 1 else trained
         compute += op_time("optimizer", local_params, 0)
         trained_bytes = trained * shape.dtype_bytes
         if wrapper.shards_params:  # gather for forward and backward, reduce-scatter grads, per micro-batch
             comm = micro_steps * (
-                2 * self.sharded_gather_s(dp_ranks, shape, t) + self.all_gather_s(dp_ranks, trained_bytes)
+                2 * self.sharded_gather_s(dp_ranks, shape, t * p) + self.all_gather_s(dp_ranks, trained_bytes)
             )
             comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
-            measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" and t == 1 else None
+            measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" and t == p == 1 else None
             comm = measured if measured is not None else self.all_reduce_s(dp_ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
         compute, comm = steps * compute, steps * (comm + tp_comm) + stats
         if call == ACTOR.call("train") and w.recompute_old_logprobs:  # before the update: the trainer's log-probs
             share = ceil_div(w.samples, n)
-            compute += sum(op_time("forward", min(b, share - i), w.sequence_length) / t
-                           for i in range(0, share, b))
+            forward_tokens = [min(b, share - i) * w.sequence_length for i in range(0, share, b)]
+            forward_bubble, forward_sends = self.pipelined(plan, call, shape, forward_tokens, passes=1)
+            compute += forward_bubble * sum(op_time("forward", min(b, share - i), w.sequence_length) / (t * p)
+                                            for i in range(0, share, b))
+            comm += forward_sends
             if wrapper.shards_params:
-                comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t)
+                comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t * p)
             comm += self.all_reduce_s(ranks, 4 * w.samples * w.response_length)
         return compute, comm
 
@@ -663,7 +724,7 @@ class CostModel:
             return (), 0.0
         train = plan.ranks(f"{role}.train")
         moved = self.workload.trainable_params(role) * shape.dtype_bytes  # only trainable parameters move
-        sharded = (_shards_params(plan.wrappers[role]) and len(train) > 1) or plan.tp_degree(f"{role}.train") > 1
+        sharded = self._split_training(plan, role)
         local_copy_bandwidth = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
         seconds, ranks = 0.0, set()
         if shadows:
@@ -701,7 +762,7 @@ class CostModel:
             return 0.0
         train = plan.ranks(f"{role}.train")
         moved = self.workload.trainable_params(role) * shape.dtype_bytes
-        sharded = (_shards_params(plan.wrappers[role]) and len(train) > 1) or plan.tp_degree(f"{role}.train") > 1
+        sharded = self._split_training(plan, role)
         gather = self.all_gather_s(train, moved) if sharded else 0.0
         return gather + moved / (self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY)
 

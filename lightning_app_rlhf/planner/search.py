@@ -7,7 +7,8 @@ user's), runs the searches, and returns a :class:`PlannerResult` whose
 Both searches are deterministic: the grid has no randomness, and the MCMC chain runs exactly its ``steps`` proposals
 under a seed and reads no clock (an optional wall-time limit is an outer safety, reported in the result's rules
 when it ends the chain). Every plan is searched with its tensor-parallel degrees per call (powers of two up to a
-node) and, for a sharded actor generating on its own train group, with both unshard choices.
+node), its pipeline-parallel degrees per train and scoring call (powers of two up to the nodes' count times a node's
+devices, and the layers), and, for a sharded actor generating on its own train group, with both unshard choices.
 They place the workload's roles only: a critic-free workload (``Workload(critic=None)``) gets plans without
 ``critic.*`` calls.
 """
@@ -407,10 +408,21 @@ def tp_degrees(model: CostModel) -> list[int]:
     return [t for t in (2**k for k in range(per_node.bit_length())) if t <= per_node and all(h % t == 0 for h in heads)]
 
 
+def pp_degrees(model: CostModel) -> list[int]:
+    """Pipeline-parallel degrees the search gives a train or scoring call: powers of two up to the cluster's devices
+    that leave every modelled role at least one decoder layer per stage. ``actor.generate`` stays data x tensor
+    parallel (as in ReaLHF: a pipeline would idle its stages at every decoding step)."""
+    layers = [s.layers for r in model.workload.roles if (s := model.workload.shape(r)) is not None]
+    most = min([model.cluster.world_size, *layers])
+    return [2**k for k in range(most.bit_length()) if 2**k <= most]
+
+
 def tp_variants(model: CostModel, plan: PlacementPlan) -> list[PlacementPlan]:
     """``plan`` (its own degrees) and, for every degree ``t > 1`` of :func:`tp_degrees`: generation alone ``t``-way
-    tensor parallel, generation and the scoring forwards, and every call (training DP x TP). Degrees a call's group
-    cannot take, or replicas that would span nodes, are left out."""
+    tensor parallel, generation and the scoring forwards, and every call (training DP x TP). Then each of these with
+    every train and scoring call pipelined ``p``-way, for every degree ``p > 1`` of :func:`pp_degrees` (DP x TP x
+    PP: a call grows past a node by its stages, where tensor parallelism would cross nodes). Degrees a call's group
+    cannot take, or tensor-parallel replicas that would span nodes, are left out."""
     out = [plan]
     generate = ACTOR.call("generate")
     modelled = [c for c in plan.calls if model.workload.shape(role_of(c)) is not None]  # a reward function: no TP
@@ -423,6 +435,18 @@ def tp_variants(model: CostModel, plan: PlacementPlan) -> list[PlacementPlan]:
             try:
                 # Generation on its TP copy never gathers shards: the unshard choice no longer applies.
                 variant = dataclasses.replace(plan, tp={**plan.tp, **tp}, unshard_for_generation=True)
+                model.check_plan(variant)
+            except ValueError:
+                continue
+            if variant not in out:
+                out.append(variant)
+    for base in list(out):
+        for p in pp_degrees(model)[1:]:
+            pp = {c: p for c in modelled if c != generate and len(base.ranks(c)) % (base.tp_degree(c) * p) == 0}
+            if not pp:
+                continue
+            try:
+                variant = dataclasses.replace(base, pp={**base.pp, **pp})
                 model.check_plan(variant)
             except ValueError:
                 continue
@@ -657,7 +681,8 @@ def mcmc_search(
     rng = random.Random(seed)
     groups = device_groups(model.cluster)
     wrappers = _wrappers(model)
-    layout = _StateLayout.of(model.workload, _frozen_choices(model), tp_degrees(model))
+    degrees = [(t, p) for p in pp_degrees(model) for t in tp_degrees(model)]
+    layout = _StateLayout.of(model.workload, _frozen_choices(model), degrees)
     n = model.cluster.world_size
     cache: dict[tuple, Estimate | None] = {}
 
@@ -701,8 +726,13 @@ def mcmc_search(
             proposal[slot] = rng.randrange(len(wrappers))
         elif slot < len(calls) + len(trainable) + len(layout.frozen):
             proposal[slot] = rng.randrange(len(layout.frozen_choices))
-        else:
-            proposal[slot] = rng.randrange(len(layout.degrees))
+        else:  # one of the call's two degrees: a neighbour of the layout, not a jump across both
+            t, p = layout.degrees[current[slot]]
+            if rng.random() < 0.5:
+                t = rng.choice(sorted({d[0] for d in layout.degrees}))
+            else:
+                p = rng.choice(sorted({d[1] for d in layout.degrees}))
+            proposal[slot] = layout.degrees.index((t, p))
         proposal = tuple(proposal)
         new_cost = cost(proposal)
         if math.isinf(new_cost):
@@ -763,11 +793,13 @@ class _StateLayout:
     """The workload's frozen roles."""
     frozen_choices: tuple[str | None, ...] = (None,)
     """A frozen role's options (:func:`_frozen_choices`): held whole, or a wrapper that shards it."""
-    degrees: tuple[int, ...] = (1,)
-    """A call's tensor-parallel degrees (:func:`tp_degrees`); the state's last entries index them, one per call."""
+    degrees: tuple[tuple[int, int], ...] = ((1, 1),)
+    """A call's (tensor-, pipeline-parallel) degrees (:func:`tp_degrees` x :func:`pp_degrees`), (1, 1) first; the
+    state's last entries index them, one per call."""
 
     @classmethod
-    def of(cls, workload: Workload, frozen_choices: list[str | None], degrees: list[int]) -> _StateLayout:
+    def of(cls, workload: Workload, frozen_choices: list[str | None],
+           degrees: list[tuple[int, int]]) -> _StateLayout:
         return cls(workload.calls, workload.trainable, _frozen_roles(workload), tuple(frozen_choices), tuple(degrees))
 
     @property
@@ -791,9 +823,10 @@ def _evaluate_state(
                 return None
             roles[role] = frozen
     offset += len(layout.frozen)
-    tp = {c: layout.degrees[state[offset + i]] for i, c in enumerate(layout.calls)}
+    tp = {c: layout.degrees[state[offset + i]][0] for i, c in enumerate(layout.calls)}
+    pp = {c: layout.degrees[state[offset + i]][1] for i, c in enumerate(layout.calls)}
     try:
-        plan = PlacementPlan(n, calls, roles, name="mcmc", tp=tp)
+        plan = PlacementPlan(n, calls, roles, name="mcmc", tp=tp, pp=pp)
         model.check_plan(plan)
     except ValueError:
         return None  # ranks left idle, a sharded role split across its own group, a degree that does not fit
@@ -807,7 +840,7 @@ def _state_of(plan: PlacementPlan, layout: _StateLayout, groups: list, wrappers:
         calls = [index[plan.ranks(c)] for c in layout.calls]
         trained = [wrappers.index(plan.wrappers[r]) for r in layout.trainable]
         frozen = [layout.frozen_choices.index(plan.wrappers.get(r)) for r in layout.frozen]
-        degrees = [layout.degrees.index(plan.tp_degree(c)) for c in layout.calls]
+        degrees = [layout.degrees.index((plan.tp_degree(c), plan.pp_degree(c))) for c in layout.calls]
     except (KeyError, ValueError):
         return None
     return (*calls, *trained, *frozen, *degrees)
