@@ -6,13 +6,15 @@ digits). A row is ``{"prompt": [system, *EXAMPLE, user], "answer": "9716"}``; ``
 keyword.
 
 The prompt shows one solved episode (:data:`EXAMPLE`: a question, the tool call, the tool's result, the answer) as
-earlier chat turns. Without it SmolLM2-135M never calls the tool, greedy or sampled, whatever the system prompt says
-(0 of 20 held-out questions greedy, 0 of 32 sampled episodes, with the call format shown in the system prompt or with
-the Hermes tool description); with it, it writes a tool call in half of its greedy episodes, though not yet one the
-tool accepts, and does not answer right by itself: room for RL to learn.
+earlier chat turns, after a system prompt that spells out the call's format (:data:`SYSTEM`). Without the example
+SmolLM2-135M never calls the tool, greedy or sampled, whatever the system prompt says (0 of 20 held-out questions
+greedy, 0 of 32 sampled episodes). With the example and a one-line system prompt it calls the tool in 40% of its
+greedy episodes but never with the right arguments (0 of 20 right greedy, 0 of 64 sampled episodes right): no signal
+for GRPO. With the format spelled out too, 9 of 20 held-out questions are right greedy before any training, and 5 of
+64 sampled episodes (seed 1): rare right answers that GRPO can learn from.
 
 The environment (:func:`environment`) is ``ToolEnvironment([calculator], describe_tools=False)``: the tool is
-described by the example alone, not by the Hermes preamble that ``ChatRenderer`` would put into the system message
+described by the system prompt and the example, not by the Hermes preamble that ``ChatRenderer`` would put into the system message
 for a template without tool support (SmolLM2's): that preamble is 200 tokens, most of every sequence on CPU.
 
 The reward reads the final answer: 1.0 when the last number of the episode's final assistant turn (the one without a
@@ -27,7 +29,10 @@ from typing import Any
 
 from lightning_app_rlhf.agents import ToolEnvironment
 
-SYSTEM = "You are a helpful assistant with a calculator tool. Call it for any arithmetic, then answer with its result."
+SYSTEM = ('You are a helpful assistant with a calculator tool. For any arithmetic, reply first with only a tool call: '
+          '<tool_call>{"name": "calculator", "arguments": {"expression": "<the expression>"}}</tool_call>. '
+          'The tool replies with the result. Then answer: "The answer is <the result>."')
+"""Spells out the call's format and the answer's: with the example alone, sampled episodes are rarely right."""
 EXAMPLE = [
     {"role": "user", "content": "What is 123 * 45?"},
     {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}'
