@@ -145,4 +145,4 @@ def test_smollm2_renders_the_example_then_the_question():
     assert text.startswith(f"<|im_start|>system\n{task.SYSTEM}<|im_end|>\n<|im_start|>user\nWhat is 123 * 45?")
     assert "<|im_start|>tool\n5535<|im_end|>" in text and "<tools>" not in text
     assert text.endswith("<|im_start|>user\nWhat is 347 * 28?<|im_end|>\n<|im_start|>assistant\n")
-    assert len(renderer.prompt_ids(env.reset(row))) < 140
+    assert len(renderer.prompt_ids(env.reset(row))) < 180  # the Hermes preamble alone would add 200
