@@ -213,7 +213,7 @@ def calculator_module(settings: Any, model_dir: str, gguf_file: str, tokenizer: 
 def arguments() -> argparse.ArgumentParser:
     """The command line; its defaults are the agent race's (``AgentPeerSettings``, the same names)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=5, help="GRPO iterations")
+    parser.add_argument("--iterations", type=int, default=3, help="GRPO iterations")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per iteration")
     parser.add_argument("--num-samples", type=int, default=8, help="episodes per prompt (group size G)")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="longest assistant turn, in tokens")

@@ -163,7 +163,7 @@ class AgentPeerSettings:
     :class:`~lightning_app_rlhf.bench.smollm2_race.RaceSettings`' do; the episode fields what our ``AgentConfig``'s
     and ``GenerationConfig``'s do."""
 
-    iterations: int = 5
+    iterations: int = 3
     """GRPO iterations: one generation of ``batch_size`` prompts x ``num_samples`` episodes each."""
     batch_size: int = 4
     """Prompts per iteration."""
