@@ -69,3 +69,20 @@ def check_pipeline_parallel(plan: PlacementPlan) -> None:
                     f"Call {call!r} is pipelined (pp={plan.pp_degree(call)}) on ranks {list(plan.ranks(call))}, but "
                     f"not on {train!r}'s pipelines: a trained role's scoring call is pipelined only on the stages "
                     f"that train it. Give {call!r} the ranks and pp of {train!r}, or remove {call!r} from `pp`.")
+
+
+def check_pipelined_checkpoint(plan: PlacementPlan) -> None:
+    """Raise a ``ValueError`` naming the fix when a checkpoint would hold a pipelined role: a checkpoint takes each
+    role whole from its owner rank, which holds one stage of a pipelined role, so it would lose the other stages.
+    (The weights gather by name, :func:`~.pipeline_weights.gather_full_state_dict`; the optimizer state per stage
+    has no by-name writer yet.)
+
+    Args:
+        plan: The placement plan of the run being saved.
+    """
+    if plan.pp:
+        raise ValueError(f"The plan pipelines {sorted(plan.pp)}, and checkpoints of a pipelined role are not written "
+                         "yet (a role's owner rank holds only its first stage, and its optimizer state lives per "
+                         "stage). Train this plan without checkpoints (--trainer.enable_checkpointing false, no "
+                         "ModelCheckpoint callback, and --model.preemption_checkpoint false where the job may be "
+                         "preempted), or remove `pp` from the plan to checkpoint.")
