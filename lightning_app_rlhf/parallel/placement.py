@@ -75,10 +75,6 @@ class Placement:
             that this rank runs.
         dp_groups: Train call name -> the group of the ranks that hold this rank's tensor slice in every replica (the
             data dimension of its 2-D mesh), for the train calls with a tensor-parallel degree that this rank runs.
-        pipelines: Call name -> this rank's pipeline (:class:`~lightning_app_rlhf.parallel.pipeline.PipelineGroup`),
-            for the calls with a pipeline-parallel degree that this rank runs.
-        stage_groups: Pipelined train call name -> the group of the ranks that hold this rank's stage in every
-            pipeline (None with one pipeline): their gradients are summed over it.
         namespace: The same string on every rank, different for every placement created: a free-running plan's keys
             in the job's store start with it, so that a later fit in the same processes reads none of this one's.
     """
@@ -94,8 +90,6 @@ class Placement:
         tp_groups: dict[str, dist.ProcessGroup] | None = None,
         dp_groups: dict[str, dist.ProcessGroup] | None = None,
         namespace: str = "",
-        pipelines: dict[str, Any] | None = None,
-        stage_groups: dict[str, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.plan = plan
         self.namespace = namespace
@@ -106,8 +100,6 @@ class Placement:
         self.reallocation_groups = reallocation_groups or {}
         self.tp_groups = tp_groups or {}
         self.dp_groups = dp_groups or {}
-        self.pipelines = pipelines or {}
-        self.stage_groups = stage_groups or {}
 
     @classmethod
     def single_process(cls, device: torch.device | None = None, roles: tuple[str, ...] | None = None) -> Placement:
@@ -152,28 +144,17 @@ class Placement:
         """Ranks per tensor-parallel replica of ``call`` (1: every rank is its own replica)."""
         return self.plan.tp_degree(call)
 
-    def pp_degree(self, call: str) -> int:
-        """Pipeline stages of ``call`` (1: not pipelined)."""
-        return self.plan.pp_degree(call)
-
-    def replica_width(self, call: str) -> int:
-        """Ranks per data-parallel replica of ``call``: a tensor-parallel replica, or a whole pipeline (the plan
-        refuses both on one call)."""
-        return self.tp_degree(call) * self.pp_degree(call)
-
     def replicas(self, call: str) -> int:
-        """Data-parallel replicas of ``call``: its group size over its tensor- (or pipeline-) parallel degree."""
-        return self.group_size(call) // self.replica_width(call)
+        """Data-parallel replicas of ``call``: its group size over its tensor-parallel degree."""
+        return self.group_size(call) // self.tp_degree(call)
 
     def replica(self, call: str) -> int:
-        """This rank's replica of ``call``: replica ``i`` is the call's ranks ``[i * w, (i + 1) * w)``, ``w`` its
-        :meth:`replica_width` (a pipeline's stages are consecutive ranks)."""
-        return self.group_rank(call) // self.replica_width(call)
+        """This rank's replica of ``call``: replica ``i`` is the call's ranks ``[i * t, (i + 1) * t)``."""
+        return self.group_rank(call) // self.tp_degree(call)
 
     def replica_leaders(self, call: str) -> tuple[int, ...]:
-        """The first global rank of each replica of ``call``, in replica order: the ranks whose rows are gathered (a
-        pipeline's first stage holds its scoring results too: the last stage broadcasts them)."""
-        return self.plan.ranks(call)[:: self.replica_width(call)]
+        """The first global rank of each replica of ``call``, in replica order: the ranks whose rows are gathered."""
+        return self.plan.ranks(call)[:: self.tp_degree(call)]
 
     def tp_group(self, call: str) -> dist.ProcessGroup | None:
         """The process group of this rank's replica of ``call`` (None without tensor parallelism)."""
@@ -305,9 +286,8 @@ class Placement:
 
     def all_reduce_sum(self, call: str, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over ``call``'s group (only members call this); with a tensor-parallel degree, over its
-        replicas (the ranks of a replica computed the same values: only the replica's first rank counts); so with a
-        pipeline-parallel degree, whose stages all receive the last stage's values."""
-        if self.replica_width(call) > 1 and self.group_rank(call) % self.replica_width(call):
+        replicas (the ranks of a replica computed the same values: only the replica's first rank counts)."""
+        if self.tp_degree(call) > 1 and self.group_rank(call) % self.tp_degree(call):
             tensor.zero_()
         if self.group_size(call) > 1:
             with self.collective(call, "all-reduce"):
@@ -376,10 +356,8 @@ def create_placement(
     namespace = [f"rlhf_free_running/{uuid.uuid4().hex}" if rank == 0 else None]
     if plan.free_running:
         dist.broadcast_object_list(namespace, src=0)
-    tp_groups, dp_groups = _tp_groups(plan, rank, timeout), _dp_groups(plan, rank, timeout)
-    pipelines, stage_groups = _pipeline_groups(plan, rank, timeout)
-    return Placement(plan, rank, device, groups, reallocation_groups, timeout, tp_groups, dp_groups,
-                     namespace[0] or "", pipelines, stage_groups)
+    return Placement(plan, rank, device, groups, reallocation_groups, timeout, _tp_groups(plan, rank, timeout),
+                     _dp_groups(plan, rank, timeout), namespace[0] or "")
 
 
 def _tp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:
@@ -408,34 +386,6 @@ def _dp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> d
             if rank in column:
                 mine[call] = group
     return mine
-
-
-def _pipeline_groups(plan: PlacementPlan, rank: int,
-                     timeout: datetime.timedelta) -> tuple[dict[str, Any], dict[str, dist.ProcessGroup | None]]:
-    """For each call with a pipeline-parallel degree ``p``: its pipelines (consecutive blocks of ``p`` of its ranks,
-    stage ``s`` on the block's ``s``-th rank) and, for a train call with more than one pipeline, the groups of ranks
-    ``ranks[s::p]`` holding the same stage, over which gradients are summed. Created on every rank in the same order
-    (``new_group`` is collective); returns this rank's, by call."""
-    # Imported here: the pipeline module names this module's failures (a module-level import would be circular).
-    from lightning_app_rlhf.parallel.pipeline import create_pipeline_groups
-
-    pipelines: dict[str, Any] = {}
-    stage_groups: dict[str, dist.ProcessGroup | None] = {}
-    for call in (c for c in CALLS if plan.pp_degree(c) > 1 and c in plan.calls):
-        ranks, degree = plan.ranks(call), plan.pp_degree(call)
-        blocks = [ranks[start : start + degree] for start in range(0, len(ranks), degree)]
-        mine = create_pipeline_groups(blocks, rank, timeout)
-        if mine is not None:
-            pipelines[call] = mine
-        if call.endswith(".train") and len(blocks) > 1:
-            for stage in range(degree):
-                column = list(ranks[stage::degree])
-                group = dist.new_group(column, timeout=timeout)
-                if rank in column:
-                    stage_groups[call] = group
-        elif rank in ranks:
-            stage_groups[call] = None
-    return pipelines, stage_groups
 
 
 def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.device) -> torch.Tensor:

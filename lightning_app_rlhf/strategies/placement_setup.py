@@ -19,7 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
 from lightning_app_rlhf.parallel.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, start_heartbeat
-from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
+from lightning_app_rlhf.parallel.pipeline import check_pipeline_parallel
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, create_placement, world_collective
 from lightning_app_rlhf.parallel.plan import PlacementPlan
