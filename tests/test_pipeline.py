@@ -30,6 +30,7 @@ from lightning_app_rlhf.models.calls import (
     response_logits,
 )
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
+from lightning_app_rlhf.parallel.failures import PlacementError
 from lightning_app_rlhf.parallel.pipeline import (
     PipelinedRole,
     PipelineGroup,
@@ -39,7 +40,6 @@ from lightning_app_rlhf.parallel.pipeline import (
 from lightning_app_rlhf.parallel.pipeline_losses import minibatch_scale, policy_loss_fn, value_loss_fn
 from lightning_app_rlhf.parallel.pipeline_split import PipelineStageModule
 from lightning_app_rlhf.parallel.pipeline_weights import gather_full_state_dict, load_full_state_dict
-from lightning_app_rlhf.parallel.placement import PlacementError
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -390,13 +390,32 @@ def test_plan_pp_refusals_name_the_fix(changes, message):
         PlacementPlan(**_plan_fields(**changes))
 
 
-def test_plan_with_pp_is_refused_by_the_engine_until_it_runs_pipelines():
-    """A plan with pp validates, but the strategies and the planner refuse it (the engine does not run pipelined
-    calls yet): never silently unpipelined. The plan's schedule names are the pipeline's."""
-    from lightning_app_rlhf.parallel.pipeline import SCHEDULES, check_pipeline_parallel
+def test_the_engine_runs_pipelined_train_and_scoring_calls_and_refuses_the_rest_naming_the_fix():
+    """The strategies' check: pp on the train calls and the scoring calls runs (DDP over pipelines); a trained
+    role's scoring call pipelined off its train pipelines, tp and pp on one call, a sharding wrapper on a pipelined
+    train call, a wrapper on a pipelined frozen role and stale rollouts are refused, each naming the fix. The plan's
+    schedule names are the pipeline's."""
+    from lightning_app_rlhf.parallel.pipeline import SCHEDULES
+    from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
     from lightning_app_rlhf.parallel.plan import PIPELINE_SCHEDULES, PlacementPlan
 
     assert tuple(SCHEDULES) == PIPELINE_SCHEDULES
     check_pipeline_parallel(PlacementPlan(**_plan_fields()))
-    with pytest.raises(ValueError, match=r"pipeline-parallel degrees \{'actor.train': 2\}.*Remove `pp`"):
-        check_pipeline_parallel(PlacementPlan(**_plan_fields(pp={"actor.train": 2})))
+    runs = PlacementPlan(**_plan_fields(pp={"actor.train": 2, "critic.train": 4, "critic.forward": 4,
+                                            "reference.forward": 2, "reward.forward": 4}))
+    check_pipeline_parallel(runs)
+    assert runs.runs_on_whole_copy("actor.generate") and not runs.runs_on_whole_copy("critic.forward")
+    refused = [
+        ({"pp": {"critic.train": 2, "critic.forward": 4}}, r"'critic.forward' is pipelined \(pp=4\).*not on "
+         r"'critic.train''s pipelines.*Give 'critic.forward' the ranks and pp of 'critic.train'"),
+        ({"pp": {"actor.train": 2}, "tp": {"actor.train": 2}, "wrappers": {"actor": "fsdp2", "critic": "ddp"}},
+         r"tensor-parallel degree 2 and pipeline-parallel degree 2.*Remove 'actor.train' from `tp` or from `pp`"),
+        ({"pp": {"actor.train": 2}, "wrappers": {"actor": "zero1", "critic": "ddp"}},
+         r"'actor.train' is pipelined \(pp=2\) with wrapper 'zero1'.*Set wrappers: \{actor: ddp\}"),
+        ({"pp": {"reference.forward": 2}, "wrappers": {"actor": "ddp", "critic": "ddp", "reference": "fsdp2"}},
+         r"also shards it with 'fsdp2'. Remove 'reference' from `wrappers`"),
+        ({"pp": {"actor.train": 2}, "max_staleness": 1}, r"on-policy only for now. Set max_staleness: 0"),
+    ]
+    for changes, message in refused:
+        with pytest.raises(ValueError, match=message):
+            check_pipeline_parallel(PlacementPlan(**_plan_fields(**changes)))

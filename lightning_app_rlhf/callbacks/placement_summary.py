@@ -100,14 +100,17 @@ def print_placement_summary(placement: Placement, rows: list[list[RoleMemory]],
     for column in ("call", "ranks", "wrapper"):
         calls.add_column(column)
     for call in (c for c in CALLS if c in plan.calls):
-        calls.add_row(call, ",".join(map(str, plan.ranks(call))), _call_wrapper(plan, call))
+        # beside the ranks, as `plan` prints them: the tensor- and pipeline-parallel degrees (a pipelined train call
+        # with its schedule); nothing for a call data parallel over its ranks
+        calls.add_row(call, ",".join(map(str, plan.ranks(call))) + plan.layout_text(call), _call_wrapper(plan, call))
     memory = Table(title="Memory per rank (MB)")
     for column in ("rank", "role", "calls", "params", "grads", "optimizer"):
         memory.add_column(column, justify="right" if column in ("params", "grads", "optimizer") else "left")
     for rank, rank_rows in enumerate(rows):
         for row in rank_rows:
             role = f"{row.role} (shared)" if row.shares else row.role
-            role = f"{row.role} (tp{row.tp_copy} copy)" if row.tp_copy else role
+            if row.tp_copy:  # a copy in a call's own layout: tensor-parallel, or whole beside a pipelined train call
+                role = f"{row.role} ({f'tp{row.tp_copy}' if row.tp_copy > 1 else 'whole'} copy)"
             call_names = ", ".join(f"{row.role}.{kind}" for kind in row.calls.split("+") if kind)
             memory.add_row(str(rank), role, call_names, *(f"{b / 2**20:.2f}" for b in (
                 row.param_bytes, row.grad_bytes, row.optimizer_bytes)))
@@ -146,4 +149,6 @@ def _call_wrapper(plan: PlacementPlan, call: str) -> str:
         return f"frozen, {plan.wrappers[role]}" if role in plan.wrappers else "frozen"
     if call.endswith(".train"):
         return plan.wrappers[role]
-    return "shadow copy" if set(plan.ranks(call)) - set(plan.ranks(f"{role}.train")) else "trained copy"
+    if set(plan.ranks(call)) - set(plan.ranks(f"{role}.train")):
+        return "shadow copy"
+    return "whole copy" if plan.runs_on_whole_copy(call) else "trained copy"

@@ -31,8 +31,8 @@ class KeptValues:
 def reuses_critic_forward(plan: PlacementPlan, config: PPOConfig, generation: GenerationConfig, rows: int) -> bool:
     """Whether the critic's scoring forward is also its training forward: asked for (``ppo.reuse_critic_forward``),
     one epoch and one minibatch (the train call's only forward sees the weights the scoring forward saw), the same
-    ranks for both calls and one plain forward per rank (``ddp``, no chunks, no micro-batches, no tensor-parallel
-    degree), and no one-step overlap (which trains on the previous rollout). The same answer on every rank.
+    ranks for both calls and one plain forward per rank (``ddp``, no chunks, no micro-batches, no tensor- or
+    pipeline-parallel degree), and no one-step overlap (which trains on the previous rollout). The same answer on every rank.
 
     Args:
         plan: The placement.
@@ -48,8 +48,8 @@ def reuses_critic_forward(plan: PlacementPlan, config: PPOConfig, generation: Ge
     ranks = plan.ranks(train)
     if list(plan.ranks(forward)) != list(ranks) or plan.wrappers.get(critic, "ddp") != "ddp":
         return False
-    if any(plan.tp.get(call, 1) > 1 for call in (forward, train)):
-        return False
+    if any(plan.tp.get(call, 1) > 1 or plan.pp_degree(call) > 1 for call in (forward, train)):
+        return False  # a copy or a pipeline: the scoring forward is not the train call's own forward
     largest_shard = -(-rows // len(ranks)) if rows else 0
     one_chunk = generation.batch_size is None or generation.batch_size >= largest_shard
     return one_chunk and micro_batch_count(rows, len(ranks), config.micro_batch_size) == 1

@@ -210,12 +210,15 @@ def scores_on_train_ranks(plan: PlacementPlan) -> bool:
 
 
 def relayout_calls(plan: PlacementPlan, role: str) -> tuple[str, ...]:
-    """Calls of a trainable ``role`` that run on a tensor-parallel copy (a generate or forward call with a degree
-    above 1): the engine refreshes each copy after every update, from the trained weights (gathered when the
-    training layout shards them) on the train ranks or from the shadow elsewhere (ReaLHF's parameter reallocation)."""
+    """Calls of a trainable ``role`` that run on a copy in a layout of their own: a tensor-parallel copy (a generate or
+    forward call with a degree above 1), or a whole copy beside a pipelined train call
+    (:meth:`~lightning_app_rlhf.parallel.plan.PlacementPlan.runs_on_whole_copy`). The engine refreshes each copy after
+    every update, from the trained weights (gathered when the training layout shards or pipelines them) on the train
+    ranks or from the shadow elsewhere (ReaLHF's parameter reallocation)."""
     if f"{role}.train" not in plan.calls:
         return ()
-    return tuple(c for c in plan.calls if role_of(c) == role and not c.endswith(".train") and plan.tp_degree(c) > 1)
+    return tuple(c for c in plan.calls if role_of(c) == role and not c.endswith(".train")
+                 and (plan.tp_degree(c) > 1 or plan.runs_on_whole_copy(c)))
 
 
 def reallocation_ranks(plan: PlacementPlan, role: str) -> tuple[int, ...]:

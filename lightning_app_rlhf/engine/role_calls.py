@@ -24,14 +24,23 @@ from lightning_app_rlhf.core.config import AgentConfig, GenerationConfig, PPOCon
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC, REFERENCE, REWARD
 from lightning_app_rlhf.engine.critic_reuse import KeptValues, reuses_critic_forward
 from lightning_app_rlhf.generation import Rollout, generate, model_eos_token_ids, repeat_samples, sample_keys
-from lightning_app_rlhf.models.calls import critic_forward, critic_values, reference_forward, reward_forward
+from lightning_app_rlhf.models.calls import (
+    critic_forward,
+    critic_values,
+    reference_forward,
+    reward_forward,
+    with_environment_rewards,
+)
 from lightning_app_rlhf.models.roles import AdapterDisabledReference, RewardFunction, precision_context
 from lightning_app_rlhf.parallel.memory import RoleMemory, role_memory
+from lightning_app_rlhf.parallel.pipeline import PipelinedRole
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
 from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
 from lightning_app_rlhf.parallel.reallocation import shadow_buckets, trained_buckets
 from lightning_app_rlhf.parallel.tensor_parallel import TensorParallelCopy, received_bytes
+from lightning_app_rlhf.parallel.whole_copy import WholeCopy
 from lightning_app_rlhf.parallel.wrappers import RoleWrapper
+from lightning_app_rlhf.parallel.wrappers.pipeline_ddp import PipelineDDPWrapper
 
 FORWARD_OUTPUTS = {REFERENCE.name: ("ref_logprobs", 2), REWARD.name: ("scores", 1), CRITIC.name: ("values", 2)}
 """Forward role -> the tensor its call produces and that tensor's number of dimensions."""
@@ -212,6 +221,9 @@ class RoleCalls:
     def _forward(
         self, role: str, shard: Rollout, rows: slice, row_fields: dict[str, list[Any]] | None, iteration: int | None
     ) -> torch.Tensor:
+        stage = self.placed.pipelines.get(role + ".forward")
+        if stage is not None:
+            return self._pipelined_forward(role, stage, shard)
         chunks = {"batch_size": self.generation.batch_size, "lockstep_group": self.lockstep_group(role),
                   "inference_mode": self.inference_mode(role)}
         if role == REFERENCE.name:
@@ -228,6 +240,24 @@ class RoleCalls:
             self.kept_values = KeptValues(iteration, rows, values)
             return values.detach() * shard.response_mask
         return critic_forward(self.call_module(role), shard, **chunks)
+
+    def _pipelined_forward(self, role: str, stage: PipelinedRole, shard: Rollout) -> torch.Tensor:
+        """``role.forward`` through this rank's pipeline stage (forward-only schedule), its result on every stage:
+        the numbers of the unpipelined call. Micro-batches: ``generation.batch_size`` rows each, and at least one
+        per stage (fewer would leave stages idle)."""
+        if self.config.padding_free and role == REFERENCE.name:
+            raise ValueError("reference.forward is pipelined, and ppo.padding_free packs each forward's rows into one: "
+                             "a pipeline runs padded micro-batches. Set ppo.padding_free: false, or remove "
+                             "'reference.forward' from the plan's `pp`.")
+        size = self.generation.batch_size
+        count = max(stage.pipeline.num_stages, -(-len(shard.sequences) // size) if size else 1)
+        if role == REFERENCE.name:
+            return stage.logprobs(shard.sequences, shard.attention_mask, shard.response_mask, shard.prompt_length,
+                                  self.generation.temperature, count)
+        if role == CRITIC.name:
+            return stage.values(shard.sequences, shard.attention_mask, shard.response_mask, shard.prompt_length,
+                                count)
+        return with_environment_rewards(stage.scores(shard.sequences, shard.attention_mask, count), shard)
 
     @property
     def reuses_critic_forward(self) -> bool:
@@ -282,9 +312,9 @@ class RoleCalls:
 
     # ---- which module a call runs: the role's own, or its tensor-parallel copy ----
 
-    def tp_copy(self, role: str) -> TensorParallelCopy | None:
-        """This rank's tensor-parallel copy for ``role``'s generate / forward call (None: the call runs on the role's
-        own module)."""
+    def tp_copy(self, role: str) -> TensorParallelCopy | WholeCopy | None:
+        """This rank's copy of ``role`` for its generate / forward call, in the call's own layout (tensor-parallel, or
+        whole beside a pipelined train call); None: the call runs on the role's own module."""
         call = ACTOR.call("generate") if role == ACTOR.name else role + ".forward"
         return self.placed.tp_copies.get(call)
 
@@ -318,7 +348,7 @@ class RoleCalls:
         """``role``'s trained weights in reallocation buckets, rounded to its shadows' precision."""
         return trained_buckets(self.placed.wrappers[role], self.shadow_precisions.get(role))
 
-    def refresh_layout(self, role: str, copy: TensorParallelCopy) -> int:
+    def refresh_layout(self, role: str, copy: TensorParallelCopy | WholeCopy) -> int:
         """Redistribute ``role``'s current trainable weights into ``copy``'s tensor-parallel layout, bit for bit;
         returns the bytes this rank received for it.
 
@@ -332,6 +362,8 @@ class RoleCalls:
             with self.placement.collective(copy.call, "weight reallocation into the tensor-parallel layout"), \
                     wrapper.running():
                 copy.load(itertools.chain.from_iterable(wrapper.full_parameter_buckets()))
+            if isinstance(wrapper, PipelineDDPWrapper):
+                received = wrapper.gathered_bytes()
             return received
         copy.load([p for p in self.modules(role).parameters() if p.requires_grad])
         return 0

@@ -39,8 +39,11 @@ from lightning_app_rlhf.models.calls import (
     policy_logprobs,
     split_minibatches,
 )
+from lightning_app_rlhf.parallel.pipeline import PipelineInputs
+from lightning_app_rlhf.parallel.pipeline_losses import policy_loss_fn, value_loss_fn
 from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.parallel.wrappers import RoleWrapper
+from lightning_app_rlhf.parallel.wrappers.pipeline_ddp import PipelineDDPWrapper
 
 SKIPPED_UPDATES = "train/skipped_updates"
 """A train call's statistic: its optimizer updates skipped in the iteration (a non-finite loss or gradient norm)."""
@@ -116,6 +119,8 @@ class UpdateLoop:
     ) -> torch.Tensor:
         """Forward and backward of this rank's share of one minibatch, in micro-batches. Returns ``[loss, *stats]``
         (``names`` order) summed over its micro-batches: each is already a share of the whole minibatch's."""
+        if isinstance(wrapper, PipelineDDPWrapper):
+            return self.pipelined_gradients(role, experience, wrapper, indices)
         call = role + ".train"
         # Data-parallel shares: one per tensor-parallel replica (one per rank without a degree).
         ranks, my_rank = self.placement.replicas(call), self.placement.replica(call)
@@ -151,6 +156,35 @@ class UpdateLoop:
             sums += torch.stack([loss.detach().float(), *(stats.get(n, zero).detach().float() for n in names)])
         return sums
 
+    def pipelined_gradients(self, role: str, experience: Experience, wrapper: PipelineDDPWrapper,
+                            indices: torch.Tensor) -> torch.Tensor:
+        """:meth:`accumulate_gradients` of a pipelined train call: this pipeline's share of the minibatch through
+        the schedule, the algorithm's loss on the last stage for each micro-batch (divided by the whole minibatch's
+        sizes, as above), each stage's gradients summed over the pipelines. Returns ``[loss, *stats]`` summed over
+        the micro-batches, on every stage (broadcast from the last)."""
+        if self.config.padding_free:
+            raise ValueError(f"{role}.train is pipelined, and ppo.padding_free packs each forward's rows into one: a "
+                             "pipeline runs padded micro-batches. Set ppo.padding_free: false, or remove "
+                             f"'{role}.train' from the plan's `pp`.")
+        call = role + ".train"
+        replicas = self.placement.replicas(call)  # one per pipeline
+        scale = LossScale(experience.response_mask[indices].sum().float(), len(indices),
+                          self.calls.generation.max_new_tokens)
+        batch = experience.minibatch(indices.tensor_split(replicas)[self.placement.replica(call)])
+        count = wrapper.micro_batches(len(batch.sequences),
+                                      micro_batch_count(len(indices), replicas, self.config.micro_batch_size))
+        if role == CRITIC.name:
+            loss_fn, keep = value_loss_fn(self.algorithm, batch, scale), 0
+        else:  # logits of the response tokens' predecessors only, as policy_logprobs takes them
+            loss_fn = policy_loss_fn(self.algorithm, batch, scale, self.calls.generation.temperature,
+                                     entropy_grad=self.config.entropy_coef != 0)
+            keep = batch.sequences.shape[1] - batch.prompt_length + 1
+        with self.calls.precision(role):
+            wrapper.train_pipeline(PipelineInputs.from_mask(batch.sequences, batch.attention_mask), loss_fn, count,
+                                   keep)
+        totals = loss_fn.totals().to(experience.advantages.device)
+        return wrapper.stage.broadcast_from_last(totals, f"{call}'s loss statistics")
+
     def guarded_step(self, role: str, wrapper: RoleWrapper, losses: Mapping[str, float], where: str) -> bool:
         """Step ``role``'s optimizer unless a loss term or the gradient norm is NaN or infinite; True if it stepped.
 
@@ -185,12 +219,20 @@ class UpdateLoop:
         ranks = self.placement.replicas(call)
         share = rows.tensor_split(ranks)[self.placement.replica(call)]
         trainer = torch.zeros_like(experience.logprobs, dtype=torch.float32)
-        with torch.no_grad(), self.calls.precision(ACTOR.name):
-            for part in share.tensor_split(micro_batch_count(len(rows), ranks, self.config.micro_batch_size)):
-                logprobs, _ = policy_logprobs(wrapper.train_module, experience.minibatch(part),
-                                              self.calls.generation.temperature, entropy_grad=False,
-                                              padding_free=self.config.padding_free)
-                trainer[part] = logprobs.float()
+        count = micro_batch_count(len(rows), ranks, self.config.micro_batch_size)
+        if isinstance(wrapper, PipelineDDPWrapper):  # the forward-only schedule; every stage receives the result
+            part = experience.minibatch(share)
+            with self.calls.precision(ACTOR.name):
+                trainer[share] = wrapper.stage.logprobs(
+                    part.sequences, part.attention_mask, part.response_mask, part.prompt_length,
+                    self.calls.generation.temperature, max(count, wrapper.pipeline.num_stages))
+        else:
+            with torch.no_grad(), self.calls.precision(ACTOR.name):
+                for part in share.tensor_split(count):
+                    logprobs, _ = policy_logprobs(wrapper.train_module, experience.minibatch(part),
+                                                  self.calls.generation.temperature, entropy_grad=False,
+                                                  padding_free=self.config.padding_free)
+                    trainer[part] = logprobs.float()
         trainer = self.placement.all_reduce_sum(call, trainer) * experience.response_mask
         config = self.config
         weights, mask, stats = rollout_correction(trainer, experience.logprobs, experience.response_mask,

@@ -14,7 +14,7 @@ pass of the same schedule (``schedule.eval``) for a scoring call. Nothing here h
   tied between the first and the last stage (GPT-2's embedding and LM head) get their gradients summed over the two.
 
 Every communication runs on process groups created with a timeout, and is wrapped so that a dead or stuck rank
-becomes a :class:`~lightning_app_rlhf.parallel.placement.PlacementError` naming the stage and the call, not a hang.
+becomes a :class:`~lightning_app_rlhf.parallel.failures.PlacementError` naming the stage and the call, not a hang.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from lightning_app_rlhf.algorithms import functional
+from lightning_app_rlhf.parallel.failures import DEFAULT_TIMEOUT, named_failure
 from lightning_app_rlhf.parallel.pipeline_split import CAUSAL_LM, SCORE, VALUE, PipelineStageModule
-from lightning_app_rlhf.parallel.placement import DEFAULT_TIMEOUT, named_failure
-from lightning_app_rlhf.parallel.plan import PlacementPlan
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 """The schedule names a plan takes (:data:`~lightning_app_rlhf.parallel.plan.PIPELINE_SCHEDULES`) -> torch's
@@ -40,19 +39,6 @@ schedule classes (one stage per rank)."""
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``(last stage's output for a micro-batch, the batch rows it covers) -> loss``: what a training call runs."""
-
-
-def check_pipeline_parallel(plan: PlacementPlan) -> None:
-    """Raise a ``ValueError`` naming the fix for a plan with a pipeline-parallel degree: the engine's calls and the
-    planner's cost model do not run or price pipelined calls yet (this module's stages and schedules are their
-    building blocks), and a plan must not silently run unpipelined.
-
-    Args:
-        plan: The placement plan, already validated.
-    """
-    if plan.pp:
-        raise ValueError(f"The plan gives pipeline-parallel degrees {plan.pp}, which the engine does not run yet. "
-                         "Remove `pp` from the plan (use `tp` or data parallelism to spread the calls).")
 
 
 def check_schedule(name: str) -> type[PipelineScheduleSingle]:
@@ -265,11 +251,16 @@ class PipelinedRole:
                         _chunks(args, kwargs, target, n_microbatches))
             return self._backward_one(total)
         losses: list[torch.Tensor] = []
-        schedule = self._schedule(n_microbatches, loss_fn)
+        counted = _MicroBatchLoss(loss_fn)
+        schedule = self._schedule(n_microbatches, counted)
         with self._failure("training forward and backward"):
             schedule.step(*args, target=target if self.is_last else None, losses=losses if self.is_last else None,
                           **kwargs)
             self._sum_tied_gradients()
+        if self.is_last and counted.calls != n_microbatches:
+            raise RuntimeError(f"{self.what}: torch's schedule ran the loss on {counted.calls} micro-batches of "
+                               f"{n_microbatches}: this torch version's pipelining differs from the one this engine "
+                               "was written for (torch 2.13). Use pp=1 for this call.")
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if self.is_last else torch.zeros(())
         return self.broadcast_from_last(total.reshape(1), "the summed loss")[0]
 
@@ -360,6 +351,28 @@ class PipelinedRole:
     def _expect(self, kind: str, what: str) -> None:
         if self.module.head_kind != kind:
             raise ValueError(f"{self.what} has a {self.module.head_kind} head; {what} need a {kind} head.")
+
+
+class _MicroBatchLoss:
+    """The training loss as torch's schedule calls it, ``loss_fn`` run on micro-batches only.
+
+    A fresh :class:`PipelineStage` without example inputs infers its tensors' metadata on its first step: the last
+    stage then runs the loss once on an inferred output (received buffers, not a micro-batch's activations) against
+    a detached copy of the first micro-batch's target, only for the shapes of the gradients it sends back. That call
+    gets a stand-in loss with the same graph (no statistics recorded, no NaN from uninitialised buffers): it is the
+    first call, and its target is no view (the micro-batches' targets are views of the whole target).
+    :attr:`calls` counts the micro-batches the loss really ran on; :meth:`PipelinedRole.backward` checks it.
+    """
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn, self.calls, self.first = loss_fn, 0, True
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        first, self.first = self.first, False
+        if first and target._base is None:
+            return (output.float() * 0).sum()  # metadata inference: input gradients of the right shapes
+        self.calls += 1
+        return self.loss_fn(output, target)
 
 
 def _chunks(args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor], target: torch.Tensor,

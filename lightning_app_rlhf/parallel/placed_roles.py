@@ -17,11 +17,15 @@ import torch
 from torch import nn
 
 from lightning_app_rlhf.core.role_table import ROLES
-from lightning_app_rlhf.models.roles import hold_in
+from lightning_app_rlhf.models.roles import AdapterDisabledReference, hold_in
+from lightning_app_rlhf.parallel.pipeline import PipelinedRole
+from lightning_app_rlhf.parallel.pipeline_checks import same_pipeline
 from lightning_app_rlhf.parallel.placement import Placement
 from lightning_app_rlhf.parallel.tensor_parallel import INFERENCE_CALLS, TensorParallelCopy
+from lightning_app_rlhf.parallel.whole_copy import WholeCopy
 from lightning_app_rlhf.parallel.wrappers import DDPWrapper, RoleWrapper, wrapper_class
 from lightning_app_rlhf.parallel.wrappers.base import Backward, OptimizerStep
+from lightning_app_rlhf.parallel.wrappers.pipeline_ddp import PipelineDDPWrapper
 from lightning_app_rlhf.parallel.wrappers.tensor_parallel import TensorParallelFSDP2Wrapper
 
 Models = Callable[[str], nn.Module | None]
@@ -36,13 +40,18 @@ class PlacedRoles:
         placement: Which ranks run each call, and the collectives between them.
         wrappers: Role -> its wrapper on this rank: the roles this rank trains, and the frozen roles the plan shards
             here. Filled by :meth:`wrap` (or :meth:`wrap_whole`).
-        tp_copies: Call -> this rank's tensor-parallel copy of its role, for each generate or forward call with a
-            degree above 1 that this rank runs. Filled by :meth:`wrap`.
+        tp_copies: Call -> this rank's copy of its role in the call's own layout: a tensor-parallel copy for each
+            generate or forward call with a degree above 1 that this rank runs, or a whole copy
+            (:class:`~lightning_app_rlhf.parallel.whole_copy.WholeCopy`) beside a pipelined train call. Filled by
+            :meth:`wrap`.
+        pipelines: Call -> this rank's stage of its role, for each pipelined scoring call this rank runs (a trained
+            role's is its train call's stage). Filled by :meth:`wrap`.
     """
 
     placement: Placement
     wrappers: dict[str, RoleWrapper] = field(default_factory=dict)
-    tp_copies: dict[str, TensorParallelCopy] = field(default_factory=dict)
+    tp_copies: dict[str, TensorParallelCopy | WholeCopy] = field(default_factory=dict)
+    pipelines: dict[str, PipelinedRole] = field(default_factory=dict)
 
     @classmethod
     def single_process(cls, device: torch.device, roles: tuple[str, ...]) -> PlacedRoles:
@@ -67,12 +76,32 @@ class PlacedRoles:
             device: This rank's device.
         """
         self._build_tp_copies(models, shadow_precisions, device)
+        self._build_whole_copies(models, shadow_precisions)
+        plan = self.placement.plan
         for role in trained_roles:
-            self._wrapper(models, role, f"{role}.train", device).wrap()
+            wrapper = self._wrapper(models, role, f"{role}.train", device)
+            wrapper.wrap()
+            forward = f"{role}.forward"
+            if isinstance(wrapper, PipelineDDPWrapper) and plan.pp_degree(forward) > 1 \
+                    and same_pipeline(plan, forward, f"{role}.train"):
+                self.pipelines[forward] = wrapper.stage  # scored on the stages that train it
         for role in (entry.name for entry in ROLES if not entry.trainable):
             call = f"{role}.forward"
-            if role in self.placement.plan.wrappers and models(role) is not None and self.placement.runs(call):
+            if not self.placement.runs(call):
+                continue
+            if plan.pp_degree(call) > 1:
+                self.pipelines[call] = self._frozen_stage(models(role), role, call, device)
+            elif role in plan.wrappers and models(role) is not None:
                 self._wrapper(models, role, call, device).wrap_frozen()
+
+    def _frozen_stage(self, module: nn.Module | None, role: str, call: str, device: torch.device) -> PipelinedRole:
+        """This rank's stage of a frozen role pipelined on its forward call, cut in place from its module."""
+        if not isinstance(module, nn.Module) or isinstance(module, AdapterDisabledReference):
+            what = "is a reward function" if module is None or not isinstance(module, nn.Module) else \
+                "is the LoRA actor's base with its adapters off"
+            raise ValueError(f"Call {call!r} is pipelined, but {role!r} {what}: there is no model of its own to cut "
+                             f"into stages. Remove {call!r} from the plan's `pp`.")
+        return PipelinedRole(module, self.placement.pipelines[call], self.placement.rank, device, call)
 
     def wrap_whole(self, models: Models, trained_roles: Sequence[str], device: torch.device) -> None:
         """One process: each trained role in a plain wrapper (no group)."""
@@ -109,12 +138,28 @@ class PlacedRoles:
             hold_in(copy.module, shadow_precisions.get(role))
             self.tp_copies[call] = copy
 
+    def _build_whole_copies(self, models: Models, shadow_precisions: Mapping[str, str]) -> None:
+        """This rank's :class:`WholeCopy` of the role of every generate / forward call that runs beside its pipelined
+        train call here (:meth:`~lightning_app_rlhf.parallel.plan.PlacementPlan.runs_on_whole_copy`), taken before the
+        train call cuts the role into stages."""
+        placement = self.placement
+        for call in placement.plan.calls:
+            if placement.plan.runs_on_whole_copy(call) and placement.runs(call) \
+                    and placement.runs(call.split(".")[0] + ".train"):
+                copy = WholeCopy.build(call, models(call.split(".")[0]))
+                hold_in(copy.module, shadow_precisions.get(call.split(".")[0]))
+                self.tp_copies[call] = copy
+
     def _wrapper(self, models: Models, role: str, call: str, device: torch.device) -> RoleWrapper:
         placement = self.placement
         args = (models(role), placement.groups.get(call), placement.group_size(call), placement.group_rank(call),
                 device)
         degree = placement.tp_degree(call)
-        if call.endswith(".train") and degree > 1:  # a data x tensor mesh (check_tensor_parallel: FSDP2 only)
+        if call.endswith(".train") and placement.pp_degree(call) > 1:  # one stage here; a LoRA role is refused there
+            wrapper: RoleWrapper = PipelineDDPWrapper(
+                *args, pipeline=placement.pipelines[call], stage_group=placement.stage_groups.get(call),
+                rank=placement.rank, call=call, schedule=placement.plan.pipeline_schedule)
+        elif call.endswith(".train") and degree > 1:  # a data x tensor mesh (check_tensor_parallel: FSDP2 only)
             ranks = torch.tensor(placement.plan.ranks(call)).view(-1, degree)
             wrapper = TensorParallelFSDP2Wrapper(*args, tp_group=placement.tp_group(call),
                                                  dp_group=placement.dp_groups[call], mesh_ranks=ranks, call=call)

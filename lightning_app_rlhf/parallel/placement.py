@@ -11,7 +11,7 @@ import contextlib
 import datetime
 import io
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,31 +19,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_app_rlhf.core.wrapper_names import SHARDED_WRAPPERS
-from lightning_app_rlhf.parallel.heartbeat import keep_store_up, stopped_ranks, waiting
+from lightning_app_rlhf.parallel.failures import DEFAULT_TIMEOUT, named_failure
+from lightning_app_rlhf.parallel.pipeline import create_pipeline_groups
 from lightning_app_rlhf.parallel.plan import CALLS, PlacementPlan, flattening_plan
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class PlacementError(RuntimeError):
-    """A collective of a call failed: another rank died, failed, or did not answer within the timeout."""
-
-
-@contextlib.contextmanager
-def named_failure(where: str, timeout: datetime.timedelta) -> Iterator[None]:
-    """Turn a failed collective into a :class:`PlacementError` that starts with ``where`` (this rank and what it was
-    doing) and names the rank that stopped, from the heartbeats; the heartbeat counts the time inside it as waiting
-    (a stuck peer is named after ``heartbeat_timeout``). On rank 0, which hosts the store, the store stays up a little
-    (at most ``timeout``) so that the other ranks can still read who died."""
-    try:
-        with waiting():
-            yield
-    except (RuntimeError, dist.DistError) as err:
-        heard = stopped_ranks()  # which rank stopped, from the heartbeats ("" without them)
-        message = (f"{where} failed: another rank died, raised, or did not answer within the timeout of {timeout}. "
-                   f"{heard + ' ' if heard else ''}Look for the first error in the other ranks' logs. Cause: {err}")
-        keep_store_up(timeout)
-        raise PlacementError(message) from err
 
 
 def world_collective(rank: int, what: str, timeout: datetime.timedelta) -> contextlib.AbstractContextManager[None]:
@@ -75,6 +53,10 @@ class Placement:
             that this rank runs.
         dp_groups: Train call name -> the group of the ranks that hold this rank's tensor slice in every replica (the
             data dimension of its 2-D mesh), for the train calls with a tensor-parallel degree that this rank runs.
+        pipelines: Call name -> this rank's pipeline (:class:`~lightning_app_rlhf.parallel.pipeline.PipelineGroup`),
+            for the calls with a pipeline-parallel degree that this rank runs.
+        stage_groups: Pipelined train call name -> the group of the ranks that hold this rank's stage in every
+            pipeline (None with one pipeline): their gradients are summed over it.
         namespace: The same string on every rank, different for every placement created: a free-running plan's keys
             in the job's store start with it, so that a later fit in the same processes reads none of this one's.
     """
@@ -90,6 +72,8 @@ class Placement:
         tp_groups: dict[str, dist.ProcessGroup] | None = None,
         dp_groups: dict[str, dist.ProcessGroup] | None = None,
         namespace: str = "",
+        pipelines: dict[str, Any] | None = None,
+        stage_groups: dict[str, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.plan = plan
         self.namespace = namespace
@@ -100,6 +84,8 @@ class Placement:
         self.reallocation_groups = reallocation_groups or {}
         self.tp_groups = tp_groups or {}
         self.dp_groups = dp_groups or {}
+        self.pipelines = pipelines or {}
+        self.stage_groups = stage_groups or {}
 
     @classmethod
     def single_process(cls, device: torch.device | None = None, roles: tuple[str, ...] | None = None) -> Placement:
@@ -144,17 +130,28 @@ class Placement:
         """Ranks per tensor-parallel replica of ``call`` (1: every rank is its own replica)."""
         return self.plan.tp_degree(call)
 
+    def pp_degree(self, call: str) -> int:
+        """Pipeline stages of ``call`` (1: not pipelined)."""
+        return self.plan.pp_degree(call)
+
+    def replica_width(self, call: str) -> int:
+        """Ranks per data-parallel replica of ``call``: a tensor-parallel replica, or a whole pipeline (the plan
+        refuses both on one call)."""
+        return self.tp_degree(call) * self.pp_degree(call)
+
     def replicas(self, call: str) -> int:
-        """Data-parallel replicas of ``call``: its group size over its tensor-parallel degree."""
-        return self.group_size(call) // self.tp_degree(call)
+        """Data-parallel replicas of ``call``: its group size over its tensor- (or pipeline-) parallel degree."""
+        return self.group_size(call) // self.replica_width(call)
 
     def replica(self, call: str) -> int:
-        """This rank's replica of ``call``: replica ``i`` is the call's ranks ``[i * t, (i + 1) * t)``."""
-        return self.group_rank(call) // self.tp_degree(call)
+        """This rank's replica of ``call``: replica ``i`` is the call's ranks ``[i * w, (i + 1) * w)``, ``w`` its
+        :meth:`replica_width` (a pipeline's stages are consecutive ranks)."""
+        return self.group_rank(call) // self.replica_width(call)
 
     def replica_leaders(self, call: str) -> tuple[int, ...]:
-        """The first global rank of each replica of ``call``, in replica order: the ranks whose rows are gathered."""
-        return self.plan.ranks(call)[:: self.tp_degree(call)]
+        """The first global rank of each replica of ``call``, in replica order: the ranks whose rows are gathered (a
+        pipeline's first stage holds its scoring results too: the last stage broadcasts them)."""
+        return self.plan.ranks(call)[:: self.replica_width(call)]
 
     def tp_group(self, call: str) -> dist.ProcessGroup | None:
         """The process group of this rank's replica of ``call`` (None without tensor parallelism)."""
@@ -239,7 +236,7 @@ class Placement:
         its size, then its bytes (``torch.save``). Returns the sends in flight with their buffers, which must stay
         alive until they complete (:meth:`pending_sends`, :meth:`finish_sends`); ``dst`` receives it with
         :meth:`receive_payload` and the same ``tag``. A dead ``dst`` fails the send at once: a
-        :class:`PlacementError` naming ``what``, ``call`` and (from the heartbeats) the dead rank."""
+        :class:`~lightning_app_rlhf.parallel.failures.PlacementError` naming ``what``, ``call`` and (from the heartbeats) the dead rank."""
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
@@ -249,7 +246,7 @@ class Placement:
 
     def receive_payload(self, src: int, tag: int, what: str, call: str) -> dict[str, Any]:
         """Receive what rank ``src`` sent with :meth:`send_payload` and ``tag``, waiting at most the placement's
-        timeout (a :class:`PlacementError` naming ``what`` after it)."""
+        timeout (a :class:`~lightning_app_rlhf.parallel.failures.PlacementError` naming ``what`` after it)."""
         size = torch.zeros(1, dtype=torch.long)
         with self.collective(call, f"receipt of {what} from rank {src}"):
             dist.irecv(size, src, tag=2 * tag).wait(self.timeout)
@@ -286,8 +283,9 @@ class Placement:
 
     def all_reduce_sum(self, call: str, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over ``call``'s group (only members call this); with a tensor-parallel degree, over its
-        replicas (the ranks of a replica computed the same values: only the replica's first rank counts)."""
-        if self.tp_degree(call) > 1 and self.group_rank(call) % self.tp_degree(call):
+        replicas (the ranks of a replica computed the same values: only the replica's first rank counts); so with a
+        pipeline-parallel degree, whose stages all receive the last stage's values."""
+        if self.replica_width(call) > 1 and self.group_rank(call) % self.replica_width(call):
             tensor.zero_()
         if self.group_size(call) > 1:
             with self.collective(call, "all-reduce"):
@@ -356,8 +354,10 @@ def create_placement(
     namespace = [f"rlhf_free_running/{uuid.uuid4().hex}" if rank == 0 else None]
     if plan.free_running:
         dist.broadcast_object_list(namespace, src=0)
-    return Placement(plan, rank, device, groups, reallocation_groups, timeout, _tp_groups(plan, rank, timeout),
-                     _dp_groups(plan, rank, timeout), namespace[0] or "")
+    tp_groups, dp_groups = _tp_groups(plan, rank, timeout), _dp_groups(plan, rank, timeout)
+    pipelines, stage_groups = _pipeline_groups(plan, rank, timeout)
+    return Placement(plan, rank, device, groups, reallocation_groups, timeout, tp_groups, dp_groups,
+                     namespace[0] or "", pipelines, stage_groups)
 
 
 def _tp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:
@@ -386,6 +386,31 @@ def _dp_groups(plan: PlacementPlan, rank: int, timeout: datetime.timedelta) -> d
             if rank in column:
                 mine[call] = group
     return mine
+
+
+def _pipeline_groups(plan: PlacementPlan, rank: int,
+                     timeout: datetime.timedelta) -> tuple[dict[str, Any], dict[str, dist.ProcessGroup | None]]:
+    """For each call with a pipeline-parallel degree ``p``: its pipelines (consecutive blocks of ``p`` of its ranks,
+    stage ``s`` on the block's ``s``-th rank) and, for a train call with more than one pipeline, the groups of ranks
+    ``ranks[s::p]`` holding the same stage, over which gradients are summed. Created on every rank in the same order
+    (``new_group`` is collective); returns this rank's, by call."""
+    pipelines: dict[str, Any] = {}
+    stage_groups: dict[str, dist.ProcessGroup | None] = {}
+    for call in (c for c in CALLS if plan.pp_degree(c) > 1 and c in plan.calls):
+        ranks, degree = plan.ranks(call), plan.pp_degree(call)
+        blocks = [ranks[start : start + degree] for start in range(0, len(ranks), degree)]
+        mine = create_pipeline_groups(blocks, rank, timeout)
+        if mine is not None:
+            pipelines[call] = mine
+        if call.endswith(".train") and len(blocks) > 1:
+            for stage in range(degree):
+                column = list(ranks[stage::degree])
+                group = dist.new_group(column, timeout=timeout)
+                if rank in column:
+                    stage_groups[call] = group
+        elif rank in ranks:
+            stage_groups[call] = None
+    return pipelines, stage_groups
 
 
 def _pad_to(tensor: torch.Tensor, shape: list[int], value: float, device: torch.device) -> torch.Tensor:

@@ -255,9 +255,22 @@ class PlacementPlan:
             train = f"{role}.train"
             for call, ranks in self.calls.items():
                 if role_of(call) == role and call != train and set(ranks) & set(self.calls[train]) \
-                        and self.tp_degree(call) > 1:
+                        and (self.tp_degree(call) > 1 or self.runs_on_whole_copy(call)):
                     moved.append(call)
         return tuple(moved)
+
+    def runs_on_whole_copy(self, call: str) -> bool:
+        """Whether ``call`` (a generate or forward call of a trainable role, without a tensor-parallel degree) runs on
+        a whole copy of its role on its train ranks: there the train call pipelines the role (each rank holds one
+        stage of it) and ``call`` does not run on the same pipelines. The copy takes the trained weights, gathered
+        from the stages by name, after every update."""
+        role = role_of(call)
+        train = f"{role}.train"
+        if call == train or train not in self.calls or call not in self.calls or self.pp_degree(train) == 1:
+            return False
+        if self.tp_degree(call) > 1 or not set(self.calls[call]) & set(self.calls[train]):
+            return False
+        return not (self.pp_degree(call) == self.pp_degree(train) and self.calls[call] == self.calls[train])
 
     def validate_shared_reference(self) -> None:
         """Raise a ``ValueError`` naming the fix if the reference cannot run on the actor's base model.

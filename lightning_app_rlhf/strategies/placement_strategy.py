@@ -34,7 +34,7 @@ from lightning_app_rlhf.checkpoint.format import (
 )
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
 from lightning_app_rlhf.parallel.heartbeat import before_exit
-from lightning_app_rlhf.parallel.pipeline import check_pipeline_parallel
+from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel, check_pipelined_checkpoint
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
 from lightning_app_rlhf.parallel.placement import create_placement
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -250,6 +250,7 @@ def save_placed_checkpoint(
         filepath: Where the checkpoint goes.
         storage_options: For ``strategy.checkpoint_io``.
     """
+    check_pipelined_checkpoint(plan)  # before any collective: every rank raises alike
     sharded = sharded_roles(plan)
     staging = staging_directory(strategy, filepath) if sharded else None
     if staging is not None:
