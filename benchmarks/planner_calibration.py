@@ -65,7 +65,7 @@ from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
 from lightning_app_rlhf.planner.profiler import (
     Profile,
     measure_collectives_in_processes,
-    measure_ddp_steps,
+    measure_wrapper_steps,
     model_work,
     profile_workload,
 )
@@ -103,7 +103,7 @@ def phase_of(task: str) -> str:
         return "generate"
     if task.endswith((".reallocate", ".publish", ".take")):  # free-running: the weights published and taken
         return "reallocate"
-    if ".train" in task or task.endswith(".stats"):
+    if ".train" in task or task.endswith((".stats", ".lr")):  # the update, its statistics and its schedulers
         return "train"
     return "score"  # the rollout gather, the forwards and their gathers
 
@@ -436,7 +436,7 @@ def main() -> None:
             workload = demo_workload(model)
             work = model_work(workload)  # what the shares are measured with: an engine-like iteration
             for devices in args.devices:
-                profile = full_speed_profile(workload).merge(measure_ddp_steps(workload, devices))
+                profile = full_speed_profile(workload).merge(measure_wrapper_steps(workload, devices, workload.wrappers))
                 profiles[f"{model_name} x{devices}"] = profile.ops
                 device = measure_collectives_in_processes(profile.device, devices)
                 profiled = type(profile)(profile.hardware, device, profile.ops)

@@ -23,6 +23,7 @@ from lightning_app_rlhf.parallel.plan import (
     interleaving_plan,
     separation_plan,
 )
+from lightning_app_rlhf.parallel.wrappers import is_available
 from lightning_app_rlhf.planner import (
     CostModel,
     PlanChoice,
@@ -42,9 +43,10 @@ from lightning_app_rlhf.planner import (
 )
 from lightning_app_rlhf.planner.cost_model import forward_flops
 from lightning_app_rlhf.planner.profiler import (
+    PIPELINE_OPS,
     Profile,
     measure_collectives_in_processes,
-    measure_ddp_steps,
+    measure_wrapper_steps,
     model_work,
 )
 
@@ -560,23 +562,34 @@ def test_collectives_measured_in_two_gloo_processes():
     assert device.all_reduce_bandwidth > 1e6
 
 
-def test_ddp_steps_measured_in_gloo_processes_price_the_ddp_train_calls():
-    """measure_ddp_steps times a real DDP train step against a bare one in 2 gloo processes; the cost model then
-    charges that per optimizer step of a DDP train call instead of the bare all-reduce."""
-    workload = demo_workload(generation_length=4, wrappers=("ddp",))
-    measured = measure_ddp_steps(workload, 2, repeats=3)
-    keys = {workload.actor.key, workload.critic.key}
+def test_wrapper_steps_measured_in_gloo_processes_price_the_train_and_sharded_forward_calls():
+    """measure_wrapper_steps times a real train step through each wrapper (DDP, FSDP2, and ZeRO-1 when DeepSpeed is
+    installed) against a bare one in 2 gloo processes, a forward through the sharding ones, and a 2-stage pipeline's
+    train and forward stage steps and whole-weight gather; the cost model then
+    charges that per optimizer step of a train call, and per forward of a sharded scoring call, instead of the
+    analytic collectives."""
+    wrappers = ("ddp", "fsdp2", *(("zero1",) if is_available("zero1") else ()))
+    workload = demo_workload(generation_length=4, wrappers=wrappers)
+    measured = measure_wrapper_steps(workload, 2, wrappers, repeats=3)
+    keys = {workload.actor.key, workload.critic.key}  # the reference has the actor's shape
     assert set(measured.ops) == keys
+    trained = {f"{w}_step" for w in wrappers} | {"fsdp2_forward", *PIPELINE_OPS}  # a 2-stage pipeline too
+    assert set(measured.ops[workload.critic.key]) == trained
     for key in keys:
-        ((group, length, seconds),) = measured.ops[key]["ddp_step"]
-        assert (group, length) == (2, 1) and 0.0 <= seconds < 1.0
+        for op, points in measured.ops[key].items():
+            ((group, length, seconds),) = points
+            assert (group, length) == (2, 1) and 0.0 <= seconds < 1.0, (key, op)
     # Priced by hand: 0.01 s a step, 2 epochs x 2 minibatches, plus the statistics' all-reduce.
-    ops = {key: {"ddp_step": [[2, 1, 0.01]]} for key in keys}
+    ops = {key: {"ddp_step": [[2, 1, 0.01]], "fsdp2_step": [[2, 1, 0.03]], "fsdp2_forward": [[2, 1, 0.002]]}
+           for key in keys}
     device = replace(parse_cluster("1x2xcpu").device, collective_latency_s=1e-3)
     model = CostModel(cluster_from_environment(2, device, cores=2), workload, Profile("here", device, ops))
     choice = PlanChoice(flattening_plan(2))
     _, comm = model.call_time(choice, "actor.train")
     assert comm == pytest.approx(4 * 0.01 + model.all_reduce_s((0, 1), 64))
+    sharded = PlanChoice(flattening_plan(2, "fsdp2"))
+    assert model.call_time(sharded, "actor.train")[1] == pytest.approx(4 * 0.03 + model.all_reduce_s((0, 1), 64))
+    assert model.call_time(sharded, "critic.forward")[1] == pytest.approx(0.002)  # one forward of its 16 rows
     bare = CostModel(cluster_from_environment(2, device, cores=2), workload)
     trained_bytes = workload.trainable_params("actor") * workload.actor.dtype_bytes
     assert bare.call_time(choice, "actor.train")[1] == pytest.approx(

@@ -89,12 +89,13 @@ def test_1f1b_keeps_p_micro_batches_alive_and_gpipe_all(seven_b):
 
 
 def test_pipelined_scoring_pays_its_bubble_sends_and_the_result_broadcast(seven_b):
-    """reference.forward on 16 ranks, pp=2: 8 replicas of 8 samples, micro-batches of 2 (m = 4): compute = 5/4 x the
+    """reference.forward on 16 ranks, pp=2: 8 replicas of 8 samples, micro-batches of a generation batch, 2 (m = 4, as
+    the engine cuts a pipelined scoring call): compute = 5/4 x the
     replica's forwards / 2; communication = 5 sends of one micro-batch's activations (stages 0-1 are ranks 0 and 1:
     intra-node) plus the broadcast of the 8 x 128 log-probabilities from the last stage."""
     model, w = seven_b, seven_b.workload
     plan = replace(flattening_plan(16, "ddp", roles=w.roles), pp={"reference.forward": 2})
-    compute, comm = model.call_time(PlanChoice(plan, micro_batch=2), "reference.forward")
+    compute, comm = model.call_time(PlanChoice(plan, generation_batch=2), "reference.forward")
     forward = model.op_time(w.shape("reference"), "forward", 2, 256)
     assert compute == pytest.approx(5 / 4 * 4 * forward / 2)
     send = 2 * 256 * 4096 * 2 / H100.intra_node_bandwidth + H100.collective_latency_s
@@ -111,11 +112,15 @@ def test_the_cost_model_refuses_more_stages_than_layers_and_a_python_reward():
 
 def test_the_search_offers_pipelines_across_nodes(seven_b):
     """Degrees: tensor parallelism up to a node (8), pipelines up to the cluster (16) and the layers (32); the
-    variants of a flattening plan include every train and scoring call 8-way TP within a node and 2-way PP across
-    the two nodes, and never pipeline generation."""
+    variants of a DDP flattening plan include generation 8-way TP within a node with the train calls pipelined 2-way
+    across the two nodes; none pipelines generation, none gives one call both degrees, and none pipelines a train
+    call over FSDP2 (what the engine runs: pipeline_checks)."""
     assert tp_degrees(seven_b) == [1, 2, 4, 8]
     assert pp_degrees(seven_b) == [1, 2, 4, 8, 16]
-    variants = tp_variants(seven_b, flattening_plan(16, "fsdp2", roles=seven_b.workload.roles))  # TP trains on FSDP2
+    variants = tp_variants(seven_b, flattening_plan(16, "ddp", roles=seven_b.workload.roles))
     assert all("actor.generate" not in v.pp for v in variants)
-    across = [v for v in variants if v.tp_degree("actor.train") == 8 and v.pp_degree("actor.train") == 2]
-    assert across and across[0].layout_text("actor.train") == " tp8 pp2 1f1b"
+    assert all(v.tp_degree(c) == 1 for v in variants for c in v.pp)
+    across = [v for v in variants if v.tp_degree("actor.generate") == 8 and v.pp_degree("actor.train") == 2]
+    assert across and across[0].layout_text("actor.train") == " pp2 1f1b"
+    sharded = tp_variants(seven_b, flattening_plan(16, "fsdp2", roles=seven_b.workload.roles))
+    assert not any(c.endswith(".train") for v in sharded for c in v.pp)

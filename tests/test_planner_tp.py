@@ -146,7 +146,9 @@ def test_seventy_b_on_32_h100s_generates_with_tp():
     assert best.plan.pp_degree("actor.train") == 32 and best.plan.wrappers["actor"] == "ddp"
     flat = [c for c in result.candidates if not c.plan.tp and not c.plan.pp and c.estimate.fits]
     assert all(c.iteration_s > 2 * best.iteration_s for c in flat)
-    assert best.iteration_s == pytest.approx(38.0, rel=0.05)  # 84.4 s before pipelines (TP=8 everywhere)
+    # 84.4 s before pipelines (TP=8 everywhere); 38.0 s while the pipelined scoring calls were priced as one
+    # micro-batch (a 32x bubble) instead of the engine's one per stage at least.
+    assert best.iteration_s == pytest.approx(30.8, rel=0.05)
 
 
 def test_seven_b_on_8_h100s():

@@ -223,6 +223,32 @@ def measure_compute_shares(
     return tuple(shares)
 
 
+def measure_settled_compute_shares(processes: int, work: Callable[[], object] | None = None, seconds: float = 1.0,
+                                   tolerance: float = 0.2, tries: int = 4) -> tuple[float, ...]:
+    """:func:`measure_compute_shares` as a plan should be decided with it: after ``seconds`` of idle (the profile's
+    and the collectives' processes settle), twice, and again while two measurements in a row differ by more than
+    ``tolerance`` (relative, for any k), at most ``tries`` times; the mean of the two that agree (the last one when
+    none do). Measured once right after
+    a profile, 2 busy processes on 2 idle cores read 0.66-0.75 in 3 of 8 cases, against 0.96-1.00 around every run
+    (docs/planner.md, "Calibration on this CPU").
+
+    Args:
+        processes: Largest number of busy processes to measure.
+        work: One unit of representative work (:func:`~lightning_app_rlhf.planner.profiler.model_work`).
+        seconds: Wall time of each measurement, and of the idle before it.
+        tolerance: Largest relative change between two measurements that counts as settled.
+        tries: Most measurements.
+    """
+    previous: tuple[float, ...] | None = None
+    for _ in range(max(tries, 2)):
+        time.sleep(seconds)
+        shares = measure_compute_shares(processes, seconds, work)
+        if previous is not None and all(abs(a - b) <= tolerance * max(a, b) for a, b in zip(previous, shares)):
+            return tuple((a + b) / 2 for a, b in zip(previous, shares))
+        previous = shares
+    return previous
+
+
 _WORK: Callable[[], object] | None = None
 
 

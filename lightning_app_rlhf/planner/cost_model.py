@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
+from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL
 from lightning_app_rlhf.planner.cluster import Cluster
+from lightning_app_rlhf.planner.profiler import wrapper_op
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
 if TYPE_CHECKING:
@@ -314,12 +316,14 @@ class CostModel:
         return self._role_bytes[key]
 
     def check_plan(self, plan: PlacementPlan) -> None:
-        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles, cuts pipelined
-        calls into at most one stage per layer, and keeps every tensor-parallel replica within a node (its all-reduces
+        """Raise a ``ValueError`` naming the fix unless ``plan`` places exactly the workload's roles, is one the engine
+        runs (its tensor- and pipeline-parallel rules), cuts pipelined calls into at most one stage per layer, and
+        keeps every tensor-parallel replica within a node (its all-reduces
         run at every layer: NVLink, not the network). A pipeline may span nodes: it sends one micro-batch's
         activations per stage boundary, the way ReaLHF grows a call past a node."""
         plan.check_roles(self.workload.roles, self.workload.algorithm)
         check_tensor_parallel(plan)  # what the engine runs: TP training only over FSDP2
+        check_pipeline_parallel(plan)  # and pipelines: one of tp and pp per call, DDP over a train call's stages
         for call, p in plan.pp.items():
             shape = self.workload.shape(role_of(call))
             if shape is None:
@@ -407,6 +411,24 @@ class CostModel:
     @staticmethod
     def _micro(choice: PlanChoice, shard: int) -> int:
         return min(choice.micro_batch or shard, shard)
+
+    @staticmethod
+    def _pipelined_micro(choice: PlanChoice, call: str, shard: int) -> int | None:
+        """Rows per micro-batch of a pipelined ``call`` over a pipeline's ``shard`` rows, as the engine cuts them
+        (None: not pipelined). A train call: the smallest divisor of the shard that gives at least the micro-batches
+        the micro-batch size asks for and, under 1F1B, one per stage (``PipelineDDPWrapper.micro_batches``). A
+        scoring call: a generation batch each, at least one per stage (``RoleCalls._pipelined_forward``)."""
+        p = choice.plan.pp_degree(call)
+        if p <= 1 or shard <= 0:
+            return None
+        if call.endswith(".train"):
+            wanted = ceil_div(shard, choice.micro_batch) if choice.micro_batch else 1
+            floor = max(wanted, p if choice.plan.pipeline_schedule == "1f1b" else 1)
+            count = next((c for c in range(floor, shard + 1) if shard % c == 0), shard)
+            return shard // count
+        g = choice.generation_batch
+        count = min(max(p, ceil_div(shard, g) if g else 1), shard)
+        return ceil_div(shard, count)
 
     def _sharded_call(self, plan: PlacementPlan, call: str) -> bool:
         """A call whose weights are sharded over its group (FSDP2 / ZeRO-3): it gathers them for every forward.
@@ -570,6 +592,12 @@ class CostModel:
         p, m = plan.pp_degree(call), len(micro_tokens)
         if p <= 1 or m == 0:
             return 1.0, 0.0
+        # A stage step as the profile measured it on a pipeline of p processes (measure_wrapper_steps: the sends,
+        # the schedule's own work and its waits), else the activations' send over the slowest boundary.
+        op = "pipeline_train_step" if passes == 2 else "pipeline_forward_step"
+        measured = self.profile.time(shape, op, p, 1) if self.profile is not None else None
+        if measured is not None:
+            return (m + p - 1) / m, (m + p - 1) * measured
         largest = max(micro_tokens)
         return (m + p - 1) / m, (m + p - 1) * passes * self.pipeline_send_s(plan, call, shape, largest)
 
@@ -607,7 +635,7 @@ class CostModel:
             per_sample = measured["sample"][0][2] if measured else w.reward_fn_s_per_sample
             return local * per_sample, 0.0
         if call.endswith(".forward"):
-            b = self._micro(choice, local)
+            b = self._pipelined_micro(choice, call, local) or self._micro(choice, local)
             p = plan.pp_degree(call)
             micro_tokens = [min(b, local - i) * w.sequence_length for i in range(0, local, b)]
             bubble, sends = self.pipelined(plan, call, shape, micro_tokens, passes=1)
@@ -619,7 +647,12 @@ class CostModel:
             if p > 1:  # the last stage's results (a float per response token) to the pipeline's other stages
                 comm += self.broadcast_s(ranks[: t * p : t], 4 * local * w.response_length)
             if sharded:
-                comm += ceil_div(local, b) * self.sharded_gather_s(ranks[:: t * p], shape, t * p)
+                wrapper = plan.wrappers.get(role)  # none: a reference that runs the sharded actor's base (LoRA)
+                measured = (self._measured_wrapper(wrapper, "forward", shape, len(ranks))
+                            if wrapper is not None and t == p == 1 else None)
+                per_forward = measured if measured is not None else self.sharded_gather_s(ranks[:: t * p], shape,
+                                                                                            t * p)
+                comm += ceil_div(local, b) * per_forward
             return compute, comm
         return self._train_time(choice, call, shape, ranks)
 
@@ -664,7 +697,7 @@ class CostModel:
         dp_ranks = ranks[:: t * p]  # one (TP rank, stage)'s data-parallel group
         wrapper = WRAPPERS[plan.wrappers[role_of(call)]]
         local = ceil_div(w.samples // w.num_minibatches, n)
-        b = self._micro(choice, local)
+        b = self._pipelined_micro(choice, call, local) or self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
         micro_steps = ceil_div(local, b)
         op_time = functools.cache(functools.partial(self.op_time, shape))  # as in call_time: once per chunk size
@@ -681,13 +714,17 @@ class CostModel:
         local_params = ceil_div(trained, n) if wrapper.shards_optimizer and n > 1 else trained
         compute += op_time("optimizer", local_params, 0)
         trained_bytes = trained * shape.dtype_bytes
+        # What the wrapper adds to a step of one micro-batch, where the profile measured it on a group of n
+        # (measure_wrapper_steps: its gathers, reductions, hooks and engine step as they run here).
+        measured = self._measured_wrapper(wrapper.name, "step", shape, n) if t == p == 1 else None
         if wrapper.shards_params:  # gather for forward and backward, reduce-scatter grads, per micro-batch
-            comm = micro_steps * (
-                2 * self.sharded_gather_s(dp_ranks, shape, t * p) + self.all_gather_s(dp_ranks, trained_bytes)
-            )
-            comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
+            per_micro = 2 * self.sharded_gather_s(dp_ranks, shape, t * p) + self.all_gather_s(dp_ranks, trained_bytes)
+            if measured is not None:
+                comm = measured + (micro_steps - 1) * per_micro
+            else:
+                comm = micro_steps * per_micro
+                comm += self.all_reduce_s(ranks, 8)  # the gradient norm of sharded gradients (clip_grad_norm_)
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
-            measured = self._measured_ddp_step(shape, n) if wrapper.name == "ddp" and t == p == 1 else None
             comm = measured if measured is not None else self.all_reduce_s(dp_ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
         compute, comm = steps * compute, steps * (comm + tp_comm) + stats
@@ -703,12 +740,13 @@ class CostModel:
             comm += self.all_reduce_s(ranks, 4 * w.samples * w.response_length)
         return compute, comm
 
-    def _measured_ddp_step(self, shape: RoleShape, group: int) -> float | None:
-        """Seconds DDP adds to one optimizer step on ``group`` ranks, where the profile measured it
-        (:func:`~lightning_app_rlhf.planner.profiler.measure_ddp_steps`: full fine-tuning only)."""
+    def _measured_wrapper(self, wrapper: str, op: str, shape: RoleShape, group: int) -> float | None:
+        """Seconds ``wrapper`` adds to one optimizer step (``op="step"``) or one forward (``"forward"``) of
+        ``shape`` on ``group`` ranks, where the profile measured it
+        (:func:`~lightning_app_rlhf.planner.profiler.measure_wrapper_steps`: full fine-tuning only)."""
         if self.profile is None or group < 2 or self.workload.lora_rank is not None:
             return None
-        return self.profile.time(shape, "ddp_step", group, 1)
+        return self.profile.time(shape, wrapper_op(wrapper, op), group, 1)
 
     def reallocate_time(self, plan: PlacementPlan, role: str) -> tuple[tuple[int, ...], float]:
         """(ranks involved, seconds) to bring a trained role's new weights to its other layouts, as the engine does
@@ -727,20 +765,29 @@ class CostModel:
         sharded = self._split_training(plan, role)
         local_copy_bandwidth = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
         seconds, ranks = 0.0, set()
+        gather_s = self._full_weights_gather_s(plan, role, shape, moved)
         if shadows:
             seconds += self._shadow_broadcast_s(plan, role, shape)
             ranks |= {train[0], *shadows}
             if sharded:
-                seconds += self.all_gather_s(train, moved)  # full_tensor() of every trainable shard
+                seconds += gather_s  # full_tensor() of every trainable shard, or the stages' tensors by name
                 ranks |= set(train)
         for call in relayout:
             on_train = set(plan.ranks(call)) & set(train)
             if on_train and sharded:
-                seconds += self.all_gather_s(train, moved)
+                seconds += gather_s
                 ranks |= set(train)
             seconds += moved / plan.tp_degree(call) / local_copy_bandwidth  # each rank keeps its slice
             ranks |= set(plan.ranks(call))
         return tuple(sorted(ranks)), seconds
+
+    def _full_weights_gather_s(self, plan: PlacementPlan, role: str, shape: RoleShape, moved: float) -> float:
+        """Seconds to gather ``role``'s whole trained weights (``moved`` bytes) on its train ranks: a pipelined role's
+        stages broadcast their tensors by name over each pipeline (``gather_full_state_dict``, as the profile measured
+        it on a pipeline of that size), a sharded one all-gathers its shards."""
+        train, p = plan.ranks(f"{role}.train"), plan.pp_degree(f"{role}.train")
+        measured = self.profile.time(shape, "pipeline_gather", p, 1) if self.profile is not None and p > 1 else None
+        return measured if measured is not None else self.all_gather_s(train, moved)
 
     def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int, tensors: int = 1,
                        among: str | None = None) -> float:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.core.files import write_atomically
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
-from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, DeviceType
+from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, Cluster, DeviceType
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
 if TYPE_CHECKING:
@@ -68,7 +68,8 @@ class Profile:
     """Measured ceilings (None: use the cluster's)."""
     ops: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     """Shape key -> op (``forward``, ``train``, ``decode``, ``prefill``, ``optimizer``) -> ``[batch, length, seconds]``
-    points; ``ddp_step`` points are ``[group size, 1, seconds]`` (:func:`measure_ddp_steps`)."""
+    points; a wrapper's ``{wrapper}_step`` and ``{wrapper}_forward`` points are ``[group size, 1, seconds]``
+    (:func:`measure_wrapper_steps`)."""
 
     def time(self, shape: RoleShape, op: str, batch: int, length: int) -> float | None:
         """Seconds of ``op`` interpolated (bilinear in batch x length, linear beyond the grid); None if unmeasured."""
@@ -358,14 +359,29 @@ def _collective_worker(rank: int, world_size: int, port: int, device: DeviceType
         dist.destroy_process_group()
 
 
-def measure_ddp_steps(workload: Workload, world_size: int, repeats: int = 10) -> Profile:
-    """Seconds DDP adds to one optimizer step of each trainable role, on groups of 2..``world_size`` fresh gloo
-    processes (one thread each), as ``ddp_step`` points ``[group size, 1, seconds]`` per role shape.
+def measure_wrapper_steps(workload: Workload, world_size: int, wrappers: Sequence[str] = ("ddp",),
+                          pipelines: bool = True, repeats: int = 10) -> Profile:
+    """Seconds each wrapper adds to one optimizer step of each trainable role, and to one forward of each role it can
+    shard, on groups of 2..``world_size`` fresh gloo processes (one thread each): ``{wrapper}_step`` and
+    ``{wrapper}_forward`` points ``[group size, 1, seconds]`` per role shape (``ddp_step`` for DDP).
 
-    Each is the median wall time of a train step (forward, backward, gradient clipping, AdamW) over the rank's
-    shard of a minibatch with ``DistributedDataParallel``, minus the same without it: the gradient all-reduce as
-    the engine pays it, with the reducer's hooks and bucket copies and the part of it that backward does not hide
-    (the tiny demo model: 2.2 ms a step against 0.7 ms for its bare all-reduce).
+    Each is the median wall time of the call as the engine runs it through the role's wrapper (this project's
+    :class:`~lightning_app_rlhf.parallel.wrappers.RoleWrapper`: ``running``, ``accumulating``, ``train_module``,
+    ``backward``, ``step`` with clipping and AdamW), over the rank's shard of a minibatch, minus the same without a
+    wrapper: the gradient reduction as the engine pays it, with the reducer's hooks and bucket copies, DeepSpeed's
+    engine step (its flat buffers, partitions and gathers of the updated weights), FSDP2's gathers and hooks, and the
+    part of it that backward does not hide. On this project's 2-core machine the demo's GPT-2 gets 2.2 ms per DDP step
+    against 0.7 ms for its bare all-reduce, and more under ZeRO (docs/planner.md, "Calibration on this CPU").
+
+    Args:
+        workload: Its trainable shapes must carry their Hugging Face ``config``.
+        world_size: The largest group measured.
+        wrappers: The wrappers to measure (those of the search space); a forward is measured only for the ones that
+            shard parameters (FSDP2, ZeRO-3: their forwards gather them).
+        pipelines: Also measure a pipeline of the group's size (:func:`_pipeline_added_s`): what one stage step of a
+            pipelined train or scoring call costs beyond its share of the computation, and the gather of a pipelined
+            role's whole weights.
+        repeats: Timed repeats per point (after one warm-up).
     """
     import tempfile
 
@@ -374,80 +390,142 @@ def measure_ddp_steps(workload: Workload, world_size: int, repeats: int = 10) ->
     ops: dict[str, dict[str, list[list[float]]]] = {}
     for group in range(2, world_size + 1):
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "ddp.json"
+            out = Path(tmp) / "wrappers.json"
             mp.start_processes(
-                _ddp_step_worker,
-                args=(group, _free_port(), workload, repeats, str(out)),
+                _wrapper_step_worker,
+                args=(group, _free_port(), workload, tuple(wrappers), pipelines, repeats, str(out)),
                 nprocs=group,
                 start_method="spawn",
             )
-            for key, seconds in json.loads(out.read_text()).items():
-                ops.setdefault(key, {}).setdefault("ddp_step", []).append([group, 1, seconds])
+            for key, by_op in json.loads(out.read_text()).items():
+                for op, seconds in by_op.items():
+                    ops.setdefault(key, {}).setdefault(op, []).append([group, 1, seconds])
     return Profile(hardware_key(), None, ops)
 
 
-def _ddp_step_worker(rank: int, group: int, port: int, workload: Workload, repeats: int, out: str) -> None:
+def wrapper_op(wrapper: str, op: str) -> str:
+    """The profile's op name of what ``wrapper`` adds to a ``step`` or a ``forward``: ``ddp_step``, ``zero1_step``,
+    ``fsdp2_forward``..."""
+    return f"{wrapper}_{op}"
+
+
+def _wrapper_step_worker(rank: int, group: int, port: int, workload: Workload, wrappers: tuple[str, ...],
+                         pipelines: bool, repeats: int, out: str) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # What torch's launcher sets, and DeepSpeed's engine asserts.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(group), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=group,
-        timeout=datetime.timedelta(seconds=120),
+        timeout=datetime.timedelta(seconds=300),
     )  # fmt: skip
     try:
         batch = ceil_div(workload.samples // workload.num_minibatches, group)
-        added: dict[str, float] = {}
-        for role in workload.trainable:
+        added: dict[str, dict[str, float]] = {}
+        for role in workload.roles:
             shape = workload.shape(role)
-            if shape is not None and shape.config is not None and shape.key not in added:
-                added[shape.key] = _ddp_added_s(shape, workload, batch, repeats)
+            if shape is None or shape.config is None or shape.key in added:
+                continue
+            trainable = role in workload.trainable
+            added[shape.key] = _wrapper_added_s(shape, workload, batch, repeats, wrappers, trainable)
+            if pipelines:
+                added[shape.key].update(_pipeline_added_s(shape, workload, batch, repeats, trainable))
         keys = sorted(added)
-        figures = torch.tensor([added[k] for k in keys], dtype=torch.float64)
+        names = sorted({op for key in keys for op in added[key]})
+        figures = torch.tensor([[added[k].get(op, 0.0) for op in names] for k in keys], dtype=torch.float64)
         dist.all_reduce(figures)  # the same figures on every rank
         if rank == 0:
-            Path(out).write_text(json.dumps(dict(zip(keys, (figures / group).tolist()))))
-    finally:
+            means = (figures / group).tolist()
+            Path(out).write_text(json.dumps({k: {op: means[i][j] for j, op in enumerate(names) if op in added[k]}
+                                             for i, k in enumerate(keys)}))
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # DeepSpeed's engines keep groups and threads that a normal interpreter exit may tear down out of order
+    # (a C++ "terminate called without an active exception", 1 run in 2 here): the figures are written, so leave.
+    os._exit(0)
 
 
-def _ddp_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: int) -> float:
-    """Median wall time of one train step of ``shape`` with DDP minus without (every rank of the group calls it)."""
+def _wrapper_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: int, wrappers: tuple[str, ...],
+                     trainable: bool) -> dict[str, float]:
+    """What each of ``wrappers`` adds to a train step (``trainable``) and to a forward (the wrappers that shard
+    parameters), in seconds: the median wall time through the wrapper minus the same on the bare module (every rank
+    of the group calls it, in the same order)."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
+    from lightning_app_rlhf.core.wrapper_names import FROZEN_WRAPPERS, SHARDED_WRAPPERS
     from lightning_app_rlhf.generation import position_ids_from_mask
     from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, default_optimizer
+    from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 
-    model = (build_causal_lm if shape.kind == "causal_lm" else build_critic)(ModelSpec(config=dict(shape.config)))
-    optimizer = default_optimizer(model.parameters())
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return (build_causal_lm if shape.kind == "causal_lm" else build_critic)(ModelSpec(config=dict(shape.config)))
+
     mask = left_padded_mask(batch, workload.prompt_length, workload.sequence_length)
     inputs = {"input_ids": torch.randint(3, shape.vocab, mask.shape), "attention_mask": mask}
     if shape.kind == "value":
         inputs["position_ids"] = position_ids_from_mask(mask)
 
-    def train_step(module: torch.nn.Module) -> None:
+    def loss_of(module: torch.nn.Module) -> torch.Tensor:
         out = module(**inputs)
-        (out if shape.kind == "value" else out.logits).float().mean().backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return (out if shape.kind == "value" else out.logits).float().mean()
 
-    def median_s(module: torch.nn.Module) -> float:
-        train_step(module)
+    def median_s(call: Callable[[], Any]) -> float:
+        call()
         times = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
-            train_step(module)
+            call()
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
-    bare = median_s(model)
-    return max(median_s(DistributedDataParallel(model)) - bare, 0.0)
+    def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        loss_of(model).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def wrapped_step(wrapper: Any) -> None:
+        with wrapper.running():
+            with wrapper.accumulating(last=True):
+                loss = loss_of(wrapper.train_module)
+            wrapper.backward(loss)
+            wrapper.step()
+
+    def wrapped_forward(wrapper: Any) -> None:
+        with wrapper.running(), torch.no_grad():
+            loss_of(wrapper.train_module if trainable else wrapper.module)
+
+    bare_model = build()
+    bare_optimizer = default_optimizer(bare_model.parameters())
+    added: dict[str, float] = {}
+    bare_train = median_s(lambda: bare_step(bare_model, bare_optimizer)) if trainable else 0.0
+    with torch.no_grad():
+        bare_forward = median_s(lambda: loss_of(bare_model))
+    device = torch.device("cpu")
+    for name in wrappers:
+        sharded = name in SHARDED_WRAPPERS
+        if not trainable and name not in FROZEN_WRAPPERS:
+            continue
+        wrapper = WRAPPERS[name](build(), dist.group.WORLD, dist.get_world_size(), dist.get_rank(), device)
+        if trainable:
+            wrapper.wrap()
+            wrapper.attach_optimizer(default_optimizer(wrapper.module.parameters()), max_grad_norm=1.0)
+            added[wrapper_op(name, "step")] = max(median_s(lambda: wrapped_step(wrapper)) - bare_train, 0.0)
+        else:
+            wrapper.wrap_frozen()
+        if sharded:
+            added[wrapper_op(name, "forward")] = max(median_s(lambda: wrapped_forward(wrapper)) - bare_forward, 0.0)
+    return added
 
 
 def profile_workload(
@@ -512,6 +590,148 @@ def profile_workload(
             per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts, statistic, fields)
         profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
     return profile
+
+
+PIPELINE_OPS = ("pipeline_train_step", "pipeline_forward_step", "pipeline_gather")
+"""The profile's ops of a pipeline of ``p`` stages, points ``[p, 1, seconds]``: one stage step of a train schedule
+(a micro-batch's forward and backward through a stage boundary) and of a forward-only one beyond the stage's share of
+the computation, and the gather of the whole role from its stages (``gather_full_state_dict``)."""
+
+
+def _pipeline_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: int,
+                      trainable: bool) -> dict[str, float]:
+    """:data:`PIPELINE_OPS` of ``shape`` on a pipeline of every rank of the group (one stage each, ``p`` micro-batches:
+    1F1B's least), measured as the engine runs them (:class:`~lightning_app_rlhf.parallel.pipeline.PipelinedRole`).
+    A stage step's cost is what the schedule takes beyond ``(m + p - 1) / m`` of the unpipelined call over ``p``
+    stages, per each of its ``m + p - 1`` steps: the activation sends, the schedule's own work and the waits. Empty
+    for a model family the pipeline cannot split."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, default_optimizer
+    from lightning_app_rlhf.parallel.pipeline import PipelinedRole, PipelineInputs, create_pipeline_groups
+    from lightning_app_rlhf.parallel.pipeline_weights import gather_full_state_dict
+
+    p = dist.get_world_size()
+    m = next((c for c in range(p, batch + 1) if batch % c == 0), batch)  # as PipelineDDPWrapper.micro_batches
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return (build_causal_lm if shape.kind == "causal_lm" else build_critic)(ModelSpec(config=dict(shape.config)))
+
+    pipeline = create_pipeline_groups([list(range(p))], dist.get_rank(), timeout=datetime.timedelta(seconds=300))
+    call = "x.train" if trainable else "x.forward"
+    try:
+        piped = PipelinedRole(build(), pipeline, dist.get_rank(), torch.device("cpu"), call)
+    except ValueError:  # a family the pipeline does not split: the cost model keeps its analytic sends
+        return {}
+    mask = left_padded_mask(batch, workload.prompt_length, workload.sequence_length)
+    inputs = PipelineInputs.from_mask(torch.randint(3, shape.vocab, mask.shape), mask)
+    model = build()
+
+    def unpipelined(*args: Any) -> Any:
+        out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                    position_ids=inputs.position_ids)
+        return out if shape.kind == "value" else out.logits
+
+    def median_s(call_once: Callable[[], Any]) -> float:
+        call_once()
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            call_once()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    bubble, steps = (m + p - 1) / m, m + p - 1
+    added: dict[str, float] = {}
+    with torch.no_grad():
+        forward = median_s(unpipelined)
+        piped_forward = median_s(lambda: piped.forward(inputs, m))
+    added["pipeline_forward_step"] = max(piped_forward - bubble * forward / p, 0.0) / steps
+    if trainable:
+        optimizer = default_optimizer(model.parameters())
+        stage_optimizer = default_optimizer(piped.parameters())
+
+        def bare_step() -> None:
+            unpipelined().float().mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        def piped_step() -> None:
+            piped.backward(inputs, lambda out, rows: out.float().mean() / m, m)
+            piped.clip_and_step(stage_optimizer, 1.0)
+            stage_optimizer.zero_grad(set_to_none=True)
+
+        train, piped_train = median_s(bare_step), median_s(piped_step)
+        added["pipeline_train_step"] = max(piped_train - bubble * train / p, 0.0) / steps
+        added["pipeline_gather"] = median_s(lambda: gather_full_state_dict(piped))
+    return added
+
+
+def profile_machine(
+    workload: Workload,
+    world_size: int,
+    *,
+    reward_fn: Callable[..., Any] | None = None,
+    tokenizer: Any = None,
+    prompts: list[str] | None = None,
+    fields: Sequence[Mapping[str, Any]] | None = None,
+    cache_dir: Path | None = DEFAULT_CACHE,
+) -> tuple[Profile, Cluster]:
+    """Everything the cost model needs of this machine to price a job of ``world_size`` CPU processes on it: what
+    ``plan`` measures before it searches, and ``benchmarks/planner_calibration.py`` before it decides.
+
+    - the CPU seconds of each op of each role (:func:`profile_workload` with ``statistic="cpu"``: the median process
+      CPU time on one thread, the op's cost at full speed however busy the machine is; cached per shape);
+    - what each searched wrapper adds to a train step and to a sharded forward on groups of 2..``world_size``
+      processes (:func:`measure_wrapper_steps`; cached per workload, group sizes and wrappers);
+    - the gloo collectives of ``world_size`` fresh processes (:func:`measure_collectives_in_processes`);
+    - the share of a core each of 1..``world_size`` busy processes gets now
+      (:func:`~lightning_app_rlhf.planner.cluster.measure_settled_compute_shares`, with :func:`model_work`).
+
+    Args:
+        workload: Its shapes must carry their Hugging Face ``config``; its ``wrappers`` are measured.
+        world_size: Processes of the job, all on this machine.
+        reward_fn: A Python reward function to time per sample (with ``tokenizer``).
+        tokenizer: Decodes responses for ``reward_fn``.
+        prompts: Real prompts for ``reward_fn``.
+        fields: Each prompt's row fields, which ``reward_fn`` receives by name.
+        cache_dir: Where the op and wrapper measurements are cached; None: measure everything now.
+
+    Returns:
+        The profile (ops and the measured device) and the cluster of ``world_size`` processes on this machine with
+        its measured compute shares.
+    """
+    from lightning_app_rlhf.parallel.wrappers import available_wrappers
+    from lightning_app_rlhf.planner.cluster import cluster_from_environment, measure_settled_compute_shares
+
+    profile = profile_workload(workload, batches=(1, 4, 16, 32), repeats=7, statistic="cpu", cache_dir=cache_dir,
+                               reward_fn=reward_fn, tokenizer=tokenizer, prompts=prompts, fields=fields)
+    wrappers = tuple(w for w in available_wrappers() if w in workload.wrappers)
+    if world_size > 1 and wrappers:
+        shapes = "|".join(sorted({s.key for r in workload.roles if (s := workload.shape(r)) is not None}))
+        digest = hashlib.sha1(
+            f"v{PROFILE_FORMAT}|{hardware_key()}|{shapes}|{workload.samples}|{workload.num_minibatches}|"
+            f"{workload.prompt_length}|{workload.sequence_length}|{world_size}|{','.join(wrappers)}".encode()
+        ).hexdigest()[:16]
+        path = cache_dir / "profiles" / f"wrappers-{digest}.json" if cache_dir is not None else None
+        steps = _load_cached(path) if path is not None and path.exists() else None
+        if steps is None:
+            steps = measure_wrapper_steps(workload, world_size, wrappers)
+            if path is not None:
+                steps.save(path)
+        profile = profile.merge(steps)
+    device = measure_collectives_in_processes(profile.device or DEVICE_TYPES["cpu"], world_size)
+    shares = measure_settled_compute_shares(world_size, model_work(workload)) if world_size > 1 else None
+    # This machine's memory split over the processes, as a cluster of it without a device reads it.
+    device = replace(device, memory_bytes=cluster_from_environment(world_size).device.memory_bytes)
+    measured = Profile(profile.hardware, device, profile.ops)
+    return measured, cluster_from_environment(world_size, device, compute_shares=shares)
 
 
 def _load_cached(path: Path) -> Profile | None:

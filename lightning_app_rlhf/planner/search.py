@@ -420,9 +420,10 @@ def pp_degrees(model: CostModel) -> list[int]:
 def tp_variants(model: CostModel, plan: PlacementPlan) -> list[PlacementPlan]:
     """``plan`` (its own degrees) and, for every degree ``t > 1`` of :func:`tp_degrees`: generation alone ``t``-way
     tensor parallel, generation and the scoring forwards, and every call (training DP x TP). Then each of these with
-    every train and scoring call pipelined ``p``-way, for every degree ``p > 1`` of :func:`pp_degrees` (DP x TP x
-    PP: a call grows past a node by its stages, where tensor parallelism would cross nodes). Degrees a call's group
-    cannot take, or tensor-parallel replicas that would span nodes, are left out."""
+    its train calls, and with its train and scoring calls, that have no TP degree pipelined ``p``-way, for every
+    degree ``p > 1`` of :func:`pp_degrees` (DP x PP beside TP generation: a call grows past a node by its stages,
+    where tensor parallelism would cross nodes; the engine runs one of the two per call). Degrees a call's group
+    cannot take, plans the engine refuses, and tensor-parallel replicas that would span nodes are left out."""
     out = [plan]
     generate = ACTOR.call("generate")
     modelled = [c for c in plan.calls if model.workload.shape(role_of(c)) is not None]  # a reward function: no TP
@@ -441,17 +442,21 @@ def tp_variants(model: CostModel, plan: PlacementPlan) -> list[PlacementPlan]:
             if variant not in out:
                 out.append(variant)
     for base in list(out):
+        # The engine runs one of tp and pp per call (pipeline_checks): pipeline the calls the base left without TP,
+        # the train calls alone or with the scoring calls.
+        untensored = [c for c in modelled if c != generate and base.tp_degree(c) == 1]
         for p in pp_degrees(model)[1:]:
-            pp = {c: p for c in modelled if c != generate and len(base.ranks(c)) % (base.tp_degree(c) * p) == 0}
-            if not pp:
-                continue
-            try:
-                variant = dataclasses.replace(base, pp={**base.pp, **pp})
-                model.check_plan(variant)
-            except ValueError:
-                continue
-            if variant not in out:
-                out.append(variant)
+            fitting = [c for c in untensored if len(base.ranks(c)) % p == 0]
+            for calls in ([c for c in fitting if c.endswith(".train")], fitting):
+                if not calls:
+                    continue
+                try:
+                    variant = dataclasses.replace(base, pp={**base.pp, **dict.fromkeys(calls, p)})
+                    model.check_plan(variant)
+                except ValueError:
+                    continue
+                if variant not in out:
+                    out.append(variant)
     return out
 
 
