@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_app_rlhf.core.role_table import TRAINABLE_ROLES, role_of
+from lightning_app_rlhf.core.role_table import CALLS, TRAINABLE_ROLES, role_of
 from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 
@@ -124,9 +124,9 @@ def draw_plan_picture(plan: PlacementPlan, devices_per_node: int, path: str | Pa
                       heading: str | None = None) -> Path:
     """Draw ``plan`` as one PNG: a panel per call, titled with the call's ``dp x tp x pp`` and what it runs on
     (:func:`weights_text`); the cluster's ranks as a grid, a row per node; each rank of the call filled with its
-    replica's colour (lighter for later stages) and labelled ``d`` (replica), ``s`` (pipeline stage) and ``t`` (tensor-parallel rank), where
-    those degrees are above 1 (:func:`call_layout`); thick lines between replicas, dashed ones between stages;
-    ranks outside the call grey. Readable up to 16 nodes of 8 devices.
+    replica's colour (lighter for later stages) and labelled ``d`` (replica), ``s`` (pipeline stage) and ``t``
+    (tensor-parallel rank), where those degrees are above 1 (:func:`call_layout`); thick lines between replicas,
+    dashed ones between stages; ranks outside the call grey. Readable up to 16 nodes of 8 devices.
 
     Args:
         plan: The placement plan.
@@ -153,7 +153,7 @@ def draw_plan_picture(plan: PlacementPlan, devices_per_node: int, path: str | Pa
     from matplotlib.patches import Rectangle
 
     nodes = plan.world_size // devices_per_node
-    calls = list(plan.calls)
+    calls = [call for call in CALLS if call in plan.calls]  # the role table's order, whatever the plan's
     columns = 2 if len(calls) == 4 else min(3, len(calls))
     rows = math.ceil(len(calls) / columns)
     # Cells about 0.6 x 0.42 inch hold "d12" over "s15 t7" at 6.5 pt; a few devices or nodes get bigger cells.
