@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning_app_rlhf.algorithms import ALGORITHMS
@@ -36,6 +37,7 @@ from lightning_app_rlhf.planner.cost_model import (
     ranks_text,
     role_wrappers,
 )
+from lightning_app_rlhf.planner.plan_picture import draw_plan_picture, require_matplotlib
 from lightning_app_rlhf.planner.search import Candidate, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
 
@@ -118,6 +120,10 @@ class PlanOptions:
     "stale"), and Separation plans free-running too ("1 free"). 0: on-policy plans only."""
     json: bool = False
     """Print JSON instead of tables."""
+    picture: str | None = None
+    """Write a PNG of the best plan here: a panel per call, the cluster's ranks a grid of nodes x devices, each rank of
+    the call coloured by its data-parallel replica and labelled with its pipeline stage and tensor-parallel rank
+    (needs matplotlib: pip install matplotlib)."""
     realhf_sweep: bool = False
     """Named sizes only: plan ReaLHF's benchmark, LLaMA-2 7B on 1x8 to 70B on 16x8 H100-80GB, full fine-tuning of
     actor and critic of one size, prompts of 128 tokens, 128/384/896 generated tokens with 512/256/128 prompts, 4
@@ -453,6 +459,8 @@ def run_plan_command(options: PlanOptions, training_run: Callable[[], TrainingRu
         training_run: Reads what the training config runs; None: no training config (named sizes).
     """
     try:
+        if options.picture is not None:
+            check_picture_option(options)  # before the search, which may take minutes
         if options.sweep and training_run is None:
             rows = sweep(options)
             print(json_module.dumps(rows, indent=1)) if options.json else print_sweep(rows)
@@ -472,7 +480,33 @@ def run_plan_command(options: PlanOptions, training_run: Callable[[], TrainingRu
         print(json_module.dumps(report.to_dict(), indent=1, default=_json_default))
     else:
         print_report(report)
+    if options.picture is not None:
+        path = draw_best_plan(report.result, options.picture)
+        # On stderr under --json, whose stdout is one JSON document.
+        print(f"picture of the best plan written to {path}", file=sys.stderr if options.json else sys.stdout)
     return 0
+
+
+def check_picture_option(options: PlanOptions) -> None:
+    """Raise a ``ValueError`` naming the fix when ``--picture`` cannot be drawn: with a sweep (many plans, no single
+    best), or without matplotlib."""
+    if options.sweep or options.realhf_sweep:
+        flag = "--sweep" if options.sweep else "--realhf_sweep"
+        raise ValueError(f"--picture draws the best plan of one workload, and {flag} plans many: drop --picture, or "
+                         f"drop {flag} and plan one case (--cluster, --actor, ...).")
+    try:
+        require_matplotlib()
+    except ImportError as missing:  # printed as the command's other errors are, before the search
+        raise ValueError(f"--picture: {missing}") from None
+
+
+def draw_best_plan(result: PlannerResult, path: str) -> Path:
+    """Draw the best plan of ``result`` (:func:`~lightning_app_rlhf.planner.plan_picture.draw_plan_picture`), headed
+    with the workload, the cluster and the prediction; returns the path written."""
+    best, w = result.best, result.workload
+    heading = (f"{w.name} on {result.cluster.name}: best plan {best.plan.name!r} ({best.source}), "
+               f"{_prediction(best)}")
+    return draw_plan_picture(best.plan, result.cluster.devices_per_node, path, heading)
 
 
 def report_error(err: Exception, as_json: bool = False) -> int:
