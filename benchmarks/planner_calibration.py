@@ -48,11 +48,15 @@ from typing import Any
 import yaml
 
 from lightning_app_rlhf.demo import build_tokenizer, prompts, topic_reward
-from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, interleaving_plan, separation_plan
+from lightning_app_rlhf.parallel.plan import (
+    PlacementPlan,
+    flattening_plan,
+    interleaving_plan,
+    separation_plan,
+)
 from lightning_app_rlhf.planner import (
     CostModel,
     DeviceType,
-    Estimate,
     PlanChoice,
     Workload,
     cluster_from_environment,
@@ -62,6 +66,7 @@ from lightning_app_rlhf.planner import (
     role_shape,
 )
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
+from lightning_app_rlhf.planner.cost_model import PHASES, predicted_phases
 from lightning_app_rlhf.planner.profiler import (
     Profile,
     measure_collectives_in_processes,
@@ -91,33 +96,6 @@ MODELS = {
         "vocab_size": 8192,
     },  # lightning_app_rlhf.bench "small"
 }
-
-
-PHASES = ("generate", "score", "train", "reallocate")
-"""The phases ``RLHFModule.training_step`` logs as ``time/{phase}_s`` (rank 0)."""
-
-
-def phase_of(task: str) -> str:
-    """The ``training_step`` phase a cost-model task belongs to."""
-    if task.startswith("actor.generate"):
-        return "generate"
-    if task.endswith((".reallocate", ".publish", ".take")):  # free-running: the weights published and taken
-        return "reallocate"
-    if ".train" in task or task.endswith((".stats", ".lr")):  # the update, its statistics and its schedulers
-        return "train"
-    return "score"  # the rollout gather, the forwards and their gathers
-
-
-def predicted_phases(estimate: Estimate, rank: int = 0) -> dict[str, float]:
-    """Seconds of each phase on ``rank`` in the predicted steady-state iteration: from the end of the previous
-    phase (waits included, as ``training_step`` measures them) to the end of its last task on that rank."""
-    mine = sorted((t for t in estimate.timeline if rank in t[1]), key=lambda t: t[2])
-    phases, previous = {}, mine[0][2] if mine else 0.0
-    for phase in PHASES:
-        ends = [end for name, _, _, end in mine if phase_of(name) == phase]
-        phases[phase] = max(ends) - previous if ends else 0.0
-        previous = max(ends, default=previous)
-    return phases
 
 
 def run_cli(

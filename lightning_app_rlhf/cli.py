@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_app_rlhf.calibration_run import measure_phases
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
 from lightning_app_rlhf.callbacks.prediction_writer import PredictionWriter
 from lightning_app_rlhf.checkpoint.format import (
@@ -46,6 +47,7 @@ from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import known_devices
 from lightning_app_rlhf.planner.command import (
+    CALIBRATION_ITERATIONS,
     PlanOptions,
     TrainingRun,
     report_error,
@@ -257,8 +259,14 @@ class RLHFCLI(LightningCLI):
                        f"data.batch_size {datamodule.batch_size} prompts, as PlacementTuner reads it.")
         strategy, strategy_plan = _strategy_plan(trainer.strategy)
         tuner = any(isinstance(callback, PlacementTuner) for callback in trainer.callbacks or [])
+        dataset = datamodule.dataset
+        profile_inputs = {"reward_fn": module.reward_fn, "tokenizer": module.tokenizer,
+                          "prompts": dataset.prompts[:64], "fields": dataset.fields[:64]}
         return TrainingRun(workload, cluster, processes, strategy, strategy_plan, module.generation.batch_size,
-                           module.ppo.micro_batch_size, tuner, notes=(cluster_note, prompt_note))
+                           module.ppo.micro_batch_size, tuner, notes=(cluster_note, prompt_note),
+                           profile_inputs=profile_inputs,
+                           measure_phases=functools.partial(measure_phases, module, datamodule,
+                                                            iterations=CALIBRATION_ITERATIONS, skip=6))
 
     @override
     def _parse_ckpt_path(self) -> None:

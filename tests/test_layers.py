@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_app_rlhf"
 LAYERS = {
     "core": 0, "generation": 1, "algorithms": 2, "models": 3, "parallel": 4, "checkpoint": 5, "agents": 5, "engine": 6,
     "planner": 7, "strategies": 8, "callbacks": 9, "demo": 9, "data": 9,
-    "module_checkpoint": 10, "module_trainer": 10, "module": 10, "cli": 11, "bench": 12, "__main__": 12, "__init__": 12,
+    "module_checkpoint": 10, "module_trainer": 10, "module": 10, "calibration_run": 10, "cli": 11, "bench": 12, "__main__": 12, "__init__": 12,
 }
 """Each top-level unit of the package and its layer: a module may import its own layer's and lower layers' modules."""
 CORE = ("core", "generation", "models", "algorithms", "parallel", "checkpoint", "agents", "engine", "planner")

@@ -172,7 +172,7 @@ def test_plan_prints_the_plan_of_the_training_config(capsys):
     """`plan --config examples/configs/demo_cpu.yaml --cluster 1x4xcpu` plans what fit would run: the config's
     PPO workload (batch 32, 24 new tokens, 2 epochs x 2 minibatches) on the cluster's 4 devices, every call by its
     full name."""
-    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--cluster", "1x4xcpu"]) == 0
+    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--cluster", "1x4xcpu", "--profile", "none"]) == 0
     out = capsys.readouterr().out
     assert "(ppo: actor, reference, reward, critic) on 1x4xcpu: batch 32, prompt" in out
     assert "+ generation 24 tokens, 2 epoch(s) x 2 minibatches" in out
@@ -184,11 +184,27 @@ def test_plan_prints_the_plan_of_the_training_config(capsys):
     assert "The config launches 1 process(es)" in out and "--trainer.devices 4" in out  # demo_cpu.yaml: devices 1
 
 
+def test_plan_measures_this_machine_before_it_prices(capsys):
+    """`plan --config ... --cluster 1x2xcpu` (--profile auto, the default, as a new user runs it) profiles this
+    machine first: the note names what it measured, the engine's own work included, and the plans are priced with
+    it (the calibration's rows in docs/planner.md, "Calibration on this CPU", check them against measured runs)."""
+    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--cluster", "1x2xcpu", "--search", "presets",
+                          "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (note,) = [note for note in result["notes"] if note.startswith("Profiled this machine")]
+    for measured in ("what each wrapper (ddp, fsdp2", "a pipeline add on 2..2 processes", "gloo latency",
+                     "busy processes", "per generate call", "per rollout", "per optimizer step"):
+        assert measured in note
+    best = result["best"]
+    assert 0.01 < best["iteration_s"] < 5.0 and best["wrappers"]["actor"] in ("ddp", "fsdp2", "zero1", "zero2",
+                                                                              "zero3")
+
+
 def test_plan_json_of_the_config_beside_its_strategy(capsys):
     """Without --cluster the trainer's cpu devices are the cluster; the configured strategy's plan is priced beside
     the planner's choice."""
     args = ["plan", "--config", DEMO_CONFIG, "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation",
-            "--search", "presets", "--json"]
+            "--search", "presets", "--profile", "none", "--json"]
     assert cli_exit_code(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["cluster"] == "1x2xcpu" and result["world_size"] == 2 and result["batch_size"] == 32
@@ -209,7 +225,7 @@ def test_plan_reads_the_config_s_algorithm_and_callbacks(capsys):
             "--model.critic_optimizer", "null", "--model.generation.num_samples", "4", "--search", "presets",
             "--trainer.strategy", "lightning_app_rlhf.strategies.InterleavingStrategy",
             "--trainer.strategy.reference_ratio", "0.3",
-            "--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--json"]
+            "--trainer.callbacks+=lightning_app_rlhf.callbacks.PlacementTuner", "--profile", "none", "--json"]
     assert cli_exit_code(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["algorithm"] == "grpo" and result["num_samples"] == 4 and "critic" not in result["roles"]
@@ -233,7 +249,7 @@ def test_plan_reads_the_config_s_algorithm_and_callbacks(capsys):
 ])
 def test_plan_errors_name_the_fix(capsys, args, message):
     """Bad input stops `plan` with exit status 2 and one line that says what to change, no traceback."""
-    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--search", "presets", *args]) == 2
+    assert cli_exit_code(["plan", "--config", DEMO_CONFIG, "--search", "presets", "--profile", "none", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 

@@ -33,7 +33,8 @@ def test_fit_flags_carry_the_whole_plan_and_its_batch_sizes():
 def test_fit_runs_the_flags_plan_prints(tmp_path):
     """plan on the demo config (FSDP2 only, so its best differs from the config's own DDP) prints the flags under
     its tables; fit with exactly those flags trains one iteration under that plan."""
-    out = run_cli("plan", "--config", DEMO_CONFIG, "--search", "presets", "--wrappers", "fsdp2", cwd=tmp_path,
+    out = run_cli("plan", "--config", DEMO_CONFIG, "--search", "presets", "--wrappers", "fsdp2", "--profile", "none",
+                  cwd=tmp_path,
                   timeout=180).stdout
     lines = out.splitlines()
     (heading,) = [i for i, line in enumerate(lines) if line.startswith("fit flags that run #1")]

@@ -41,7 +41,12 @@ from lightning_app_rlhf.planner import (
     simulate,
     workload_from_module,
 )
-from lightning_app_rlhf.planner.cost_model import forward_flops
+from lightning_app_rlhf.planner.cost_model import (
+    ENGINE_OPS,
+    calibrate_engine,
+    forward_flops,
+    predicted_phases,
+)
 from lightning_app_rlhf.planner.profiler import (
     PIPELINE_OPS,
     Profile,
@@ -595,6 +600,29 @@ def test_wrapper_steps_measured_in_gloo_processes_price_the_train_and_sharded_fo
     assert bare.call_time(choice, "actor.train")[1] == pytest.approx(
         4 * bare.all_reduce_s((0, 1), trained_bytes) + bare.all_reduce_s((0, 1), 64)
     )
+
+
+@pytest.mark.parametrize("plan", [flattening_plan(1), flattening_plan(2), separation_plan(2)],
+                         ids=["one-process", "flattening-2", "separation-2"])
+def test_the_engine_s_own_work_calibrated_on_a_plan_prices_that_plan_as_measured(plan):
+    """calibrate_engine: what the reference plan's phases measured beyond their price becomes the engine's own work
+    per generate call, per rollout and per optimizer step (hand-computed: 10 ms, 20 ms, 16 ms over 2 roles x 2 epochs
+    x 2 minibatches = 2 ms a step); priced again with it, the reference plan's phases are the measured ones, and a
+    phase measured below its price adds nothing."""
+    workload = demo_workload()
+    device = replace(parse_cluster("1x2xcpu").device, collective_latency_s=1e-4)
+    cluster = cluster_from_environment(plan.world_size, device, cores=2, compute_shares=(1.0,) * plan.world_size)
+    profile = Profile("here", device, {})
+    predicted = predicted_phases(CostModel(cluster, workload, profile).evaluate(PlanChoice(plan)))
+    measured = {"generate": predicted["generate"] + 0.010, "score": predicted["score"] + 0.020,
+                "train": predicted["train"] + 0.016}
+    calibrated = calibrate_engine(profile, cluster, workload, plan, measured)
+    engine = {phase: points[0][2] for phase, points in calibrated.ops[ENGINE_OPS].items()}
+    assert engine == pytest.approx({"generate": 0.010, "score": 0.020, "train_step": 0.002})
+    again = predicted_phases(CostModel(cluster, workload, calibrated).evaluate(PlanChoice(plan)))
+    assert {p: again[p] for p in measured} == pytest.approx(measured)
+    slower = calibrate_engine(profile, cluster, workload, plan, {**measured, "score": predicted["score"] / 2})
+    assert slower.ops[ENGINE_OPS]["score"] == [[1, 1, 0.0]]
 
 
 def test_profiles_merge_ops_per_shape():

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json as json_module
 import shlex
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,14 +31,17 @@ from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
 from lightning_app_rlhf.parallel.wrappers import wrapper_class
 from lightning_app_rlhf.planner.cluster import Cluster, parse_cluster
 from lightning_app_rlhf.planner.cost_model import (
+    ENGINE_OPS,
     CostModel,
     PlanChoice,
+    calibrate_engine,
     call_ranks,
     gib,
     ranks_text,
     role_wrappers,
 )
 from lightning_app_rlhf.planner.plan_picture import draw_plan_picture, require_matplotlib
+from lightning_app_rlhf.planner.profiler import Profile, profile_machine
 from lightning_app_rlhf.planner.search import Candidate, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
 
@@ -50,6 +54,9 @@ REALHF_CASES = (("llama2-7b", "1x8xH100-80GB"), ("llama2-13b", "2x8xH100-80GB"),
 """ReaLHF's scaling experiment: the model grows with the GPUs (actor, critic, reference and reward of one size)."""
 REALHF_LENGTHS = ((128, 512), (384, 256), (896, 128))
 """ReaLHF's released benchmark: (generated tokens, prompts per iteration); prompts of 128 tokens, 4 minibatches."""
+CALIBRATION_ITERATIONS = 24
+"""Iterations of the config that ``--profile auto`` runs under Flattening with DDP (the first 6 left out: a young
+policy's responses, and so its iterations, change most)."""
 DEFAULT_CLUSTER = "1x8xA100-80GB"
 """The cluster of a named-size plan without ``--cluster``."""
 NAMED_SIZE_DEFAULTS: dict[str, Any] = {
@@ -99,6 +106,12 @@ class PlanOptions:
     """Where it runs, NODESxDEVICESxTYPE: 1x8xA100-80GB, 8x8xH100-80GB, 1x4xcpu (device types: A100-40GB,
     A100-80GB, H100-80GB, H200, cpu). Default: with a training config on the cpu, trainer.num_nodes x
     trainer.devices x cpu; without one, 1x8xA100-80GB."""
+    profile: Literal["auto", "none"] = "auto"
+    """auto: with a training config on a cluster of this machine's CPU processes (one node, cpu), measure this
+    machine first (about a minute for the demo on 4 processes; the op times and wrapper costs are cached): each
+    call's CPU time, what every wrapper and a pipeline add, the gloo collectives, the share of a core k busy
+    processes get, and a few iterations of the config on one process for the engine's own work; then price with
+    them. none: price with the device's nominal figures (instant, and on a CPU about half the measured time)."""
     wrappers: str | None = None
     """Comma-separated wrappers the search may give the roles: a subset of ddp, fsdp2, zero1, zero2, zero3 (the zero
     ones need deepspeed: pip install 'lightning-app-rlhf[deepspeed]'). Default: every one installed here."""
@@ -209,6 +222,13 @@ class TrainingRun:
     """A ``PlacementTuner`` callback replaces the strategy's plan at fit start."""
     notes: tuple[str, ...] = ()
     """How the cluster and the workload were read."""
+    profile_inputs: dict[str, Any] = field(default_factory=dict)
+    """The reward function, tokenizer, prompts and row fields that profiling times the reward with
+    (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`'s keywords)."""
+    measure_phases: Callable[[PlacementPlan], dict[str, float]] | None = None
+    """Runs a few iterations of the config under a plan on this machine's processes: median seconds of its
+    ``generate``, ``score`` and ``train`` phases on rank 0
+    (:func:`~lightning_app_rlhf.planner.cost_model.calibrate_engine`)."""
 
 
 @dataclass
@@ -222,12 +242,20 @@ class PlanReport:
     """``trainer.strategy`` of the training config."""
     notes: list[str] = field(default_factory=list)
     """Lines printed under the table."""
+    profile: Profile | None = None
+    """What ``--profile auto`` measured on this machine (None: priced with the device's nominal figures)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The planner's result as JSON (:meth:`PlannerResult.to_dict`), with the episode's shape (turns, tokens per
-        observation, tokens of a whole sequence), the config's plan and the notes."""
+        observation, tokens of a whole sequence), the config's plan, the notes, and what was measured on this
+        machine (the profile's ops and device, and the compute shares: enough to price any other plan alike)."""
         w = self.result.workload
+        measured = None
+        if self.profile is not None:
+            measured = {"hardware": self.profile.hardware, "device": asdict(self.profile.device),
+                        "ops": self.profile.ops, "compute_shares": self.result.cluster.compute_shares}
         return {
+            "measured": measured,
             **self.result.to_dict(),
             "turns": w.turns,
             "observation_tokens": w.observation_length,
@@ -376,11 +404,43 @@ def multi_turn_fields(options: PlanOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------- planning
 
 
-def search(options: PlanOptions, cluster: Cluster, workload: Workload) -> PlannerResult:
-    """Run the planner's searches for ``workload`` on ``cluster`` as the flags ask."""
+def measured_machine(options: PlanOptions, run: TrainingRun,
+                     workload: Workload) -> tuple[Cluster, Profile | None, list[str]]:
+    """The cluster to plan for and, where ``--profile auto`` applies (a cluster of this machine's CPU processes), the
+    profile measured on this machine (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`, then
+    :func:`~lightning_app_rlhf.planner.cost_model.calibrate_engine` from a few iterations of the config on one
+    process), with a note saying what was measured."""
+    cluster = parse_cluster(run.cluster)
+    if options.profile == "none" or cluster.cores_per_node is None:
+        return cluster, None, []
+    if cluster.nodes > 1:
+        return cluster, None, [f"Not profiled: {cluster.name} spans {cluster.nodes} nodes, and only this machine "
+                               "can be measured; priced with the cpu's nominal figures (--profile none)."]
+    start = time.perf_counter()
+    profile, measured = profile_machine(workload, cluster.world_size, **run.profile_inputs)
+    if run.measure_phases is not None and "ddp" in workload.wrappers:
+        # The reference plan: every call on every rank, DDP, no degrees (what the profile prices most directly).
+        reference = flattening_plan(cluster.world_size, "ddp", roles=workload.roles)
+        profile = calibrate_engine(profile, measured, workload, reference, run.measure_phases(reference))
+    shares = " ".join(f"{x:.2f}" for x in measured.compute_shares or ())
+    engine = profile.ops.get(ENGINE_OPS, {})
+    return measured, profile, [
+        f"Profiled this machine in {time.perf_counter() - start:.0f} s (--profile none skips it): CPU seconds per "
+        f"op, what each wrapper ({', '.join(w for w in workload.wrappers)}) and a pipeline add on 2..{cluster.world_size}"
+        f" processes, gloo latency {measured.device.collective_latency_s * 1e3:.2f} ms, a core's share with "
+        f"1..{cluster.world_size} busy processes {shares}"
+        + (f", and from {CALIBRATION_ITERATIONS} iterations of the config under flattening (DDP) the engine's own "
+           f"work: {engine['generate'][0][2] * 1e3:.1f} ms per generate call, {engine['score'][0][2] * 1e3:.1f} ms "
+           f"per rollout, {engine['train_step'][0][2] * 1e3:.1f} ms per optimizer step" if engine else "") + "."]
+
+
+def search(options: PlanOptions, cluster: Cluster, workload: Workload, profile: Profile | None = None) -> PlannerResult:
+    """Run the planner's searches for ``workload`` on ``cluster`` as the flags ask (with the ops of ``profile`` where
+    it measured them)."""
     return plan_placement(
         cluster,
         workload,
+        profile=profile,
         search=options.search,
         seed=options.seed,
         time_budget_s=options.time_budget,
@@ -407,8 +467,10 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
     check_no_named_sizes(options)
     workload = replace(run.workload, generation_rounds=options.generation_rounds, **multi_turn_fields(options))
     workload = replace(workload, wrappers=wrappers_option(options)) if options.wrappers else workload
-    result = search(options, parse_cluster(run.cluster), workload)
-    report = PlanReport(result, configured_strategy=run.strategy, notes=list(run.notes))
+    cluster, profile, measured_note = measured_machine(options, run, workload)
+    result = search(options, cluster, workload, profile)
+    report = PlanReport(result, configured_strategy=run.strategy, notes=[*run.notes, *measured_note],
+                        profile=profile)
     cluster = result.cluster
     if run.processes is not None and run.processes != cluster.world_size:
         report.notes.append(
@@ -435,7 +497,7 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         )
     if plan is not None:
         choice = PlanChoice(plan, run.generation_batch, run.micro_batch)
-        report.configured = Candidate(CostModel(cluster, workload).evaluate(choice), "config")
+        report.configured = Candidate(CostModel(cluster, workload, profile).evaluate(choice), "config")
     if run.tuner:
         report.notes.append(
             "trainer.callbacks has a PlacementTuner: fit searches again at its start, with a profile of the machine, "

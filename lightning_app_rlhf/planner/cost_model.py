@@ -624,6 +624,7 @@ class CostModel:
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         if call == ACTOR.call("generate"):
             compute, tp_comm, forwards = self.generate_time(choice, local, op_time, tp_pass_s)
+            compute += self.engine_s("generate")
             if not sharded:
                 return compute, tp_comm
             if self.unshards_once(plan):  # the hybrid engine: one gather of the weights for the whole rollout
@@ -727,7 +728,7 @@ class CostModel:
         else:  # DDP all-reduce; ZeRO-1/2 reduce-scatter + all-gather of updated weights: the same volume
             comm = measured if measured is not None else self.all_reduce_s(dp_ranks, trained_bytes)
         stats = self.all_reduce_s(ranks, 64)  # once per call: the sum of the statistics over the group
-        compute, comm = steps * compute, steps * (comm + tp_comm) + stats
+        compute, comm = steps * (compute + self.engine_s("train_step")), steps * (comm + tp_comm) + stats
         if call == ACTOR.call("train") and w.recompute_old_logprobs:  # before the update: the trainer's log-probs
             share = ceil_div(w.samples, n)
             forward_tokens = [min(b, share - i) * w.sequence_length for i in range(0, share, b)]
@@ -739,6 +740,13 @@ class CostModel:
                 comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t * p)
             comm += self.all_reduce_s(ranks, 4 * w.samples * w.response_length)
         return compute, comm
+
+    def engine_s(self, phase: str) -> float:
+        """Seconds of the engine's own work (Python, bookkeeping, small tensor ops) beyond the priced calls, per
+        ``generate`` call, per rollout on each rank (``score``) or per optimizer step (``train_step``): what
+        :func:`calibrate_engine` measured on one process; 0 without that measurement."""
+        engine = self.profile.ops.get(ENGINE_OPS) if self.profile is not None else None
+        return engine[phase][0][2] if engine and phase in engine else 0.0
 
     def _measured_wrapper(self, wrapper: str, op: str, shape: RoleShape, group: int) -> float | None:
         """Seconds ``wrapper`` adds to one optimizer step (``op="step"``) or one forward (``"forward"``) of
@@ -900,7 +908,12 @@ class CostModel:
             nbytes, tensors = per_row.get(step.name, (t_gen * 4, 1))
             name = "gather.rollout" if step.name == ACTOR.call("generate") else f"gather.{role_of(step.name)}"
             seconds = self.world_gather_s(plan, step.name, nbytes, tensors, step.among)
-            return [Task(name, step.ranks, seconds, compute=False)]
+            tasks = [Task(name, step.ranks, seconds, compute=False)]
+            if step.name == ACTOR.call("generate") and self.engine_s("score"):
+                # The engine's own work on the rollout, on every rank that gathers it (the Python and small tensor
+                # ops of selecting, shaping and estimating), as measured on one process.
+                tasks.append(Task("engine.rollout", step.ranks, self.engine_s("score")))
+            return tasks
         if step.kind == "broadcast":
             nbytes = 64 if step.what == "stats" else 24  # a few float64 statistics; three learning-rate values
             name = f"{role_of(step.name)}.{step.what}"
@@ -953,6 +966,72 @@ class CostModel:
         return Estimate(
             choice, steady, self.workload.samples / steady, call_s, rows, self.capacity, rejected, timeline
         )
+
+
+ENGINE_OPS = "engine"
+"""The profile's entry of the engine's own work per phase (:func:`calibrate_engine`): ``generate``, ``score`` and
+``train_step`` points ``[1, 1, seconds]``."""
+
+
+def calibrate_engine(profile: Profile, cluster: Cluster, workload: Workload, plan: PlacementPlan,
+                     measured: dict[str, float]) -> Profile:
+    """``profile`` with the engine's own work per phase: what a few iterations of this workload under ``plan`` took on
+    ``cluster`` (this machine's processes) beyond the cost model's price of that plan, in each phase the engine logs on
+    rank 0 (``time/generate_s``, ``time/score_s``, ``time/train_s``): its Python and small tensor ops, and what the
+    processes lose to each other beyond the compute shares. Generation's is charged per generate call, scoring's per
+    rollout on every rank that gathers it, training's per optimizer step (of every trained role, epoch and minibatch);
+    never below 0. One plan measured prices every plan: these are costs per call, rollout and step, not per plan.
+
+    On this project's 2-core machine the demo's tiny GPT-2 on 2 processes spends about half of its scoring phase and a
+    sixth of its training outside what the profile and the collectives price (docs/planner.md, "Calibration on this
+    CPU"); on one process the profile prices every phase within a millisecond.
+
+    Args:
+        profile: The ops of this machine (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`).
+        cluster: The processes the plan ran on, with their measured compute shares.
+        workload: The workload of the run that was measured.
+        plan: The plan it ran.
+        measured: Median seconds per iteration of each phase on rank 0: ``generate``, ``score``, ``train``.
+    """
+    from lightning_app_rlhf.planner.profiler import Profile as ProfileClass
+
+    bare = ProfileClass(profile.hardware, profile.device, {k: v for k, v in profile.ops.items() if k != ENGINE_OPS})
+    predicted = predicted_phases(CostModel(cluster, workload, bare).evaluate(PlanChoice(plan)))
+    steps = len(workload.trainable) * workload.ppo_epochs * workload.num_minibatches
+    residual = {
+        "generate": measured["generate"] - predicted["generate"],
+        "score": measured["score"] - predicted["score"],
+        "train_step": (measured["train"] - predicted["train"]) / max(steps, 1),
+    }
+    ops = {**bare.ops, ENGINE_OPS: {phase: [[1, 1, max(seconds, 0.0)]] for phase, seconds in residual.items()}}
+    return ProfileClass(profile.hardware, profile.device, ops)
+
+
+PHASES = ("generate", "score", "train", "reallocate")
+"""The phases of an iteration the engine logs as ``time/{phase}_s`` on rank 0."""
+
+
+def phase_of(task: str) -> str:
+    """The engine's logged phase a cost-model task belongs to."""
+    if task.startswith("actor.generate"):
+        return "generate"
+    if task.endswith((".reallocate", ".publish", ".take")):  # free-running: the weights published and taken
+        return "reallocate"
+    if ".train" in task or task.endswith((".stats", ".lr")):  # the update, its statistics and its schedulers
+        return "train"
+    return "score"  # the rollout gather, the engine's work on it, the forwards and their gathers
+
+
+def predicted_phases(estimate: Estimate, rank: int = 0) -> dict[str, float]:
+    """Seconds of each phase on ``rank`` in the predicted steady-state iteration: from the end of the previous
+    phase (waits included, as the engine measures them) to the end of its last task on that rank."""
+    mine = sorted((t for t in estimate.timeline if rank in t[1]), key=lambda t: t[2])
+    phases, previous = {}, mine[0][2] if mine else 0.0
+    for phase in PHASES:
+        ends = [end for name, _, _, end in mine if phase_of(name) == phase]
+        phases[phase] = max(ends) - previous if ends else 0.0
+        previous = max(ends, default=previous)
+    return phases
 
 
 def unrolled_iterations(plan: PlacementPlan) -> int:

@@ -592,6 +592,10 @@ def profile_workload(
     return profile
 
 
+WRAPPER_FORMAT = 2
+"""Bumped when :func:`measure_wrapper_steps` measures other ops (2: the pipeline's), so that cached wrapper costs are
+measured again."""
+
 PIPELINE_OPS = ("pipeline_train_step", "pipeline_forward_step", "pipeline_gather")
 """The profile's ops of a pipeline of ``p`` stages, points ``[p, 1, seconds]``: one stage step of a train schedule
 (a micro-batch's forward and backward through a stage boundary) and of a forward-only one beyond the stage's share of
@@ -716,7 +720,7 @@ def profile_machine(
     if world_size > 1 and wrappers:
         shapes = "|".join(sorted({s.key for r in workload.roles if (s := workload.shape(r)) is not None}))
         digest = hashlib.sha1(
-            f"v{PROFILE_FORMAT}|{hardware_key()}|{shapes}|{workload.samples}|{workload.num_minibatches}|"
+            f"v{PROFILE_FORMAT}.{WRAPPER_FORMAT}|{hardware_key()}|{shapes}|{workload.samples}|{workload.num_minibatches}|"
             f"{workload.prompt_length}|{workload.sequence_length}|{world_size}|{','.join(wrappers)}".encode()
         ).hexdigest()[:16]
         path = cache_dir / "profiles" / f"wrappers-{digest}.json" if cache_dir is not None else None

@@ -16,6 +16,7 @@ They place the workload's roles only: a critic-free workload (``Workload(critic=
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -97,6 +98,9 @@ class Candidate:
             "wrappers": dict(plan.wrappers),
             "max_staleness": plan.max_staleness,
             "tp": dict(plan.tp),
+            "pp": dict(plan.pp),
+            "pipeline_schedule": plan.pipeline_schedule,
+            "free_running": plan.free_running,
             "unshard_for_generation": plan.unshard_for_generation,
             "generation_batch": self.choice.generation_batch,
             "micro_batch": self.choice.micro_batch,
@@ -399,10 +403,26 @@ def _best_of(model: CostModel, plans: list[PlacementPlan], source: str) -> Candi
 # ---------------------------------------------------------------- tensor parallelism per call
 
 
+@functools.cache
+def has_tp_plan(model_type: str) -> bool:
+    """Whether transformers ships a tensor-parallel plan (``base_model_tp_plan``) for ``model_type``: the engine cuts
+    only those families (llama, mistral, qwen2, ...; not gpt2)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(model_type).base_model_tp_plan is not None
+    except ValueError:  # a model type transformers does not know: the engine could not build it either
+        return False
+
+
 def tp_degrees(model: CostModel) -> list[int]:
     """Tensor-parallel degrees the search gives a call: powers of two up to a node's devices that divide every
-    model's attention and key/value heads."""
+    model's attention and key/value heads; none above 1 when a model's family has no tensor-parallel plan in
+    transformers (:func:`has_tp_plan`: the engine would refuse the plan)."""
     shapes = [model.workload.shape(r) for r in model.workload.roles]
+    families = {s.config["model_type"] for s in shapes if s is not None and s.config and "model_type" in s.config}
+    if not all(has_tp_plan(family) for family in families):
+        return [1]
     heads = [h for s in shapes if s is not None for h in (s.heads, s.kv_heads)]
     per_node = model.cluster.devices_per_node
     return [t for t in (2**k for k in range(per_node.bit_length())) if t <= per_node and all(h % t == 0 for h in heads)]
