@@ -51,7 +51,7 @@ def test_a_pipelined_train_call_pays_its_bubble_and_its_sends(seven_b):
     across = replace(base, tp={"actor.train": 8}, pp={"actor.train": 2})  # stages 0-7 and 8-15: the network
     crossing = sent(256 * 4096 * 2 / 8, intra_node=False)
     assert model.pipeline_send_s(across, "actor.train", shape, 256) == pytest.approx(crossing)
-    unpiped_compute, unpiped_comm = model.call_time(PlanChoice(base, micro_batch=1), "actor.train")
+    unpiped_compute, _ = model.call_time(PlanChoice(base, micro_batch=1), "actor.train")
     # The same gradient all-reduce volume, now over 4 replicas of 1/4 of the weights: less; plus the sends.
     assert comm > steps * 7 * 2 * send
     assert compute < unpiped_compute  # 4 stages share the work (bubble 7/4 < 4)

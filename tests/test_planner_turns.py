@@ -52,13 +52,13 @@ AGENT = ("--model.tokenizer", "agent_task:tokenizer", "--model.reward_fn", "null
 TODAY = {
     # iteration_s, call_s, peak_bytes of the cost model before Workload.turns: the CPU row at commit 7ef7a88, the GPU
     # rows re-pinned when the cited GPU efficiencies (planner/gpu_efficiency.py) replaced the 50% / 70% constants.
-    "llama-7b ppo 1x8xA100-80GB flattening fsdp2": (7.939340460304959, {
-        "actor.generate": 2.832994698201049, "reference.forward": 0.3895865917072473,
+    "llama-7b ppo 1x8xA100-80GB flattening fsdp2": (7.931556061032146, {
+        "actor.generate": 2.8252102989282375, "reference.forward": 0.3895865917072473,
         "reward.forward": 0.38236434252403295, "critic.forward": 0.42954556105822767,
         "actor.train": 1.970753990636719, "critic.train": 1.933633645763816, "reallocate": 0.0},
         53541297160),
-    "llama-7b ppo 1x8xA100-80GB separation fsdp2 gen_batch=4 micro=2": (20.470198784156576, {
-        "actor.generate": 10.489151048253266, "reference.forward": 0.7791731834144945,
+    "llama-7b ppo 1x8xA100-80GB separation fsdp2 gen_batch=4 micro=2": (20.454402213221073, {
+        "actor.generate": 10.473354477317764, "reference.forward": 0.7791731834144945,
         "reward.forward": 0.764728685048066, "critic.forward": 0.764728685041158,
         "actor.train": 3.7761936043776334, "critic.train": 3.705161780266857, "reallocate": 0.19059671248673865},
         54343786498),
