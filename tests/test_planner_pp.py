@@ -10,9 +10,17 @@ import pytest
 from lightning_app_rlhf.parallel.plan import flattening_plan
 from lightning_app_rlhf.planner import CostModel, PlanChoice, llama_workload, parse_cluster
 from lightning_app_rlhf.planner.cluster import DEVICE_TYPES
+from lightning_app_rlhf.planner.gpu_efficiency import bus_bandwidth_share
 from lightning_app_rlhf.planner.search import pp_degrees, tp_degrees, tp_variants
 
 H100 = DEVICE_TYPES["h100-80gb"]
+
+
+def sent(nbytes: float, intra_node: bool) -> float:
+    """Seconds of one send of ``nbytes`` between two H100s: at the link's peak times the cited bus bandwidth share of
+    that size (its latency included; a send is capped at the link's peak)."""
+    peak = H100.intra_node_bandwidth if intra_node else H100.inter_node_bandwidth
+    return nbytes / (peak * min(1.0, bus_bandwidth_share(nbytes, intra_node)))
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +43,15 @@ def test_a_pipelined_train_call_pays_its_bubble_and_its_sends(seven_b):
     choice = PlanChoice(piped, micro_batch=1)
     compute, comm = model.call_time(choice, "actor.train")
     shape, steps = w.actor, w.ppo_epochs * w.num_minibatches
-    train = model.op_time(shape, "train", 1, 256)
+    train = model.op_time(shape, "train", 1, 256, pp=4)
     optimizer = model.op_time(shape, "optimizer", -(-w.trainable_params("actor") // 4), 0)
     assert compute == pytest.approx(steps * ((4 + 3) / 4 * 4 * train / 4 + optimizer))
-    send = 256 * 4096 * 2 / H100.intra_node_bandwidth + H100.collective_latency_s
+    send = sent(256 * 4096 * 2, intra_node=True)
     assert model.pipeline_send_s(piped, "actor.train", shape, 256) == pytest.approx(send)
     across = replace(base, tp={"actor.train": 8}, pp={"actor.train": 2})  # stages 0-7 and 8-15: the network
-    crossing = 256 * 4096 * 2 / 8 / H100.inter_node_bandwidth + H100.collective_latency_s
+    crossing = sent(256 * 4096 * 2 / 8, intra_node=False)
     assert model.pipeline_send_s(across, "actor.train", shape, 256) == pytest.approx(crossing)
-    unpiped_compute, unpiped_comm = model.call_time(PlanChoice(base, micro_batch=1), "actor.train")
+    unpiped_compute, _ = model.call_time(PlanChoice(base, micro_batch=1), "actor.train")
     # The same gradient all-reduce volume, now over 4 replicas of 1/4 of the weights: less; plus the sends.
     assert comm > steps * 7 * 2 * send
     assert compute < unpiped_compute  # 4 stages share the work (bubble 7/4 < 4)
@@ -96,9 +104,9 @@ def test_pipelined_scoring_pays_its_bubble_sends_and_the_result_broadcast(seven_
     model, w = seven_b, seven_b.workload
     plan = replace(flattening_plan(16, "ddp", roles=w.roles), pp={"reference.forward": 2})
     compute, comm = model.call_time(PlanChoice(plan, generation_batch=2), "reference.forward")
-    forward = model.op_time(w.shape("reference"), "forward", 2, 256)
+    forward = model.op_time(w.shape("reference"), "forward", 2, 256, pp=2)
     assert compute == pytest.approx(5 / 4 * 4 * forward / 2)
-    send = 2 * 256 * 4096 * 2 / H100.intra_node_bandwidth + H100.collective_latency_s
+    send = sent(2 * 256 * 4096 * 2, intra_node=True)
     assert comm == pytest.approx(5 * send + model.broadcast_s((0, 1), 4 * 8 * 128))
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_app_rlhf.algorithms import ALGORITHMS
-from lightning_app_rlhf.core.role_table import CRITIC
+from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
 from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
 from lightning_app_rlhf.parallel.wrappers import wrapper_class
 from lightning_app_rlhf.planner.cluster import Cluster, parse_cluster
@@ -497,7 +497,9 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         )
     if plan is not None:
         choice = PlanChoice(plan, run.generation_batch, run.micro_batch)
-        report.configured = Candidate(CostModel(cluster, workload, profile).evaluate(choice), "config")
+        model = CostModel(cluster, workload, profile)
+        report.configured = Candidate(model.evaluate(choice), "config")
+        report.configured.estimate.efficiency = model.efficiencies(choice)
     if run.tuner:
         report.notes.append(
             "trainer.callbacks has a PlacementTuner: fit searches again at its start, with a profile of the machine, "
@@ -652,14 +654,33 @@ def summary_lines(report: PlanReport, candidates: list[Candidate]) -> list[str]:
     """
     best, configured = report.result.best, report.configured
     lines = [f"best: #{candidates.index(best) + 1} {best.plan.name} ({best.source}), {_prediction(best)}."]
+    if best.estimate.efficiency:
+        lines.append(f"efficiency of #{candidates.index(best) + 1}: {efficiency_text(best.estimate.efficiency)}.")
     if configured is not None:
         versus = (f"{configured.iteration_s / best.iteration_s:.2f}x the best's time" if configured.estimate.fits
                   else f"does not fit: {configured.rejected}")
         lines.append(f"config: #{candidates.index(configured) + 1} {configured.plan.name} from trainer.strategy "
                      f"{report.configured_strategy}, {_prediction(configured)}: {versus}.")
+        if configured.estimate.efficiency:
+            lines.append(f"efficiency of #{candidates.index(configured) + 1}: "
+                         f"{efficiency_text(configured.estimate.efficiency)}.")
     lines += [f"rule: {rule}" for rule in report.result.rules]
     lines += [f"note: {note}" for note in report.notes]
     return lines
+
+
+def efficiency_text(efficiency: dict[str, dict[str, float]]) -> str:
+    """``actor.generate decode 69% of peak HBM bandwidth priced, 52% achieved; actor.train MFU 39% priced, 31%
+    achieved; ...``: a GPU plan's :meth:`~lightning_app_rlhf.planner.cost_model.CostModel.efficiencies`, each
+    call's cited prior beside what the whole call achieves (with its communication and bubble)."""
+    parts = []
+    for call, e in efficiency.items():
+        if "mfu" in e:
+            parts.append(f"{call} MFU {e['mfu']:.0%} priced, {e['achieved_mfu']:.0%} achieved")
+        else:
+            parts.append(f"{call} decode {e['decode_bandwidth_share']:.0%} of peak HBM bandwidth priced, "
+                         f"{e['achieved_decode_share']:.0%} achieved")
+    return "; ".join(parts)
 
 
 def _prediction(candidate: Candidate) -> str:
@@ -697,6 +718,7 @@ def sweep(options: PlanOptions) -> list[dict[str, Any]]:
                     "speedup_over_flattening": result.speedup_over("flattening"),
                     "presets_s": {n: (c.iteration_s if c.estimate.fits else None) for n, c in result.presets.items()},
                     "search_s": result.search_s,
+                    "efficiency": best.estimate.efficiency,
                 }
             )
     return rows
@@ -727,7 +749,7 @@ def realhf_sweep(options: PlanOptions) -> list[dict[str, Any]]:
                 "flattening_s": flat.iteration_s if flat.estimate.fits else None,
                 "flattening": " ".join(role_wrappers(flat.plan.wrappers)) + " " + " ".join(
                     f"{c.split('.')[0][:3]}.{c.split('.')[1][:3]}:tp{t}" for c, t in flat.plan.tp.items()),
-                "search_s": result.search_s,
+                "search_s": result.search_s, "efficiency": best.estimate.efficiency,
             })  # fmt: skip
     return rows
 
@@ -735,15 +757,25 @@ def realhf_sweep(options: PlanOptions) -> list[dict[str, Any]]:
 def print_realhf_sweep(rows: list[dict[str, Any]]) -> None:
     """The ReaLHF sweep as the markdown table of docs/planner.md."""
     print("| model | cluster | gen x batch | chosen plan (ranks per call, TP degree) | wrappers | iter s | peak GiB | "
-          "flattening s (its best layout) | search s |")
-    print("| --- | --- | --- | --- | --- | ---: | ---: | --- | ---: |")
+          "flattening s (its best layout) | actor MFU train / HBM share decode, priced (achieved) | search s |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | --- | --- | ---: |")
     for r in rows:
         case = f"| {r['model']} | {r['cluster']} | {r['generation_length']} x {r['batch_size']} |"
         if "error" in r:
-            print(f"{case} does not fit: {r['error']} | | | | | |")
+            print(f"{case} does not fit: {r['error']} | | | | | | |")
             continue
         print(f"{case} {r['best']} | {r['wrappers']} | {r['iteration_s']:.1f} | {r['peak_memory_gib']:.1f} | "
-              f"{_seconds(r['flattening_s'])} ({r['flattening']}) | {r['search_s']:.1f} |")
+              f"{_seconds(r['flattening_s'])} ({r['flattening']}) | {_actor_efficiency(r.get('efficiency', {}))} | "
+              f"{r['search_s']:.1f} |")
+
+
+def _actor_efficiency(efficiency: dict[str, dict[str, float]]) -> str:
+    """``39% (31%) / 69% (52%)``: the actor's training MFU and decode bandwidth share, priced (achieved)."""
+    train, generate = efficiency.get(ACTOR.call("train")), efficiency.get(ACTOR.call("generate"))
+    if train is None or generate is None:
+        return "-"
+    return (f"{train['mfu']:.0%} ({train['achieved_mfu']:.0%}) / {generate['decode_bandwidth_share']:.0%} "
+            f"({generate['achieved_decode_share']:.0%})")
 
 
 def print_sweep(rows: list[dict[str, Any]]) -> None:

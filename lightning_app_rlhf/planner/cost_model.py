@@ -31,6 +31,12 @@ from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
 from lightning_app_rlhf.parallel.wrappers import WRAPPERS
 from lightning_app_rlhf.parallel.wrappers.base import REALLOCATION_BUCKET_NUMEL
 from lightning_app_rlhf.planner.cluster import Cluster
+from lightning_app_rlhf.planner.gpu_efficiency import (
+    bus_bandwidth_share,
+    decode_bandwidth_share,
+    forward_mfu,
+    training_mfu,
+)
 from lightning_app_rlhf.planner.profiler import wrapper_op
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
@@ -43,9 +49,17 @@ what ``Placement.reallocate_weights`` sends at once, and what a sharded train ra
 GPU_USABLE_MEMORY = 0.9
 """Fraction of a GPU's memory a plan may fill: 10% stays for the allocator and the CUDA context."""
 COMPUTE_EFFICIENCY = 0.5
-"""Fraction of peak FLOP/s a transformer forward/backward reaches (analytic fallback only)."""
+"""Fraction of peak FLOP/s a transformer forward/backward reaches: the analytic fallback on CPU processes and on
+device ceilings a profile measured. GPU clusters at datasheet peaks take the cited, shape-dependent figures of
+:mod:`~lightning_app_rlhf.planner.gpu_efficiency` instead."""
 BANDWIDTH_EFFICIENCY = 0.7
-"""Fraction of peak memory bandwidth a decode step reaches (analytic fallback only)."""
+"""Fraction of peak memory bandwidth a streaming copy reaches (the optimizer step, a local slice or serialisation
+of weights, everywhere), and a decode step or a forward's weight read on CPU processes and measured ceilings (GPUs
+at datasheet peaks: :func:`~lightning_app_rlhf.planner.gpu_efficiency.decode_bandwidth_share`)."""
+NVLS_DEVICES = frozenset({"H100-80GB", "H200"})
+"""Device types whose NVSwitch reduces in the switch (NVLink SHARP, NCCL's NVLS algorithm): their intra-node
+all-reduces reach the higher bus bandwidth of
+:func:`~lightning_app_rlhf.planner.gpu_efficiency.bus_bandwidth_share`."""
 UNROLLED_ITERATIONS = 4
 """Iterations the schedule unrolls (a free-running plan more: :func:`unrolled_iterations`); the estimate is the
 steady state between the 2nd and the last (:func:`steady_iterations`)."""
@@ -174,6 +188,9 @@ class Estimate:
     """Why the plan cannot run (None: it fits)."""
     timeline: list[tuple[str, tuple[int, ...], float, float]] = field(default_factory=list)
     """(task, ranks, start, end) of one steady-state iteration."""
+    efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
+    """GPU clusters: each model call's predicted efficiencies (:meth:`CostModel.efficiencies`); filled for the plans
+    a search reports, empty elsewhere."""
 
     @property
     def fits(self) -> bool:
@@ -202,6 +219,11 @@ class CostModel:
         self.profile = profile
         self.device = profile.device if profile is not None and profile.device is not None else cluster.device
         self.collective_latency = self.device.collective_latency_s
+        # The cited GPU efficiencies are fractions of datasheet peaks: they price a GPU cluster whose ceilings are the
+        # datasheet's, not CPU processes (calibrated against measured runs with the constants) nor ceilings a
+        # profile measured (already what the device reaches).
+        self.cited_gpu = cluster.cores_per_node is None and (profile is None or profile.device is None)
+        self.nvls = self.device.name in NVLS_DEVICES
         usable = 1.0 if cluster.cores_per_node is not None else GPU_USABLE_MEMORY
         self.capacity = int(cluster.device.memory_bytes * usable)
         self._role_bytes: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}
@@ -479,58 +501,135 @@ class CostModel:
 
     # ---- per-op compute time (one rank, full speed)
 
-    def op_time(self, shape: RoleShape, op: str, batch: int, length: int) -> float:
-        """Seconds of ``op`` (``forward``, ``train``, ``decode``, ``optimizer``) on one rank.
+    def op_time(self, shape: RoleShape, op: str, batch: int, length: int, tp: int = 1, pp: int = 1) -> float:
+        """Seconds of ``op`` (``forward``, ``train``, ``decode``, ``optimizer``) of the whole model on one rank.
 
         ``forward``/``train``: ``batch`` sequences of ``length`` tokens (train = forward + backward); ``prefill``: the
         forward of ``batch`` prompts of ``length`` tokens as generation runs it (last position's logits). ``decode``: one
         step of ``batch`` sequences with ``length`` tokens of context. ``optimizer``: ``batch`` is the parameter count.
+        ``tp`` and ``pp``: the call's tensor- and pipeline-parallel degrees, which set the GPU efficiencies (a caller
+        divides the time by ``tp x pp`` itself). A measured profile's time wins where it has the op.
         """
         if self.profile is not None:
             measured = self.profile.time(shape, op, batch, length)
             if measured is not None:
                 return measured
-        return self.analytic_time(shape, op, batch, length)
+        return self.analytic_time(shape, op, batch, length, tp, pp)
 
-    def analytic_time(self, shape: RoleShape, op: str, batch: int, length: int) -> float:
-        """FLOPs against the compute ceiling, bytes against the bandwidth ceiling, plus per-layer overhead."""
-        flops_per_s = self.device.flops * COMPUTE_EFFICIENCY
-        bytes_per_s = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
-        overhead = shape.layers * self.device.kernel_overhead_s
+    def analytic_time(self, shape: RoleShape, op: str, batch: int, length: int, tp: int = 1, pp: int = 1) -> float:
+        """FLOPs against the compute ceiling, bytes against the bandwidth ceiling: on a GPU cluster at datasheet peaks
+        each at its cited share for this shape (:meth:`compute_share`, :meth:`memory_share`), elsewhere at
+        :data:`COMPUTE_EFFICIENCY` and :data:`BANDWIDTH_EFFICIENCY` plus a per-layer overhead.
+
+        Args:
+            shape: The role's model.
+            op: ``forward``, ``prefill``, ``train``, ``decode`` or ``optimizer`` (see :meth:`op_time`).
+            batch: Sequences (the parameter count for ``optimizer``).
+            length: Tokens per sequence (the context of a decode step).
+            tp: The call's tensor-parallel degree.
+            pp: The call's pipeline-parallel degree.
+        """
+        if op not in ("forward", "prefill", "train", "decode", "optimizer"):
+            raise ValueError(f"Unknown op {op!r}: use forward, prefill, train, decode or optimizer.")
+        # The cited GPU figures are end to end (launches, Python and sampling included): no per-layer overhead on top.
+        overhead = 0.0 if self.cited_gpu else shape.layers * self.device.kernel_overhead_s
         if op == "optimizer":  # read/write weights and both moments, read grads: bandwidth-bound
+            bytes_per_s = self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY
             return batch * (3 * shape.dtype_bytes + 2 * self.workload.optimizer_bytes_per_param) / bytes_per_s
-        if op == "prefill":  # the prompt's forward; logits of its last position only
-            return max(forward_flops(shape, batch, length) / flops_per_s, shape.param_bytes / bytes_per_s) + overhead
+        flops_per_s = self.device.flops * self.compute_share(shape, op, batch, length, tp, pp)
+        # A decode step reads the weights and the KV cache; a forward's floor is its read of the weights alone.
+        read_length = length if op == "decode" else 0
+        bytes_per_s = self.device.memory_bandwidth * self.memory_share(shape, batch, read_length, tp)
         if op == "decode":
             flops = decode_flops(shape, batch, length)
             moved = shape.param_bytes + shape.kv_bytes_per_token * length * batch
             return max(flops / flops_per_s, moved / bytes_per_s) + overhead
         flops = forward_flops(shape, batch, length)
-        if op == "forward":
+        if op in ("forward", "prefill"):  # prefill: the prompt's forward (logits of its last position only)
             return max(flops / flops_per_s, shape.param_bytes / bytes_per_s) + overhead
-        if (
-            op == "train"
-        ):  # backward = 2 forwards (1 with LoRA: no weight gradients of the frozen base), plus a
-            # recomputed forward with gradient checkpointing
-            passes = (2 if self.workload.lora_rank is not None else 3) + self.workload.gradient_checkpointing
-            return passes * flops / flops_per_s + passes * overhead
-        raise ValueError(f"Unknown op {op!r}: use forward, prefill, train, decode or optimizer.")
+        # train: backward = 2 forwards (1 with LoRA: no weight gradients of the frozen base), plus a recomputed
+        # forward with gradient checkpointing. The cited training figure counts the recomputed forward too (hardware
+        # FLOPs), so dividing all these passes by it is consistent.
+        passes = (2 if self.workload.lora_rank is not None else 3) + self.workload.gradient_checkpointing
+        return passes * flops / flops_per_s + passes * overhead
+
+    def compute_share(self, shape: RoleShape, op: str, batch: int, length: int, tp: int = 1, pp: int = 1) -> float:
+        """Fraction of peak FLOP/s an op reaches. GPU cluster at datasheet peaks: ``train``
+        :func:`~lightning_app_rlhf.planner.gpu_efficiency.training_mfu`, the others
+        :func:`~lightning_app_rlhf.planner.gpu_efficiency.forward_mfu`, at the whole model's parameters and the op's
+        tokens (a decode step's: one per sequence). Both are bubble-free: the cost model prices a pipelined call's
+        bubble itself (:meth:`pipelined`). Else :data:`COMPUTE_EFFICIENCY`.
+
+        Args:
+            shape: The role's model.
+            op: ``forward``, ``prefill``, ``train`` or ``decode``.
+            batch: Sequences.
+            length: Tokens per sequence (a decode step's context: one new token each).
+            tp: The call's tensor-parallel degree.
+            pp: The call's pipeline-parallel degree.
+        """
+        if not self.cited_gpu:
+            return COMPUTE_EFFICIENCY
+        tokens = batch if op == "decode" else batch * length
+        share = training_mfu if op == "train" else forward_mfu
+        return share(shape.params, tp, pp, max(tokens, 1))
+
+    def memory_share(self, shape: RoleShape, batch: int, length: int, tp: int = 1) -> float:
+        """Fraction of peak memory bandwidth a decode step (or a forward's read of the weights) reaches. GPU cluster at
+        datasheet peaks: :func:`~lightning_app_rlhf.planner.gpu_efficiency.decode_bandwidth_share` at the bytes one GPU
+        reads in a decode step of ``batch`` sequences with ``length`` tokens of context (its ``1/tp`` of the weights
+        and of the KV cache). Else :data:`BANDWIDTH_EFFICIENCY`.
+
+        Args:
+            shape: The role's model.
+            batch: Sequences decoded together.
+            length: Tokens of context.
+            tp: The call's tensor-parallel degree.
+        """
+        if not self.cited_gpu:
+            return BANDWIDTH_EFFICIENCY
+        return decode_bandwidth_share((shape.param_bytes + shape.kv_bytes_per_token * length * batch) / tp)
 
     # ---- communication
 
+    def bus_bandwidth(self, ranks: tuple[int, ...], message_bytes: float, reduces: bool = False) -> float:
+        """GPU cluster at datasheet peaks: bytes/s per link one collective of ``message_bytes`` (nccl-tests' size)
+        over ``ranks`` reaches: the link's peak (NVLink within a node, the NIC across nodes) times
+        :func:`~lightning_app_rlhf.planner.gpu_efficiency.bus_bandwidth_share`, whose small-message shares include
+        the collective's fixed latency (so the callers add none). In-switch reduction (NVLS, :data:`NVLS_DEVICES`)
+        only speeds up a reduction past the link's peak (``reduces``); a gather, broadcast or send is capped at it.
+
+        Args:
+            ranks: The collective's ranks.
+            message_bytes: Its size (an empty message: one byte, the latency only).
+            reduces: Whether it reduces (an all-reduce).
+        """
+        intra_node = self.cluster.on_one_node(ranks)
+        share = bus_bandwidth_share(max(message_bytes, 1.0), intra_node, nvls=self.nvls and intra_node)
+        return self.cluster.bandwidth(ranks) * (share if reduces else min(share, 1.0))
+
     def all_gather_s(self, ranks: tuple[int, ...], total_bytes: float) -> float:
-        """Ring all-gather (or reduce-scatter) of ``total_bytes`` over ``ranks``."""
+        """Ring all-gather (or reduce-scatter) of ``total_bytes`` over ``ranks``: ``(n - 1) / n`` of them over each
+        link; on GPUs at the cited bus bandwidth for that size (:meth:`bus_bandwidth`), elsewhere at the link's
+        bandwidth plus a latency per hop."""
         n = len(ranks)
         if n <= 1:
             return 0.0
+        if self.cited_gpu:
+            total_bytes = max(total_bytes, 1.0)
+            return (n - 1) / n * total_bytes / self.bus_bandwidth(ranks, total_bytes)
         return (n - 1) / n * total_bytes / self.cluster.bandwidth(ranks) + (n - 1) * self.collective_latency
 
     def all_reduce_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
-        """Ring all-reduce: a reduce-scatter then an all-gather, at the device's measured all-reduce bandwidth
-        within a node (DDP's gradient buckets)."""
+        """Ring all-reduce: a reduce-scatter then an all-gather; on GPUs at the cited all-reduce bus bandwidth for
+        ``nbytes`` (:meth:`bus_bandwidth`), elsewhere at the device's measured all-reduce bandwidth within a node
+        (DDP's gradient buckets) plus a latency per hop."""
         n = len(ranks)
         if n <= 1:
             return 0.0
+        if self.cited_gpu:
+            nbytes = max(nbytes, 1.0)
+            return 2 * (n - 1) / n * nbytes / self.bus_bandwidth(ranks, nbytes, reduces=True)
         return 2 * ((n - 1) / n * nbytes / self.bucket_bandwidth(ranks) + (n - 1) * self.collective_latency)
 
     def bucket_bandwidth(self, ranks: tuple[int, ...]) -> float:
@@ -546,6 +645,9 @@ class CostModel:
         ``1 / tp`` under tensor parallelism, gathered over one TP rank's data-parallel group ``ranks``)."""
         if len(ranks) <= 1:
             return 0.0
+        if self.cited_gpu:  # each unit's all-gather at the bus bandwidth of its own size (its latency included)
+            units = shape.layers + 1
+            return units * self.all_gather_s(ranks, shape.param_bytes / tp / units)
         return (
             self.all_gather_s(ranks, shape.param_bytes / tp)
             + shape.layers * (len(ranks) - 1) * self.collective_latency
@@ -553,10 +655,13 @@ class CostModel:
 
     def tp_all_reduce_s(self, replica: tuple[int, ...], nbytes: float) -> float:
         """One tensor-parallel all-reduce of ``nbytes`` of activations over a replica's ranks (one node): ring
-        bandwidth at the intra-node bandwidth, tree latency (small messages: NCCL's LL / tree protocols)."""
+        bandwidth at the intra-node bandwidth, tree latency (small messages: NCCL's LL / tree protocols); on GPUs the
+        cited all-reduce bus bandwidth for ``nbytes`` (:meth:`bus_bandwidth`: latency included)."""
         t = len(replica)
         if t <= 1:
             return 0.0
+        if self.cited_gpu:
+            return 2 * (t - 1) / t * nbytes / self.bus_bandwidth(replica, nbytes, reduces=True)
         return 2 * (t - 1) / t * nbytes / self.bucket_bandwidth(replica) + _log2(t) * self.collective_latency
 
     def tp_pass_s(self, plan: PlacementPlan, call: str, shape: RoleShape, tokens: int, passes: int = 1) -> float:
@@ -578,7 +683,10 @@ class CostModel:
         if p <= 1:
             return 0.0
         stages = plan.ranks(call)[: t * p : t]
-        return tokens * shape.hidden * shape.dtype_bytes / t / self.cluster.bandwidth(stages) + self.collective_latency
+        nbytes = tokens * shape.hidden * shape.dtype_bytes / t
+        if self.cited_gpu:  # a send's bandwidth for its size, latency included (:meth:`bus_bandwidth`)
+            return nbytes / self.bus_bandwidth(stages, nbytes)
+        return nbytes / self.cluster.bandwidth(stages) + self.collective_latency
 
     def pipelined(self, plan: PlacementPlan, call: str, shape: RoleShape, micro_tokens: list[int],
                   passes: int) -> tuple[float, float]:
@@ -588,7 +696,10 @@ class CostModel:
         steps: the bubble is ``(p - 1) / m`` of the work (Narayanan et al. 2021, "Efficient Large-Scale Language
         Model Training on GPU Clusters Using Megatron-LM", section 2.2). Each step sends a micro-batch's activations
         forward (and, in training, their gradients back: ``passes`` = 2) over a stage boundary. (1.0, 0.0) for an
-        unpipelined call."""
+        unpipelined call.
+
+        The bubble is counted here only: the cited GPU figures the stage steps are priced with are bubble-free
+        (``gpu_efficiency.TRAINING_POINTS`` takes it out of Narayanan et al.'s end-to-end Table 1)."""
         p, m = plan.pp_degree(call), len(micro_tokens)
         if p <= 1 or m == 0:
             return 1.0, 0.0
@@ -602,9 +713,86 @@ class CostModel:
         return (m + p - 1) / m, (m + p - 1) * passes * self.pipeline_send_s(plan, call, shape, largest)
 
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
+        """A broadcast of ``nbytes`` from the first of ``ranks``: pipelined over a tree, each link carries them once;
+        on GPUs at the cited bus bandwidth for that size (:meth:`bus_bandwidth`), elsewhere at the bucket bandwidth
+        plus a latency per level of the tree."""
         if len(ranks) <= 1:
             return 0.0
+        if self.cited_gpu:
+            nbytes = max(nbytes, 1.0)
+            return nbytes / self.bus_bandwidth(ranks, nbytes)
         return nbytes / self.bucket_bandwidth(ranks) + _log2(len(ranks)) * self.collective_latency
+
+    # ---- predicted efficiencies (GPU clusters), for the plan's report
+
+    def efficiencies(self, choice: PlanChoice) -> dict[str, dict[str, float]]:
+        """Each model call's predicted efficiency on a GPU cluster at datasheet peaks (empty elsewhere), for a reader
+        to check against the cited ranges (docs/planner.md, "Calibrated GPU efficiencies"):
+
+        - train and forward calls: ``mfu``, the fraction of peak FLOP/s the cost model prices its largest micro-batch
+          at (:meth:`compute_share`), and ``achieved_mfu``, the FLOPs one rank executes in the call (a recomputed
+          forward counted, as Narayanan et al.'s Table 1 counts it) over the call's seconds (compute, bubble and
+          communication: :meth:`call_time`) at peak FLOP/s;
+        - ``actor.generate``: ``decode_bandwidth_share``, the fraction of peak memory bandwidth its decode steps
+          are priced at (:meth:`memory_share`, largest generation batch), and ``achieved_decode_share``, the bytes
+          its decode steps read (weights and KV cache, this rank's ``1/tp``) over their seconds with their
+          tensor-parallel all-reduces, at peak bandwidth.
+
+        Args:
+            choice: The plan and its batch sizes.
+        """
+        if not self.cited_gpu:
+            return {}
+        w, plan = self.workload, choice.plan
+        out: dict[str, dict[str, float]] = {}
+        for call in w.calls:
+            shape = w.shape(role_of(call))
+            if shape is None:
+                continue
+            t, p = plan.tp_degree(call), plan.pp_degree(call)
+            n = len(plan.ranks(call)) // (t * p)
+            if call == ACTOR.call("generate"):
+                out[call] = self._decode_efficiency(choice, shape, ceil_div(w.samples, n))
+                continue
+            train = call.endswith(".train")
+            local = ceil_div(w.samples // w.num_minibatches if train else w.samples, n)
+            b = self._micro(choice, local)
+            sizes = [min(b, local - i) for i in range(0, local, b)]
+            passes = ((2 if w.lora_rank is not None else 3) + w.gradient_checkpointing) if train else 1
+            flops = sum(passes * forward_flops(shape, size, w.sequence_length) for size in sizes)
+            if train:
+                flops *= w.ppo_epochs * w.num_minibatches
+                if call == ACTOR.call("train") and w.recompute_old_logprobs:
+                    share = ceil_div(w.samples, n)
+                    flops += sum(forward_flops(shape, min(b, share - i), w.sequence_length)
+                                 for i in range(0, share, b))
+            seconds = sum(self.call_time(choice, call))
+            out[call] = {
+                "mfu": self.compute_share(shape, "train" if train else "forward", b, w.sequence_length, t, p),
+                "achieved_mfu": flops / (t * p) / (seconds * self.device.flops),
+            }
+        return out
+
+    def _decode_efficiency(self, choice: PlanChoice, shape: RoleShape, local: int) -> dict[str, float]:
+        """``actor.generate``'s entry of :meth:`efficiencies` over a rank's ``local`` samples, its decode steps
+        chunked and placed as :meth:`generate_time` does."""
+        w, call = self.workload, ACTOR.call("generate")
+        t, p = choice.plan.tp_degree(call), choice.plan.pp_degree(call)
+        g = min(choice.generation_batch or local, local)
+        moved, seconds = 0.0, 0.0
+        for start in range(0, local, g):
+            b = min(g, local - start)
+            for turn in range(w.turns):
+                context = w.turn_context(turn) + (w.generation_length + 1) // 2
+                steps = w.generation_length - 1
+                moved += steps * (shape.param_bytes + shape.kv_bytes_per_token * context * b) / t
+                seconds += steps * (self.op_time(shape, "decode", b, context, tp=t, pp=p) / t
+                                    + self.tp_pass_s(choice.plan, call, shape, b))
+        middle = w.turn_context(0) + (w.generation_length + 1) // 2
+        return {
+            "decode_bandwidth_share": self.memory_share(shape, g, middle, t),
+            "achieved_decode_share": moved / seconds / self.device.memory_bandwidth if seconds else 0.0,
+        }
 
     # ---- call times (one rank of the call's group; compute, then communication)
 
@@ -620,7 +808,7 @@ class CostModel:
         local = ceil_div(w.samples, n)
         sharded = shape is not None and self._sharded_call(plan, call)
         # A call's chunks of one size cost the same: price each size once (the sums below still add every chunk).
-        op_time = functools.cache(functools.partial(self.op_time, shape))
+        op_time = functools.cache(functools.partial(self.op_time, shape, tp=t, pp=plan.pp_degree(call)))
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         if call == ACTOR.call("generate"):
             compute, tp_comm, forwards = self.generate_time(choice, local, op_time, tp_pass_s)
@@ -701,7 +889,7 @@ class CostModel:
         b = self._pipelined_micro(choice, call, local) or self._micro(choice, local)
         steps = w.ppo_epochs * w.num_minibatches
         micro_steps = ceil_div(local, b)
-        op_time = functools.cache(functools.partial(self.op_time, shape))  # as in call_time: once per chunk size
+        op_time = functools.cache(functools.partial(self.op_time, shape, tp=t, pp=p))  # as in call_time: per size
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         micro_tokens = [min(b, local - i) * w.sequence_length for i in range(0, local, b)]
         bubble, sends = self.pipelined(plan, call, shape, micro_tokens, passes=2)
@@ -836,8 +1024,11 @@ class CostModel:
         """The bucketed broadcast of ``role``'s trainable weights from its train leader to its shadow copies."""
         moved = self.workload.trainable_params(role) * shape.dtype_bytes  # only trainable parameters move
         leader = plan.ranks(f"{role}.train")[0]
-        seconds = self.broadcast_s((leader, *plan.shadow_ranks(role)), moved)
-        return seconds + ceil_div(moved, REALLOCATION_BUCKET_BYTES) * self.collective_latency
+        ranks = (leader, *plan.shadow_ranks(role))
+        buckets = ceil_div(moved, REALLOCATION_BUCKET_BYTES)
+        if self.cited_gpu:  # one broadcast per bucket, each at the bandwidth of its size (latency included)
+            return buckets * self.broadcast_s(ranks, moved / buckets)
+        return self.broadcast_s(ranks, moved) + buckets * self.collective_latency
 
     def experience_bytes(self) -> int:
         """Bytes of the payload a free-running generation leader sends each training rank per iteration
@@ -853,6 +1044,11 @@ class CostModel:
         """Free-running: a training rank's receipt of the experience (``Placement.receive_payload``): the leader sends
         it to every training rank, point to point (its size, then its bytes), over its one link."""
         leader, train = plan.generation_ranks[0], plan.training_ranks
+        if self.cited_gpu:  # each payload and its size message at the bandwidth of their sizes (latency included)
+            payload, size = self.experience_bytes(), 8.0
+            ranks = (leader, *train)
+            return (len(train) * payload / self.bus_bandwidth(ranks, payload)
+                    + 2 * size / self.bus_bandwidth(ranks, size))
         link = self.cluster.bandwidth((leader, *train))
         return len(train) * self.experience_bytes() / link + 2 * self.collective_latency
 

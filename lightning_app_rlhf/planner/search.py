@@ -110,6 +110,7 @@ class Candidate:
             "capacity_bytes": e.capacity_bytes,
             "rejected": e.rejected,
             "call_s": e.call_s,
+            "efficiency": e.efficiency,
             "memory": [
                 {
                     "rank": m.rank,
@@ -241,6 +242,8 @@ def plan_placement(
         rules,
     )
     result.candidates = sorted(_distinct(result.candidates, shown), key=_cost)
+    for candidate in {id(c): c for c in [*result.candidates, *presets.values()]}.values():  # the reported plans only:
+        candidate.estimate.efficiency = model.efficiencies(candidate.choice)  # the search never reads them
     result.search_s = time.perf_counter() - start
     return result
 
