@@ -54,9 +54,11 @@ REALHF_CASES = (("llama2-7b", "1x8xH100-80GB"), ("llama2-13b", "2x8xH100-80GB"),
 """ReaLHF's scaling experiment: the model grows with the GPUs (actor, critic, reference and reward of one size)."""
 REALHF_LENGTHS = ((128, 512), (384, 256), (896, 128))
 """ReaLHF's released benchmark: (generated tokens, prompts per iteration); prompts of 128 tokens, 4 minibatches."""
-CALIBRATION_ITERATIONS = 24
+CALIBRATION_ITERATIONS = 40
 """Iterations of the config that ``--profile auto`` runs under Flattening with DDP (the first 6 left out: a young
-policy's responses, and so its iterations, change most)."""
+policy's responses, and so its iterations, change most). 40, as many as the calibration's measured runs
+(``benchmarks/plan_candidates.py``), so that the reference plan is timed over the iterations its price is checked
+against."""
 DEFAULT_CLUSTER = "1x8xA100-80GB"
 """The cluster of a named-size plan without ``--cluster``."""
 NAMED_SIZE_DEFAULTS: dict[str, Any] = {
