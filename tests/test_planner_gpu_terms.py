@@ -153,5 +153,5 @@ def test_the_bubble_is_priced_once(seven_b):
     shape = seven_b.workload.actor
     assert seven_b.analytic_time(shape, "train", 1, 256, pp=4) == seven_b.analytic_time(shape, "train", 1, 256)
     plan = replace(flattening_plan(8, "ddp"), pp={"actor.train": 4})
-    bubble, _ = seven_b.pipelined(plan, "actor.train", shape, [256] * 4, passes=2)
+    bubble, _, _ = seven_b.pipelined(plan, "actor.train", shape, [256] * 4, passes=2)
     assert bubble == (4 + 3) / 4

@@ -689,28 +689,32 @@ class CostModel:
         return nbytes / self.cluster.bandwidth(stages) + self.collective_latency
 
     def pipelined(self, plan: PlacementPlan, call: str, shape: RoleShape, micro_tokens: list[int],
-                  passes: int) -> tuple[float, float]:
-        """(bubble factor, send seconds) of a pipelined call over micro-batches of ``micro_tokens`` tokens each.
+                  passes: int) -> tuple[float, float, float]:
+        """(bubble factor, send seconds, stage-step seconds of compute) of a pipelined call over micro-batches of
+        ``micro_tokens`` tokens each.
 
         Both schedules (GPipe, 1F1B) run ``m`` micro-batches over ``p`` stages in the time of ``m + p - 1`` stage
         steps: the bubble is ``(p - 1) / m`` of the work (Narayanan et al. 2021, "Efficient Large-Scale Language
         Model Training on GPU Clusters Using Megatron-LM", section 2.2). Each step sends a micro-batch's activations
         forward (and, in training, their gradients back: ``passes`` = 2) over a stage boundary. (1.0, 0.0) for an
-        unpipelined call.
+        unpipelined call. Where the profile measured a stage step on a pipeline of ``p`` processes, the steps cost
+        that instead of the sends, as compute: the schedule's own work on each stage (Python, copies, its waits for
+        them), which slows down as the processes share cores (with 4 processes on 2 cores the demo's pipelines ran
+        about a third slower than their price as communication).
 
         The bubble is counted here only: the cited GPU figures the stage steps are priced with are bubble-free
         (``gpu_efficiency.TRAINING_POINTS`` takes it out of Narayanan et al.'s end-to-end Table 1)."""
         p, m = plan.pp_degree(call), len(micro_tokens)
         if p <= 1 or m == 0:
-            return 1.0, 0.0
+            return 1.0, 0.0, 0.0
         # A stage step as the profile measured it on a pipeline of p processes (measure_wrapper_steps: the sends,
         # the schedule's own work and its waits), else the activations' send over the slowest boundary.
         op = "pipeline_train_step" if passes == 2 else "pipeline_forward_step"
         measured = self.profile.time(shape, op, p, 1) if self.profile is not None else None
         if measured is not None:
-            return (m + p - 1) / m, (m + p - 1) * measured
+            return (m + p - 1) / m, 0.0, (m + p - 1) * measured
         largest = max(micro_tokens)
-        return (m + p - 1) / m, (m + p - 1) * passes * self.pipeline_send_s(plan, call, shape, largest)
+        return (m + p - 1) / m, (m + p - 1) * passes * self.pipeline_send_s(plan, call, shape, largest), 0.0
 
     def broadcast_s(self, ranks: tuple[int, ...], nbytes: float) -> float:
         """A broadcast of ``nbytes`` from the first of ``ranks``: pipelined over a tree, each link carries them once;
@@ -827,8 +831,8 @@ class CostModel:
             b = self._pipelined_micro(choice, call, local) or self._micro(choice, local)
             p = plan.pp_degree(call)
             micro_tokens = [min(b, local - i) * w.sequence_length for i in range(0, local, b)]
-            bubble, sends = self.pipelined(plan, call, shape, micro_tokens, passes=1)
-            compute = bubble * sum(
+            bubble, sends, stage_steps = self.pipelined(plan, call, shape, micro_tokens, passes=1)
+            compute = stage_steps + bubble * sum(
                 op_time("forward", min(b, local - i), w.sequence_length) / (t * p)
                 for i in range(0, local, b)
             )
@@ -892,8 +896,8 @@ class CostModel:
         op_time = functools.cache(functools.partial(self.op_time, shape, tp=t, pp=p))  # as in call_time: per size
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         micro_tokens = [min(b, local - i) * w.sequence_length for i in range(0, local, b)]
-        bubble, sends = self.pipelined(plan, call, shape, micro_tokens, passes=2)
-        compute = bubble * sum(
+        bubble, sends, stage_steps = self.pipelined(plan, call, shape, micro_tokens, passes=2)
+        compute = stage_steps + bubble * sum(
             op_time("train", min(b, local - i), w.sequence_length) / (t * p) for i in range(0, local, b)
         )
         # Forward and backward (and the recomputed forward with gradient checkpointing) all-reduce activations.
@@ -920,9 +924,9 @@ class CostModel:
         if call == ACTOR.call("train") and w.recompute_old_logprobs:  # before the update: the trainer's log-probs
             share = ceil_div(w.samples, n)
             forward_tokens = [min(b, share - i) * w.sequence_length for i in range(0, share, b)]
-            forward_bubble, forward_sends = self.pipelined(plan, call, shape, forward_tokens, passes=1)
-            compute += forward_bubble * sum(op_time("forward", min(b, share - i), w.sequence_length) / (t * p)
-                                            for i in range(0, share, b))
+            forward_bubble, forward_sends, forward_steps = self.pipelined(plan, call, shape, forward_tokens, passes=1)
+            compute += forward_steps + forward_bubble * sum(
+                op_time("forward", min(b, share - i), w.sequence_length) / (t * p) for i in range(0, share, b))
             comm += forward_sends
             if wrapper.shards_params:
                 comm += ceil_div(share, b) * self.sharded_gather_s(dp_ranks, shape, t * p)
