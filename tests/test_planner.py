@@ -602,23 +602,26 @@ def test_wrapper_steps_measured_in_gloo_processes_price_the_train_and_sharded_fo
     )
 
 
-@pytest.mark.parametrize("plan", [flattening_plan(1), flattening_plan(2), separation_plan(2)],
-                         ids=["one-process", "flattening-2", "separation-2"])
-def test_the_engine_s_own_work_calibrated_on_a_plan_prices_that_plan_as_measured(plan):
+@pytest.mark.parametrize(("plan", "shares"), [(flattening_plan(1), (1.0,)), (flattening_plan(2), (1.0, 1.0)),
+                                              (separation_plan(2), (1.0, 1.0)), (flattening_plan(4), (1.0, 1.0, 0.6, 0.5))],
+                         ids=["one-process", "flattening-2", "separation-2", "flattening-4-on-2-cores"])
+def test_the_engine_s_own_work_calibrated_on_a_plan_prices_that_plan_as_measured(plan, shares):
     """calibrate_engine: what the reference plan's phases measured beyond their price becomes the engine's own work
-    per generate call, per rollout and per optimizer step (hand-computed: 10 ms, 20 ms, 16 ms over 2 roles x 2 epochs
-    x 2 minibatches = 2 ms a step); priced again with it, the reference plan's phases are the measured ones, and a
-    phase measured below its price adds nothing."""
+    per generate call, per rollout and per optimizer step, at full speed (hand-computed: 10 ms, 20 ms, 16 ms over 2
+    roles x 2 epochs x 2 minibatches = 2 ms a step, times the share of a core each of the reference's busy ranks got:
+    half of one with 4 processes on 2 cores); priced again with it, the reference plan's phases are the measured
+    ones, and a phase measured below its price adds nothing."""
     workload = demo_workload()
     device = replace(parse_cluster("1x2xcpu").device, collective_latency_s=1e-4)
-    cluster = cluster_from_environment(plan.world_size, device, cores=2, compute_shares=(1.0,) * plan.world_size)
+    cluster = cluster_from_environment(plan.world_size, device, cores=2, compute_shares=shares)
     profile = Profile("here", device, {})
     predicted = predicted_phases(CostModel(cluster, workload, profile).evaluate(PlanChoice(plan)))
     measured = {"generate": predicted["generate"] + 0.010, "score": predicted["score"] + 0.020,
                 "train": predicted["train"] + 0.016}
     calibrated = calibrate_engine(profile, cluster, workload, plan, measured)
     engine = {phase: points[0][2] for phase, points in calibrated.ops[ENGINE_OPS].items()}
-    assert engine == pytest.approx({"generate": 0.010, "score": 0.020, "train_step": 0.002})
+    busy = shares[-1]
+    assert engine == pytest.approx({"generate": 0.010 * busy, "score": 0.020 * busy, "train_step": 0.002 * busy})
     again = predicted_phases(CostModel(cluster, workload, calibrated).evaluate(PlanChoice(plan)))
     assert {p: again[p] for p in measured} == pytest.approx(measured)
     slower = calibrate_engine(profile, cluster, workload, plan, {**measured, "score": predicted["score"] / 2})

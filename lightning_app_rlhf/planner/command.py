@@ -419,11 +419,14 @@ def measured_machine(options: PlanOptions, run: TrainingRun,
         return cluster, None, [f"Not profiled: {cluster.name} spans {cluster.nodes} nodes, and only this machine "
                                "can be measured; priced with the cpu's nominal figures (--profile none)."]
     start = time.perf_counter()
+    # The reference plan: every call on every rank, DDP, no degrees (what the profile prices most directly). Its run
+    # goes first, while this process is lean: its ranks are forked from it.
+    reference = flattening_plan(cluster.world_size, "ddp", roles=workload.roles)
+    calibrated = run.measure_phases is not None and "ddp" in workload.wrappers
+    phases = run.measure_phases(reference) if calibrated else None
     profile, measured = profile_machine(workload, cluster.world_size, **run.profile_inputs)
-    if run.measure_phases is not None and "ddp" in workload.wrappers:
-        # The reference plan: every call on every rank, DDP, no degrees (what the profile prices most directly).
-        reference = flattening_plan(cluster.world_size, "ddp", roles=workload.roles)
-        profile = calibrate_engine(profile, measured, workload, reference, run.measure_phases(reference))
+    if phases is not None:
+        profile = calibrate_engine(profile, measured, workload, reference, phases)
     shares = " ".join(f"{x:.2f}" for x in measured.compute_shares or ())
     engine = profile.ops.get(ENGINE_OPS, {})
     return measured, profile, [

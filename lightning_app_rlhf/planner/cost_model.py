@@ -1198,10 +1198,14 @@ def calibrate_engine(profile: Profile, cluster: Cluster, workload: Workload, pla
     bare = ProfileClass(profile.hardware, profile.device, {k: v for k, v in profile.ops.items() if k != ENGINE_OPS})
     predicted = predicted_phases(CostModel(cluster, workload, bare).evaluate(PlanChoice(plan)))
     steps = len(workload.trainable) * workload.ppo_epochs * workload.num_minibatches
+    # The residual is work at full speed: the reference's ranks computed it beside each other, each at its node's
+    # share of the cores (the cost model slows it down by the same share wherever it prices it).
+    share = min(cluster.compute_share(sum(1 for r in range(plan.world_size) if cluster.node_of(r) == node))
+                for node in range(cluster.nodes))
     residual = {
-        "generate": measured["generate"] - predicted["generate"],
-        "score": measured["score"] - predicted["score"],
-        "train_step": (measured["train"] - predicted["train"]) / max(steps, 1),
+        "generate": (measured["generate"] - predicted["generate"]) * share,
+        "score": (measured["score"] - predicted["score"]) * share,
+        "train_step": (measured["train"] - predicted["train"]) / max(steps, 1) * share,
     }
     ops = {**bare.ops, ENGINE_OPS: {phase: [[1, 1, max(seconds, 0.0)]] for phase, seconds in residual.items()}}
     return ProfileClass(profile.hardware, profile.device, ops)
