@@ -18,10 +18,10 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
+from lightning_app_rlhf.parallel.failures import DEFAULT_TIMEOUT
 from lightning_app_rlhf.parallel.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, start_heartbeat
 from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
 from lightning_app_rlhf.parallel.placed_roles import PlacedRoles
-from lightning_app_rlhf.parallel.failures import DEFAULT_TIMEOUT
 from lightning_app_rlhf.parallel.placement import create_placement, world_collective
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_node_boundaries, check_tensor_parallel
