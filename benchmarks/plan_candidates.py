@@ -74,6 +74,41 @@ def measure(plan: PlacementPlan, steps: int, skip: int, workdir: Path, name: str
     return {"median_s": statistics.median(seconds), "quartiles_s": statistics.quantiles(seconds, n=4)}
 
 
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Predicted against measured seconds per iteration, one panel per process count, the 20% band shaded; the
+    plan the command picked circled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r["processes"] for r in results if "plan" in r})
+    fig, axes = plt.subplots(1, len(counts), figsize=(5.5 * len(counts), 4.8), squeeze=False)
+    for ax, n in zip(axes[0], counts):
+        rows = [r for r in results if r.get("processes") == n and "plan" in r]
+        top = 1.15 * max(max(r["measured_s"], r["predicted_s"]) for r in rows)
+        ax.fill_between([0, top], [0, 0.8 * top], [0, 1.2 * top], color="0.9", label="within 20%")
+        ax.plot([0, top], [0, top], color="0.5", linewidth=0.8)
+        for source, color in (("preset", "C0"), ("mcmc", "C1"), ("app", "C2"), ("blocks", "C2"), ("pp", "C3")):
+            mine = [r for r in rows if r["source"] == source]
+            if mine:
+                ax.scatter([r["measured_s"] for r in mine], [r["predicted_s"] for r in mine], s=30, color=color,
+                           label={"pp": "pipelined (pp2)", "preset": "preset"}.get(source, f"searched ({source})"))
+        chosen = [r for r in rows if r.get("chosen")]
+        ax.scatter([r["measured_s"] for r in chosen], [r["predicted_s"] for r in chosen], s=160, facecolors="none",
+                   edgecolors="k", label="picked")
+        ax.set_xlim(0, top)
+        ax.set_ylim(0, top)
+        ax.set_xlabel("measured s / iteration")
+        ax.set_ylabel("predicted s / iteration")
+        ax.set_title(f"demo on {n} processes of 2 cores: every plan `plan` ranks")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4])
@@ -81,7 +116,12 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="draw predicted against measured here (a .png)")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only draw --plot from this --json file")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        plot(json.loads(args.plot_from.read_text()), args.plot or args.plot_from.with_suffix(".png"))
+        return
     results = []
     print("| processes | plan | source | wrappers | predicted s/iter | measured s/iter | error |")
     print("| ---: | --- | --- | --- | ---: | ---: | ---: |", flush=True)
@@ -117,6 +157,8 @@ def main() -> None:
             results.append({"processes": n, "measured_with": planned["measured"], "notes": planned["notes"]})
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
+    if args.plot is not None:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
