@@ -429,11 +429,12 @@ def measured_machine(options: PlanOptions, run: TrainingRun,
         profile = calibrate_engine(profile, measured, workload, reference, phases)
     shares = " ".join(f"{x:.2f}" for x in measured.compute_shares or ())
     engine = profile.ops.get(ENGINE_OPS, {})
+    n = cluster.world_size
+    across = (f"what each wrapper ({', '.join(workload.wrappers)}) and a pipeline add on 2..{n} processes, gloo "
+              f"latency {measured.device.collective_latency_s * 1e3:.2f} ms, " if n > 1 else "")
     return measured, profile, [
         f"Profiled this machine in {time.perf_counter() - start:.0f} s (--profile none skips it): CPU seconds per "
-        f"op, what each wrapper ({', '.join(w for w in workload.wrappers)}) and a pipeline add on 2..{cluster.world_size}"
-        f" processes, gloo latency {measured.device.collective_latency_s * 1e3:.2f} ms, a core's share with "
-        f"1..{cluster.world_size} busy processes {shares}"
+        f"op, {across}a core's share with {'1..' if n > 1 else ''}{n} busy process{'es' if n > 1 else ''} {shares}"
         + (f", and from {CALIBRATION_ITERATIONS} iterations of the config under flattening (DDP) the engine's own "
            f"work: {engine['generate'][0][2] * 1e3:.1f} ms per generate call, {engine['score'][0][2] * 1e3:.1f} ms "
            f"per rollout, {engine['train_step'][0][2] * 1e3:.1f} ms per optimizer step" if engine else "") + "."]

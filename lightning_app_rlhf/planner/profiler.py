@@ -731,7 +731,8 @@ def profile_machine(
                 steps.save(path)
         profile = profile.merge(steps)
     device = measure_collectives_in_processes(profile.device or DEVICE_TYPES["cpu"], world_size)
-    shares = measure_settled_compute_shares(world_size, model_work(workload)) if world_size > 1 else None
+    # One process too: on a busy machine even it gets less than a core, and the engine's calibration must know.
+    shares = measure_settled_compute_shares(world_size, model_work(workload))
     # This machine's memory split over the processes, as a cluster of it without a device reads it.
     device = replace(device, memory_bytes=cluster_from_environment(world_size).device.memory_bytes)
     measured = Profile(profile.hardware, device, profile.ops)
