@@ -110,10 +110,11 @@ class PlanOptions:
     trainer.devices x cpu; without one, 1x8xA100-80GB."""
     profile: Literal["auto", "none"] = "auto"
     """auto: with a training config on a cluster of this machine's CPU processes (one node, cpu), measure this
-    machine first (about a minute for the demo on 4 processes; the op times and wrapper costs are cached): each
-    call's CPU time, what every wrapper and a pipeline add, the gloo collectives, the share of a core k busy
-    processes get, and a few iterations of the config on one process for the engine's own work; then price with
-    them. none: price with the device's nominal figures (instant, and on a CPU about half the measured time)."""
+    machine first (about 30 s for the demo on 2 processes, 100 s on 4; the op times and wrapper costs are cached):
+    each call's CPU time, what every wrapper and a pipeline add, the gloo collectives, the share of a core k busy
+    processes get, and 40 iterations of the config under Flattening with DDP on the job's processes for the engine's
+    own work; then price with them. none: price with the device's nominal figures (instant; on the demo's 2
+    processes about half the measured time)."""
     wrappers: str | None = None
     """Comma-separated wrappers the search may give the roles: a subset of ddp, fsdp2, zero1, zero2, zero3 (the zero
     ones need deepspeed: pip install 'lightning-app-rlhf[deepspeed]'). Default: every one installed here."""
@@ -410,8 +411,8 @@ def measured_machine(options: PlanOptions, run: TrainingRun,
                      workload: Workload) -> tuple[Cluster, Profile | None, list[str]]:
     """The cluster to plan for and, where ``--profile auto`` applies (a cluster of this machine's CPU processes), the
     profile measured on this machine (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`, then
-    :func:`~lightning_app_rlhf.planner.cost_model.calibrate_engine` from a few iterations of the config on one
-    process), with a note saying what was measured."""
+    :func:`~lightning_app_rlhf.planner.cost_model.calibrate_engine` from :data:`CALIBRATION_ITERATIONS` iterations of
+    the config under Flattening with DDP on the job's processes), with a note saying what was measured."""
     cluster = parse_cluster(run.cluster)
     if options.profile == "none" or cluster.cores_per_node is None:
         return cluster, None, []
