@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -525,6 +526,8 @@ def _wrapper_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: 
             wrapper.wrap_frozen()
         if sharded:
             added[wrapper_op(name, "forward")] = max(median_s(lambda: wrapped_forward(wrapper)) - bare_forward, 0.0)
+        wrapper = None  # one wrapped copy (with its optimizer state) at a time beside the bare one
+        gc.collect()
     return added
 
 
@@ -717,7 +720,9 @@ def profile_machine(
     profile = profile_workload(workload, batches=(1, 4, 16, 32), repeats=7, statistic="cpu", cache_dir=cache_dir,
                                reward_fn=reward_fn, tokenizer=tokenizer, prompts=prompts, fields=fields)
     wrappers = tuple(w for w in available_wrappers() if w in workload.wrappers)
-    if world_size > 1 and wrappers:
+    # LoRA: the cost model prices the adapters' small updates analytically (CostModel._measured_wrapper), so the full
+    # models' wrapper costs are not measured.
+    if world_size > 1 and wrappers and workload.lora_rank is None:
         shapes = "|".join(sorted({s.key for r in workload.roles if (s := workload.shape(r)) is not None}))
         digest = hashlib.sha1(
             f"v{PROFILE_FORMAT}.{WRAPPER_FORMAT}|{hardware_key()}|{shapes}|{workload.samples}|{workload.num_minibatches}|"
