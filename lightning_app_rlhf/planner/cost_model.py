@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
@@ -37,11 +36,8 @@ from lightning_app_rlhf.planner.gpu_efficiency import (
     forward_mfu,
     training_mfu,
 )
-from lightning_app_rlhf.planner.profiler import wrapper_op
+from lightning_app_rlhf.planner.profiler import Profile, wrapper_op
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
-
-if TYPE_CHECKING:
-    from lightning_app_rlhf.planner.profiler import Profile
 
 REALLOCATION_BUCKET_BYTES = REALLOCATION_BUCKET_NUMEL * 4
 """A reallocation bucket (:data:`~lightning_app_rlhf.parallel.wrappers.base.REALLOCATION_BUCKET_NUMEL` float32 elements):
@@ -1193,9 +1189,7 @@ def calibrate_engine(profile: Profile, cluster: Cluster, workload: Workload, pla
         plan: The plan it ran.
         measured: Median seconds per iteration of each phase on rank 0: ``generate``, ``score``, ``train``.
     """
-    from lightning_app_rlhf.planner.profiler import Profile as ProfileClass
-
-    bare = ProfileClass(profile.hardware, profile.device, {k: v for k, v in profile.ops.items() if k != ENGINE_OPS})
+    bare = Profile(profile.hardware, profile.device, {k: v for k, v in profile.ops.items() if k != ENGINE_OPS})
     predicted = predicted_phases(CostModel(cluster, workload, bare).evaluate(PlanChoice(plan)))
     steps = len(workload.trainable) * workload.ppo_epochs * workload.num_minibatches
     # The residual is work at full speed: the reference's ranks computed it beside each other, each at its node's
@@ -1208,7 +1202,7 @@ def calibrate_engine(profile: Profile, cluster: Cluster, workload: Workload, pla
         "train_step": (measured["train"] - predicted["train"]) / max(steps, 1) * share,
     }
     ops = {**bare.ops, ENGINE_OPS: {phase: [[1, 1, max(seconds, 0.0)]] for phase, seconds in residual.items()}}
-    return ProfileClass(profile.hardware, profile.device, ops)
+    return Profile(profile.hardware, profile.device, ops)
 
 
 PHASES = ("generate", "score", "train", "reallocate")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -27,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.core.files import write_atomically
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
-from lightning_app_rlhf.planner.cluster import DEVICE_TYPES, Cluster, DeviceType
+from lightning_app_rlhf.parallel.wrappers import available_wrappers
+from lightning_app_rlhf.planner.cluster import (
+    DEVICE_TYPES,
+    Cluster,
+    DeviceType,
+    cluster_from_environment,
+    measure_settled_compute_shares,
+)
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
 if TYPE_CHECKING:
@@ -244,6 +252,21 @@ def _best_of(fn: Callable[[], Any], repeats: int, statistic: str = "min") -> flo
     return reduce(times)
 
 
+def median_wall_s(call: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``call`` over ``repeats`` runs after one warm-up, every run started together on every rank
+    of the running process group (a barrier before each; every rank calls it)."""
+    import torch.distributed as dist
+
+    call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def measure_device(threads: int | None = 1) -> DeviceType:
     """Matmul FLOP/s and copy bandwidth of one process (with ``threads`` threads), into the ``cpu`` entry."""
     import torch
@@ -275,16 +298,6 @@ def measure_collectives(device: DeviceType, repeats: int = 30) -> DeviceType:
         return device
     n = dist.get_world_size()
 
-    def median_s(op: Callable[[], Any], times: int) -> float:
-        op()
-        seconds = []
-        for _ in range(times):
-            dist.barrier()
-            start = time.perf_counter()
-            op()
-            seconds.append(time.perf_counter() - start)
-        return sorted(seconds)[len(seconds) // 2]
-
     def all_gather(tensor: torch.Tensor) -> Callable[[], Any]:
         parts = [torch.empty_like(tensor) for _ in range(n)]
         return lambda: dist.all_gather(parts, tensor)
@@ -292,9 +305,9 @@ def measure_collectives(device: DeviceType, repeats: int = 30) -> DeviceType:
     shapes, rows, bucket = torch.zeros(3, 2, dtype=torch.long), torch.zeros(1 << 18), torch.zeros(25 << 18)
     figures = torch.tensor(
         [
-            median_s(all_gather(shapes), repeats),
-            median_s(all_gather(rows), repeats),
-            median_s(lambda: dist.all_reduce(bucket), 3),
+            median_wall_s(all_gather(shapes), repeats),
+            median_wall_s(all_gather(rows), repeats),
+            median_wall_s(lambda: dist.all_reduce(bucket), 3),
         ],
         dtype=torch.float64,
     )
@@ -479,16 +492,7 @@ def _wrapper_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: 
         out = module(**inputs)
         return (out if shape.kind == "value" else out.logits).float().mean()
 
-    def median_s(call: Callable[[], Any]) -> float:
-        call()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
+    median_s = functools.partial(median_wall_s, repeats=repeats)
     def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         loss_of(model).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -643,16 +647,7 @@ def _pipeline_added_s(shape: RoleShape, workload: Workload, batch: int, repeats:
                     position_ids=inputs.position_ids)
         return out if shape.kind == "value" else out.logits
 
-    def median_s(call_once: Callable[[], Any]) -> float:
-        call_once()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            call_once()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
+    median_s = functools.partial(median_wall_s, repeats=repeats)
     bubble, steps = (m + p - 1) / m, m + p - 1
     added: dict[str, float] = {}
     with torch.no_grad():
@@ -714,9 +709,6 @@ def profile_machine(
         The profile (ops and the measured device) and the cluster of ``world_size`` processes on this machine with
         its measured compute shares.
     """
-    from lightning_app_rlhf.parallel.wrappers import available_wrappers
-    from lightning_app_rlhf.planner.cluster import cluster_from_environment, measure_settled_compute_shares
-
     profile = profile_workload(workload, batches=(1, 4, 16, 32), repeats=7, statistic="cpu", cache_dir=cache_dir,
                                reward_fn=reward_fn, tokenizer=tokenizer, prompts=prompts, fields=fields)
     wrappers = tuple(w for w in available_wrappers() if w in workload.wrappers)
