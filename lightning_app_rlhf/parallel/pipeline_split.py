@@ -14,6 +14,7 @@ Supported: the Llama, Qwen2 and GPT-2 families (transformers 5.x module layout).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from lightning_app_rlhf.models.roles import ValueModel, is_lora
+
+_MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+"""The keyword the mask builders take the KV cache by, which they require: ``past_key_values`` in transformers 5.19 (the
+release vLLM's CPU build needs), ``cache`` in 5.24. Read from the installed signature, so each release gets its own
+keyword."""
 
 CAUSAL_LM, VALUE, SCORE = "causal_lm", "value", "score"
 """The heads a last stage can hold: an LM head (actor, reference), a value head (critic), a score head (reward)."""
@@ -188,8 +194,8 @@ class PipelineStageModule(nn.Module):
         """Layer index -> its attention mask, built as the family's forward builds it (each stage builds its own from
         the 2-D mask: a few comparisons, where sending a 4-D mask would cost far more)."""
         config = self.base.config
-        kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "cache": None,
-                  "position_ids": position_ids}
+        kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask,
+                  _MASK_CACHE_ARGUMENT: None, "position_ids": position_ids}
         full = create_causal_mask(**kwargs)
         layer_types = getattr(config, "layer_types", None)
         if self.family is QWEN2 and layer_types and "sliding_attention" in layer_types:
@@ -202,8 +208,10 @@ class PipelineStageModule(nn.Module):
         if self.family is GPT2:
             return lambda layer, h, mask: layer(h, None, mask, None, use_cache=False, position_ids=position_ids)
         rotary = getattr(self.base, self.family.rotary)(hidden, position_ids)
+        # No cache keyword: a layer's cache argument defaults to None under either of its names (``past_key_values``,
+        # ``cache``), where naming one a release lacks would slip it into the layer's **kwargs unnoticed.
         return lambda layer, h, mask: layer(h, attention_mask=mask, position_embeddings=rotary,
-                                            position_ids=position_ids, cache=None, use_cache=False)
+                                            position_ids=position_ids, use_cache=False)
 
     def _head_output(self, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
         head = self._head[0]
