@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 from typing_extensions import override
 
 from lightning_app_rlhf.models.roles import AdapterDisabledReference, ValueModel, is_lora
@@ -34,34 +35,43 @@ def hf_model(module: nn.Module, call: str) -> nn.Module:
                          f"{call!r} from the plan's `tp`, or train without `lora`.")
     if isinstance(module, ValueModel):
         return module.backbone  # the value head stays whole on every rank (one output column)
-    if not hasattr(module, "_resolve_parallel_plans"):
+    if not isinstance(module, PreTrainedModel):  # only a Hugging Face model carries a tp_plan
         raise ValueError(f"Call {call!r} has a tensor-parallel degree, but its role is a {type(module).__name__}, not "
                          "a Hugging Face model with a tp_plan: remove the call from the plan's `tp`.")
     return module
 
 
 def family_tp_plan(model: nn.Module, degree: int, call: str) -> dict[str, str]:
-    """The model family's ``tp_plan``, expanded to one entry per module and parameter of ``model``.
+    """The model family's ``tp_plan`` for ``model``: module and parameter names (a ``*`` for each layer index) to
+    transformers' tensor-parallel styles, what ``apply_tensor_parallelism`` takes.
 
     Args:
         model: A Hugging Face model.
         degree: The tensor-parallel degree.
         call: The call, for error messages.
     """
-    from transformers.distributed import DistributedConfig
-
     config = model.config
-    try:
-        plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
-    except ValueError as err:
+    # The public ``tp_plan`` property: the family's ``base_model_tp_plan`` with each head's own entries (an LM's
+    # ``lm_head``), prefixed by where the base model sits in ``model``. It is what transformers' own resolution hands
+    # ``apply_tensor_parallelism`` for a dense model cut with only a tensor-parallel degree (an expert-parallel plan
+    # would take its modules out of it; we never set one). A family without a plan (GPT-2) gives an empty one.
+    plan = dict(model.tp_plan)
+    if not plan:
         raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, but {type(model).__name__} "
                          f"({config.model_type}) has no tp_plan in transformers: use a family that has one (llama, "
-                         f"mistral, qwen2, ...), or remove {call!r} from the plan's `tp`. ({err})") from err
+                         f"mistral, qwen2, ...), or remove {call!r} from the plan's `tp`.")
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)
         if heads is not None and heads % degree:
             raise ValueError(f"Call {call!r} has tensor-parallel degree {degree}, which does not divide the model's "
                              f"{name}={heads}: each rank holds whole heads. Use a degree that divides {heads}.")
+    # transformers 5.19 names the input embedding in the plan only when the head is tied to it; an untied Llama's
+    # would stay whole on every rank, a full vocabulary x hidden matrix per rank that the planner prices at 1/t.
+    # Its own ``embedding_rowwise`` style cuts it by vocabulary rows (each rank looks up its rows, one all-reduce).
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, nn.Embedding):
+        name = next(n for n, m in model.named_modules() if m is embedding)
+        plan.setdefault(name, "embedding_rowwise")
     return plan
 
 
