@@ -413,7 +413,8 @@ def has_tp_plan(model_type: str) -> bool:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.for_model(model_type).base_model_tp_plan is not None
+        # Empty counts as none: the engine refuses a model whose tp_plan is empty (family_tp_plan).
+        return bool(AutoConfig.for_model(model_type).base_model_tp_plan)
     except ValueError:  # a model type transformers does not know: the engine could not build it either
         return False
 
