@@ -354,12 +354,14 @@ class RLHFModule(pl.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[dict[str, Any]]:
         """Completions of a batch of prompts with ``eval_generation``: per prompt, its text, the completion's text
         and token ids (up to and including the stop token), and the reward's score."""
-        rollout, scores = self.engine.calls.sample_and_score(batch, self.iteration, self.eval_generation)
+        rollout, scores = self.engine.calls.sample_and_score(batch, self.iteration, self.eval_generation,
+                                                             self.engine.policy_version)
         return [{**row, "index": int(index)}
                 for row, index in zip(rollout.completion_rows(self.tokenizer, scores), batch["index"].tolist())]
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
-        rollout, scores = self.engine.calls.sample_and_score(batch, self.iteration, self.eval_generation)
+        rollout, scores = self.engine.calls.sample_and_score(batch, self.iteration, self.eval_generation,
+                                                             self.engine.policy_version)
         size = len(scores)
         # Every rank holds the whole batch's results (gathered), so no sync_dist: the means are already global.
         self.log(f"{stage}/reward/mean", scores.float().mean(), on_epoch=True, batch_size=size, prog_bar=True)

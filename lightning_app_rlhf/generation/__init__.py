@@ -18,8 +18,10 @@ The modules, each importing only those above it:
 - :mod:`.eager`, :mod:`.static` and :mod:`.continuous`: the built-in decoding loops ``generation.backend`` chooses
   between, ``eager`` (a dynamic cache, a host sync per token), ``static`` (a preallocated cache, CUDA-graph friendly)
   or ``continuous`` (continuous batching: a finished row's slot takes the next prompt). All draw the same keyed
-  noise, so they give the same tokens for the same keys. Each registers itself when imported, and importing this
-  package imports all three; a backend of your own is one module that subclasses :class:`GenerationBackend` and
+  noise, so they give the same tokens for the same keys;
+- :mod:`.vllm`: the ``vllm`` backend, a vLLM engine per generating rank with the model's weights synced to it (its
+  own kernels and sampler: other tokens for the same keys). Each backend registers itself when imported, and
+  importing this package imports all four; a backend of your own is one module that subclasses :class:`GenerationBackend` and
   calls :func:`register_backend` (``generation.backend: <its name>`` then selects it).
 """
 
@@ -54,6 +56,7 @@ from lightning_app_rlhf.generation.static import OneDtypeStaticCache, StaticBack
 # Imported (so registered) after eager and static: `--help` lists the backends in registration order, the default
 # first.
 from lightning_app_rlhf.generation.continuous import ContinuousBackend, SlotCache
+from lightning_app_rlhf.generation.vllm import VllmBackend, vllm_available, vllm_weights
 from lightning_app_rlhf.generation.stopping import (
     StopCondition,
     all_done,
@@ -76,6 +79,7 @@ __all__ = [
     "SlotCache",
     "StaticBackend",
     "StopCondition",
+    "VllmBackend",
     "all_done",
     "check_context_length",
     "concat_rollouts",
@@ -99,4 +103,6 @@ __all__ = [
     "sample_keys",
     "stop_condition",
     "stop_string_criteria",
+    "vllm_available",
+    "vllm_weights",
 ]

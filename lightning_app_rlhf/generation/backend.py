@@ -44,6 +44,9 @@ class DecodeRequest:
     """Ranks that must run the same number of forwards (a sharded model), or None."""
     active: bool = True
     """False: the rows are done from the start (a stand-in that only keeps a lockstep group's forwards paired)."""
+    weights_version: int | None = None
+    """The policy version of the model's weights (the updates it has had): a backend that keeps its own copy of the
+    weights (``vllm``) reloads them when this changes; None: unknown, reload on every call."""
 
     def select(self, rows: slice) -> DecodeRequest:
         """The same request for a subset of the rows."""
@@ -78,6 +81,13 @@ class GenerationBackend(ABC):
     """True: :meth:`decode` gets all of a rank's rows in one request and runs at most ``generation.batch_size`` of
     them at a time itself (continuous batching); False: :func:`generate` splits the rows into chunks of that many,
     one :meth:`decode` each."""
+    separate_numerics: ClassVar[bool] = False
+    """True: its tokens and log-probabilities come from kernels other than the trainer's (an inference engine), so
+    ``ppo.recompute_old_logprobs`` and ``ppo.rollout_is: tis`` default to on with it."""
+
+    def check_usable(self) -> None:
+        """Raise a ``ValueError`` naming the fix when this backend cannot run here (e.g. its engine is not
+        installed): called when a config selects it, before any model is built. Usable by default."""
 
     @abstractmethod
     def decode(self, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
@@ -167,6 +177,7 @@ def generate(
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
     inference_mode: bool = False,
+    weights_version: int | None = None,
 ) -> Rollout:
     """Sample responses for left-padded prompts with a KV cache, stopping each row at its first stop.
 
@@ -200,6 +211,7 @@ def generate(
             cloned out of it, so that a loss may save its tensors for backward. Only for a model that keeps no
             state past its forward: not FSDP2 or ZeRO-3, whose gathered parameters would become inference tensors
             that their next training step may not write.
+        weights_version: The policy version of ``model``'s weights (see :attr:`DecodeRequest.weights_version`).
 
     The loop is ``config.backend``'s :class:`GenerationBackend` (the built-in ``eager`` or ``static``, or any other
     registered with :func:`register_backend`); all give the same tokens for the same keys.
@@ -208,7 +220,8 @@ def generate(
     num_rows, prompt_length = input_ids.shape
     check_context_length(model, prompt_length, config.max_new_tokens)
     stops = stop_condition(config, eos_token_id, tokenizer, input_ids.device)
-    request = DecodeRequest(input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group)
+    request = DecodeRequest(input_ids, attention_mask, config, keys, stops, pad_token_id, lockstep_group,
+                            weights_version=weights_version)
     if not inference_mode:
         return _decode_in_chunks(backend, model, request)
     with torch.inference_mode():
