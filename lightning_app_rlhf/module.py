@@ -35,7 +35,7 @@ from lightning_app_rlhf.data import check_prompts_fit
 from lightning_app_rlhf.engine import export
 from lightning_app_rlhf.engine.engine import RLHFEngine
 from lightning_app_rlhf.engine.experience import RewardShaping
-from lightning_app_rlhf.generation import Rollout, config_context_length
+from lightning_app_rlhf.generation import Rollout, close_backends, config_context_length
 from lightning_app_rlhf.models.reward_args import check_reward_fields
 from lightning_app_rlhf.models.role_specs import ModelSource, RoleSpecs
 from lightning_app_rlhf.models.roles import (
@@ -208,6 +208,12 @@ class RLHFModule(pl.LightningModule):
         self._check_prompt_lengths(stage)
         if stage == "fit":
             self._more_prompts()  # dynamic sampling without a source of prompts fails now, not at iteration 0
+
+    @override
+    def teardown(self, stage: str) -> None:
+        # A generation engine's processes (vLLM's) end with the run: a rank started by Lightning's fork launcher exits
+        # without atexit handlers, and would wait on the engine's threads. The next run's first call starts anew.
+        close_backends()
 
     def _check_prompt_lengths(self, stage: str) -> None:
         """Every prompt ``stage`` reads, plus the tokens generated for it, fits the actor's context: checked on the

@@ -78,14 +78,16 @@ def evaluate(module: RLHFModule, rows: list[dict], generation: GenerationConfig,
     actor goes back to the mode it was in."""
     tokenizer, actor, training = module.tokenizer, module.actor, module.actor.training
     greedy = GenerationConfig(max_new_tokens=generation.max_new_tokens, do_sample=False,
-                              stop_strings=generation.stop_strings)
+                              stop_strings=generation.stop_strings, backend=generation.backend,
+                              vllm_engine_args=generation.vllm_engine_args)
     scores, calls, errors, turns, texts = [], [], [], [], []
     actor.eval()
     try:
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             out = run_episodes(actor, environment(), part, sample_keys(0, 0, torch.arange(len(part))), tokenizer,
-                               greedy, agent, [tokenizer.eos_token_id], torch.device("cpu"), inference_mode=True)
+                               greedy, agent, [tokenizer.eos_token_id], torch.device("cpu"), inference_mode=True,
+                               weights_version=module.engine.policy_version if module._engine is not None else 0)
             answers = final_answers(tokenizer, out.rollout)
             scores += correct_answer([], answers, [row["answer"] for row in part])
             calls += (out.stats[:, 1] > 0).tolist()
@@ -199,7 +201,10 @@ def calculator_module(settings: Any, model_dir: str, gguf_file: str, tokenizer: 
         algorithm="grpo",
         reward_fn=correct_answer,
         generation=GenerationConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                                    num_samples=settings.num_samples, stop_strings=STOP_STRINGS),
+                                    num_samples=settings.num_samples, stop_strings=STOP_STRINGS,
+                                    backend=getattr(settings, "backend", "eager"),
+                                    vllm_engine_args={"enforce_eager": True}
+                                    if getattr(settings, "backend", "eager") == "vllm" else None),
         ppo=PPOConfig(ppo_epochs=1, num_minibatches=settings.minibatches, kl_coef=0.0,
                       kl_loss_coef=settings.kl_loss_coef),
         actor_optimizer=lambda p: torch.optim.AdamW(p, lr=settings.lr),
@@ -221,6 +226,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--max-episode-tokens", type=int, default=128,
                         help="most tokens per episode after the prompt (turns and tool results)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    parser.add_argument("--backend", default="eager", choices=["eager", "static", "continuous", "vllm"],
+                        help="generation backend (vllm: a vLLM engine with prefix caching across the turns)")
     parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--kl-loss-coef", type=float, default=0.02, help="weight of the k3 KL loss (0: none)")

@@ -1,4 +1,5 @@
-"""Decoder throughput: the ``eager`` and ``static`` generation backends against Hugging Face ``generate()``.
+"""Decoder throughput: the ``eager``, ``static``, ``continuous`` and ``vllm`` generation backends against Hugging Face
+``generate()``.
 
 Every decoder samples the same left-padded random prompts from the same random-init model, with no stop token, so
 each row generates exactly ``new_tokens`` tokens and tokens/s compare like for like. Plain PyTorch (no Lightning).
@@ -49,11 +50,16 @@ DECODE_MODELS: dict[str, dict[str, Any]] = {
 }
 """Models by name: Hugging Face config fields (pad 0, bos 1, eos 2 are added)."""
 
-DECODERS = ("eager", "static", "static_compiled", "continuous", "hf", "hf_static")
+DECODERS = ("eager", "static", "static_compiled", "continuous", "vllm", "hf", "hf_static")
 """``eager``/``static``/``continuous``: our backends (``static`` uncompiled on every device, ``static_compiled`` with
 ``generation.compile: true``: ``reduce-overhead``, a CUDA graph, on CUDA; ``continuous``: continuous batching);
+``vllm``: the ``vllm`` backend, a vLLM engine built from the same model and given its weights once (in the warm-up
+call; ``--vllm_engine_args`` for its options, e.g. ``{enforce_eager: true}``: vLLM compiles by default);
 ``hf``: ``model.generate()`` with its dynamic cache; ``hf_static``: ``generate(cache_implementation="static")``
 (which compiles on CUDA)."""
+
+VLLM_ENGINE_ARGS: dict[str, Any] = {}
+"""``generation.vllm_engine_args`` of the ``vllm`` decoder (set by :func:`decode`'s ``vllm_engine_args``)."""
 
 PEAK_BANDWIDTH_ENV = "LIGHTNING_APP_RLHF_PEAK_BANDWIDTH_GBS"
 """Environment variable that overrides the peak memory bandwidth (GB/s) looked up in :data:`HBM_PEAK_GBS`."""
@@ -133,12 +139,14 @@ def decode_once(decoder: str, model: nn.Module, ids: torch.Tensor, mask: torch.T
         response = out[:, ids.shape[1]:]
         ended = torch.isin(response, torch.tensor(list(stops), device=response.device)).int()
         return int((ended.cumsum(1) - ended == 0).sum())  # up to and with each row's first stop
-    backend = {"eager": "eager", "continuous": "continuous"}.get(decoder, "static")
+    backend = {"eager": "eager", "continuous": "continuous", "vllm": "vllm"}.get(decoder, "static")
     config = GenerationConfig(max_new_tokens=new_tokens, backend=backend, batch_size=slots,
-                              compile=None if backend != "static" else decoder == "static_compiled")
+                              compile=None if backend != "static" else decoder == "static_compiled",
+                              vllm_engine_args=VLLM_ENGINE_ARGS if backend == "vllm" else None)
     keys = sample_keys(0, 0, torch.arange(ids.shape[0]))
+    # weights_version 0: the vllm engine takes the model's weights in the warm-up call, never again (they are fixed).
     rollout = generate(model, ids, mask, config, keys, eos_token_id=list(stops),
-                       pad_token_id=SPECIAL_TOKENS["pad_token_id"])
+                       pad_token_id=SPECIAL_TOKENS["pad_token_id"], weights_version=0)
     return int(rollout.response_mask.sum())
 
 
@@ -424,8 +432,9 @@ def decode(
     plot: str | None = None,
     mean_length: int | None = None,
     slots: int | None = None,
+    vllm_engine_args: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """``eager`` vs ``static`` vs Hugging Face ``generate()``: tokens/s of one sampling call, every row generating
+    """``eager`` vs ``static`` vs ``continuous`` vs ``vllm`` vs Hugging Face ``generate()``: tokens/s of one sampling call, every row generating
     ``new_tokens`` tokens (no stop token).
 
     On a GPU: ``--device cuda --dtype bfloat16 --models '[smollm2-135m, llama-1b]' --batch_sizes '[8, 64, 256]'
@@ -455,12 +464,21 @@ def decode(
             16 --new_tokens 128 --batch_sizes '[64]' --slots 16``. None: every row generates ``new_tokens``.
         slots: Rows decoded at once: ``static``'s and ``eager``'s chunks, ``continuous``'s slots
             (``generation.batch_size``); None: every row at once.
+        vllm_engine_args: ``generation.vllm_engine_args`` of the ``vllm`` decoder (e.g. ``{enforce_eager: true}``).
+            On the CPU its engine's threads are bound to the first ``threads`` cores with none reserved
+            (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless set), as many as ours use:
+            vLLM's own default keeps one core back for its front end.
     """
     import sys
 
     from lightning_app_rlhf.bench.results import machine
 
     torch.set_num_threads(threads)
+    VLLM_ENGINE_ARGS.clear()
+    VLLM_ENGINE_ARGS.update(vllm_engine_args or {})
+    if "vllm" in decoders and device == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     info = machine()
     gpu = info.get("gpu") if device.startswith("cuda") else None
     peak = resolve_peak_bandwidth(gpu, peak_bandwidth_gbs)

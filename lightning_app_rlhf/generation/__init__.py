@@ -28,6 +28,7 @@ The modules, each importing only those above it:
 from lightning_app_rlhf.generation.backend import (
     DecodeRequest,
     GenerationBackend,
+    close_backends,
     generate,
     get_backend,
     register_backend,
@@ -81,6 +82,7 @@ __all__ = [
     "StopCondition",
     "VllmBackend",
     "all_done",
+    "close_backends",
     "check_context_length",
     "concat_rollouts",
     "config_context_length",

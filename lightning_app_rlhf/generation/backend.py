@@ -89,6 +89,10 @@ class GenerationBackend(ABC):
         """Raise a ``ValueError`` naming the fix when this backend cannot run here (e.g. its engine is not
         installed): called when a config selects it, before any model is built. Usable by default."""
 
+    def close(self) -> None:
+        """Release what the backend keeps between calls (an inference engine's processes): at the end of a run
+        (:func:`close_backends`). Nothing by default."""
+
     @abstractmethod
     def decode(self, model: torch.nn.Module, request: DecodeRequest) -> Rollout:
         """One prefill and decode loop over all of the request's (non-empty) rows.
@@ -156,6 +160,14 @@ def get_backend(name: str) -> GenerationBackend:
         ValueError: No backend of that name is registered; the message lists those that are.
     """
     return GENERATION_BACKENDS.get(name)
+
+
+def close_backends() -> None:
+    """:meth:`GenerationBackend.close` of every registered backend: the end of a run (``RLHFModule.teardown``). An
+    engine's child processes must stop before the run's process ends: a rank that Lightning's ``fork`` launcher
+    started exits without ``atexit`` handlers, and would wait on the engine's threads forever."""
+    for name in GENERATION_BACKENDS.names():
+        GENERATION_BACKENDS.get(name).close()
 
 
 def registered_backends() -> list[str]:

@@ -37,6 +37,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from typing_extensions import override
+
 import torch
 from torch import nn
 
@@ -265,6 +267,7 @@ class VllmBackend(GenerationBackend):
         if not vllm_available():
             raise ValueError(f"generation.backend='vllm' needs vLLM, which is not installed: {VLLM_INSTALL}.")
 
+    @override
     def close(self) -> None:
         """Stop every engine of this backend (their core processes); the next call starts a new one."""
         for engine in list(self.engines.values()):
