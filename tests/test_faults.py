@@ -30,6 +30,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -418,6 +419,43 @@ def test_time_inside_a_placement_collective_counts_as_waiting_even_while_the_thr
     finally:
         beat.stop()
     assert seen.waiting and seen.waited_s >= 0.5 and seen.still_s < 0.5, seen
+
+
+def test_a_main_thread_waiting_on_a_busy_helper_process_is_not_still_and_on_an_idle_one_it_is():
+    """A rank whose main thread waits on a helper process (a vLLM engine's core generating, or starting) computes
+    through it: the helper's CPU counts. A helper that stands still too (a hung engine) leaves the rank still: the
+    heartbeat names it."""
+    import datetime
+    import sys
+
+    import torch.distributed as dist
+
+    from lightning_app_rlhf.parallel.heartbeat import Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    beat = Heartbeat(store, 0, 1, interval=10.0, heartbeat_timeout=None)  # beats by hand below
+    try:
+        for code, busy in (("while True: pass", True), ("import time; time.sleep(60)", False)):
+            helper = subprocess.Popen([sys.executable, "-c", code])
+            seen = []
+
+            def watch() -> None:  # the heartbeat thread's part, while the main thread waits
+                for pause in (0.3, 1.5, 0.0):
+                    seen.append(beat._observe())
+                    time.sleep(pause)
+
+            watcher = threading.Thread(target=watch)
+            try:
+                watcher.start()
+                time.sleep(2.2)  # the main thread stands in one frame using no CPU, as one waiting on the helper
+                watcher.join()
+            finally:
+                helper.kill()
+                helper.wait()
+            assert (seen[-1].still_s < 1.0) if busy else (seen[-1].still_s >= 1.4), (code, seen)
+    finally:
+        beat.stop()
 
 
 def test_a_heartbeat_timeout_below_a_few_beats_is_refused():

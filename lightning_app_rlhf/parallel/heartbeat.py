@@ -4,7 +4,8 @@ stalling the job for the collective timeout. Plain torch.distributed.
 
 A rank is *stuck* when its process is frozen (SIGSTOP, a node that stopped answering: its beats stop), or when its
 main thread has stood still outside any collective (a deadlocked reward function, a read from a stalled file system:
-its beats go on, but its main thread's frame does not move and it uses no CPU). A rank waiting in a collective (one
+its beats go on, but its main thread's frame does not move and it uses no CPU, nor do its helper processes: the
+child processes that are not ranks, such as a vLLM engine's, which work while its main thread waits for them). A rank waiting in a collective (one
 of the placement's, which it marks, or any frame of torch.distributed, DDP or DeepSpeed) for longer than
 ``heartbeat_timeout`` reads the others' beats; if one of them is stuck it posts the verdict to the store, and every
 rank (the stuck one too, where it can, with its main thread's stack) prints it and ends its process, as NCCL's own
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from types import FrameType
 
+import psutil
 import torch.distributed as dist
 
 EXIT_POLL = 0.1
@@ -123,6 +125,8 @@ class Heartbeat:
         self._still_since = self._observed_at = time.monotonic()
         self._main_cpu_clock = _thread_cpu_clock(self._main)
         self._main_cpu = self._main_cpu_time()
+        self._rank_pids: set[int] = set()
+        self._helpers_cpu = self._helpers_cpu_time()
         self._stopped = threading.Event()
         self._join_timeout = interval + store_timeout
         self._beat()
@@ -172,16 +176,36 @@ class Heartbeat:
     def _main_cpu_time(self) -> float:
         return time.clock_gettime(self._main_cpu_clock) if self._main_cpu_clock is not None else 0.0
 
+    def _helpers_cpu_time(self) -> float:
+        """CPU seconds of this rank's helper processes: its child processes (and theirs) that are not ranks (a vLLM
+        engine's core process, a reward server), which work while the main thread waits for them. A child that is a
+        rank (Lightning's fork launcher starts ranks 1.. from rank 0) is left out with its own children."""
+        if len(self._rank_pids) < self.world_size - 1 and self._reader is not None:
+            with contextlib.suppress(RuntimeError):  # the store unreachable: the verdict logic reports that
+                self._rank_pids = {beat.pid for beat in self.beats().values()}
+        total = 0.0
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children():
+                if child.pid in self._rank_pids:
+                    continue
+                with contextlib.suppress(psutil.Error):  # a process that ended since the listing
+                    for process in (child, *child.children(recursive=True)):
+                        times = process.cpu_times()
+                        total += times.user + times.system
+        return total
+
     def _observe(self) -> Beat:
-        """This rank's state now: how long its main thread has stood still (its frame did not move and it used no
-        CPU: a long C++ call such as a big matmul or a checkpoint load computes, a blocked one waits), and whether it
+        """This rank's state now: how long its main thread has stood still (its frame did not move and neither it
+        nor the rank's helper processes used CPU: a long C++ call such as a big matmul or a checkpoint load computes,
+        a wait on a vLLM engine that generates computes in the engine's process, a blocked one waits), and whether it
         waits in a collective."""
-        frame, now, cpu = self._main_frame(), time.monotonic(), self._main_cpu_time()
+        frame, now, cpu, helpers = self._main_frame(), time.monotonic(), self._main_cpu_time(), self._helpers_cpu_time()
         seen = (id(frame), frame.f_lasti) if frame is not None else None
-        computed = cpu - self._main_cpu > STILL_CPU_SHARE * (now - self._observed_at)
+        used = STILL_CPU_SHARE * (now - self._observed_at)
+        computed = cpu - self._main_cpu > used or helpers - self._helpers_cpu > used
         if seen != self._frame_seen or computed:
             self._frame_seen, self._still_since = seen, now
-        self._observed_at, self._main_cpu = now, cpu
+        self._observed_at, self._main_cpu, self._helpers_cpu = now, cpu, helpers
         where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" if frame is not None else ""
         since, still = self._collective_since, now - self._still_since
         in_stack = _in_collective(frame)
