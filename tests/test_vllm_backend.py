@@ -44,18 +44,25 @@ def check_trained_on_vllm(rows: list[dict[str, float]], steps: int) -> None:
 
 # ---- training through the CLI: Flattening on 1 process, Separation on 2 ----
 
+TRAJECTORY = ("reward/mean", "policy/loss", "kl/mean", "response/length_mean")
+SAME_TRAJECTORY = {"rel": 1e-4, "abs": 1e-6}
+"""Flattening's and Separation's runs on vLLM, step by step. Each row's draws follow its seed alone, but vLLM
+computes its logits in batches whose rows differ by placement (one rank decodes all of them, or its share), which
+rounds differently: a near-tie could flip a token. Measured here: equal to the last printed digit (docs/generation.md,
+"Determinism")."""
+
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_trains_under_flattening_on_one_process_with_vllm_log_probs_equal_to_the_trainer_s(tmp_path, algorithm):
-    rows = fit_demo(tmp_path, algorithm, "--model.algorithm", algorithm, config=VLLM_CONFIG, steps=4)
-    check_trained_on_vllm(rows, 4)
-
-
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_trains_under_separation_on_two_processes(tmp_path, algorithm):
-    rows = fit_demo(tmp_path, algorithm, "--model.algorithm", algorithm, "--trainer.devices", "2",
-                    "--trainer.strategy", "rlhf_separation", config=VLLM_CONFIG, steps=4)
-    check_trained_on_vllm(rows, 4)
+def test_trains_under_flattening_and_separation_on_the_same_trajectory(tmp_path, algorithm):
+    flat = fit_demo(tmp_path, "flat", "--model.algorithm", algorithm, config=VLLM_CONFIG, steps=4)
+    apart = fit_demo(tmp_path, "apart", "--model.algorithm", algorithm, "--trainer.devices", "2",
+                     "--trainer.strategy", "rlhf_separation", config=VLLM_CONFIG, steps=4)
+    check_trained_on_vllm(flat, 4)
+    check_trained_on_vllm(apart, 4)
+    for one, other in zip(mismatch_rows(flat), mismatch_rows(apart), strict=True):
+        assert other["rollout/policy_version"] == one["rollout/policy_version"] == one["step"]
+        for metric in TRAJECTORY:
+            assert other[metric] == pytest.approx(one[metric], **SAME_TRAJECTORY), (metric, one["step"])
 
 
 def test_a_lora_actor_reaches_the_engine_merged(tmp_path):
