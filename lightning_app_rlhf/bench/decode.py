@@ -415,6 +415,16 @@ def check_equal_tokens(model_name: str, batch_size: int, new_tokens: int, prompt
     return bool(torch.equal(eager.sequences, static.sequences))
 
 
+def prepare_vllm(device: str, threads: int, engine_args: dict[str, Any] | None) -> None:
+    """The ``vllm`` decoder's engine options; on the CPU its engine's threads bound to the first ``threads`` cores
+    with none reserved (unless the environment sets them), as many as ours use: vLLM keeps one core back by default."""
+    VLLM_ENGINE_ARGS.clear()
+    VLLM_ENGINE_ARGS.update(engine_args or {})
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 def decode(
     models: list[str] = ["tiny", "small", "llama-small"],  # noqa: B006 - jsonargparse reads the default
     batch_sizes: list[int] = [8, 32],  # noqa: B006
@@ -464,21 +474,16 @@ def decode(
             16 --new_tokens 128 --batch_sizes '[64]' --slots 16``. None: every row generates ``new_tokens``.
         slots: Rows decoded at once: ``static``'s and ``eager``'s chunks, ``continuous``'s slots
             (``generation.batch_size``); None: every row at once.
-        vllm_engine_args: ``generation.vllm_engine_args`` of the ``vllm`` decoder (e.g. ``{enforce_eager: true}``).
-            On the CPU its engine's threads are bound to the first ``threads`` cores with none reserved
-            (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``, unless set), as many as ours use:
-            vLLM's own default keeps one core back for its front end.
+        vllm_engine_args: ``generation.vllm_engine_args`` of the ``vllm`` decoder (e.g. ``{enforce_eager: true}``;
+            :func:`prepare_vllm`).
     """
     import sys
 
     from lightning_app_rlhf.bench.results import machine
 
     torch.set_num_threads(threads)
-    VLLM_ENGINE_ARGS.clear()
-    VLLM_ENGINE_ARGS.update(vllm_engine_args or {})
-    if "vllm" in decoders and device == "cpu":
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}" if threads > 1 else "0")
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if "vllm" in decoders:
+        prepare_vllm(device, threads, vllm_engine_args)
     info = machine()
     gpu = info.get("gpu") if device.startswith("cuda") else None
     peak = resolve_peak_bandwidth(gpu, peak_bandwidth_gbs)
