@@ -12,8 +12,8 @@
 #   2. pytest: `python -m pytest -m gpu -q` over the test files that hold gpu-marked tests;
 #   3. decode: `python -m lightning_app_rlhf.bench decode` on CUDA, bf16: eager, static and compiled static at
 #      batch 8 on a random-init SmolLM2-135M-shaped Llama;
-#   4. bandwidth: the same at batch 64 on a Llama-3.2-1B-shaped model: the decode step's weights + KV cache traffic
-#      as a share of the device's peak memory bandwidth (by torch.cuda.get_device_name(); override with
+#   4. bandwidth: the same at batch 64 on a Llama-3.2-1B-shaped model (and the vllm backend, where vLLM is
+#      installed): the decode step's weights + KV cache traffic as a share of the device's peak memory bandwidth (by torch.cuda.get_device_name(); override with
 #      LIGHTNING_APP_RLHF_PEAK_BANDWIDTH_GBS=3350);
 #   5. trl: `python -m lightning_app_rlhf.bench trl` (ours vs TRL 1.12.0 on the GPU); skipped, with a line saying so,
 #      where TRL is not installed;
@@ -31,7 +31,7 @@
 # GPU_CHECK_NEW_TOKENS [256], GPU_CHECK_PROMPT_TOKENS [64], GPU_CHECK_WARMUP [1], GPU_CHECK_REPEATS [3] of the
 # decode runs; GPU_CHECK_DECODE_MODEL [smollm2-135m], GPU_CHECK_DECODE_BATCH [8],
 # GPU_CHECK_DECODERS [eager, static, static_compiled]; GPU_CHECK_BANDWIDTH_MODEL [llama-1b],
-# GPU_CHECK_BANDWIDTH_BATCH [64], GPU_CHECK_BANDWIDTH_DECODERS [eager, static, static_compiled];
+# GPU_CHECK_BANDWIDTH_BATCH [64], GPU_CHECK_BANDWIDTH_DECODERS [eager, static, static_compiled, + vllm if installed];
 # GPU_CHECK_TRL_PRESETS [small, medium], GPU_CHECK_TRL_PRECISIONS [bf16-mixed], GPU_CHECK_TRL_REPEATS [1],
 # GPU_CHECK_TRL_ITERATIONS [4]; GPU_CHECK_PLACEMENT_PRESET [medium], GPU_CHECK_PLACEMENT_ITERATIONS [3];
 # per-step limits GPU_CHECK_PYTEST_S [150], GPU_CHECK_DECODE_S [200], GPU_CHECK_BANDWIDTH_S [170],
@@ -309,9 +309,15 @@ run_decode decode decode_gpu.json "${GPU_CHECK_DECODE_MODEL:-smollm2-135m}" "${G
   "${GPU_CHECK_DECODERS:-eager, static, static_compiled}" true "${GPU_CHECK_DECODE_S:-200}"
 
 # --- 4. the decode step's share of the memory bandwidth at batch 64 on a ~1B model ---
+# With vLLM installed (the GPU image may lack it: its wheel is past what the device tool carries), the vllm backend
+# joins this row: its decode share of the bandwidth beside ours.
+BANDWIDTH_DECODERS="eager, static, static_compiled"
+if "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" 2>/dev/null; then
+  BANDWIDTH_DECODERS+=", vllm"
+fi
 header 4 "bench decode: share of the peak memory bandwidth, batch ${GPU_CHECK_BANDWIDTH_BATCH:-64}"
 run_decode bandwidth decode_gpu_bandwidth.json "${GPU_CHECK_BANDWIDTH_MODEL:-llama-1b}" \
-  "${GPU_CHECK_BANDWIDTH_BATCH:-64}" "${GPU_CHECK_BANDWIDTH_DECODERS:-eager, static, static_compiled}" false \
+  "${GPU_CHECK_BANDWIDTH_BATCH:-64}" "${GPU_CHECK_BANDWIDTH_DECODERS:-$BANDWIDTH_DECODERS}" false \
   "${GPU_CHECK_BANDWIDTH_S:-170}"
 
 FILL_WHEELS="fill $WHEELS_DIR with bash scripts/gpu_check.sh --download-wheels and carry it"
