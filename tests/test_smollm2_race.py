@@ -13,7 +13,9 @@ from lightning_app_rlhf.bench.smollm2_race import (
     BEGIN,
     END,
     RaceSettings,
+    _race_command,
     equal_time,
+    generation_record,
     last_within,
     prompt_order,
     race_table,
@@ -42,6 +44,31 @@ def test_settings_count_completions_per_optimizer_step_and_refuse_uneven_minibat
     assert RaceSettings().completions_per_step == 8  # 8 prompts x G=4 over 4 optimizer steps
     with pytest.raises(ValueError, match="minibatches dividing"):
         RaceSettings(minibatches=3)
+    with pytest.raises(ValueError, match="backend is one of"):
+        RaceSettings(backend="static")
+
+
+def test_each_sides_generation_is_recorded_named_in_the_tables_and_in_the_command():
+    from lightning_app_rlhf.bench.trl_grpo_smollm2_peer import grpo_config, peer_generation_record
+
+    vllm = RaceSettings(iterations=3, backend="vllm", peer_use_vllm=True)
+    assert generation_record(vllm)["vllm_engine_args"] == {"enforce_eager": True}
+    assert generation_record(RaceSettings())["backend"] == "eager"
+    assert peer_generation_record(vllm)["vllm_mode"] == "colocate"
+    assert not peer_generation_record(RaceSettings())["use_vllm"]
+    race = _race(same_start=True)
+    race["sides"]["ours"]["generation"] = generation_record(vllm)
+    race["sides"]["trl"]["generation"] = peer_generation_record(vllm)
+    table = race_table(race)
+    assert "| equal iterations (3) | ours (vLLM, enforce_eager) | 3 | 6 |" in table
+    assert "| TRL 1.16.0 (use_vllm colocate) | 6.0 |" in table
+    command = _race_command(vllm, 1, "runs/r", "out.json", "page.md")
+    assert command.endswith("--docs page.md --backend vllm --peer_use_vllm True")
+    assert "--backend" not in _race_command(RaceSettings(), 1, "runs/r", "out.json", "page.md")
+    pytest.importorskip("trl")
+    for settings, use_vllm in ((RaceSettings(), False), (vllm, True)):
+        config = grpo_config(settings, "/tmp/unused")
+        assert config.use_vllm is use_vllm and not config.vllm_enable_sleep_mode
 
 
 def test_prompt_order_is_the_order_our_datamodule_trains_in(tokenizer):

