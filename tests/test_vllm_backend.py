@@ -290,3 +290,44 @@ def test_a_sharded_actor_s_weights_are_refused_by_name():
 
     with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight is a sharded DTensor"):
         list(vllm_weights(Sharded()))
+
+
+def test_an_engine_s_processes_end_when_their_rank_is_killed(tmp_path):
+    """vLLM's engine core does not watch its parent: the watchdog ends the engine's processes when the rank dies
+    without stopping them (SIGKILL), and ends itself once they have ended. Here the engine's processes are stand-ins
+    (sleeps) of a rank process that is then killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids_file = tmp_path / "pids"
+    rank = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+from lightning_app_rlhf.generation.vllm import _watch_for_orphans
+engine = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+_watch_for_orphans([p.pid for p in engine])
+open({str(pids_file)!r}, "w").write(" ".join(str(p.pid) for p in engine))
+time.sleep(120)
+"""], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 60
+    while not pids_file.exists() or not pids_file.read_text():
+        assert time.monotonic() < deadline and rank.poll() is None, "the stand-in rank did not start its engine"
+        time.sleep(0.1)
+    engine = [int(pid) for pid in pids_file.read_text().split()]
+    rank.send_signal(signal.SIGKILL)
+    rank.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie (ended, not yet reaped by init) counts as ended
+            return stat.read().split()[2] != "Z"
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in engine)

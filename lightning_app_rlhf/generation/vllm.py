@@ -165,6 +165,7 @@ class VllmEngine:
         args.update(config.vllm_engine_args or {})
         from vllm import LLM
 
+        before = _descendants()
         try:
             self.llm = LLM(**args)
         except Exception as err:
@@ -177,6 +178,7 @@ class VllmEngine:
             ) from err
         self.close = weakref.finalize(self, _shut_down, self.llm)
         """Stop the engine's core process now (else at garbage collection or exit)."""
+        _watch_for_orphans(sorted(_descendants() - before))
 
     def load_weights(self, model: nn.Module, version: int | None) -> bool:
         """Send ``model``'s weights unless the engine holds ``version`` already; True if it sent them.
@@ -243,6 +245,46 @@ def _row(completion: Any, request: DecodeRequest) -> tuple[list[int], list[float
             if bool(request.stops.ended_window(ids[:, max(0, end - request.stops.window) : end])[0]):
                 return tokens[:end], logprobs[:end], True
     return tokens, logprobs, stopped
+
+
+ORPHAN_WATCH = """
+import os, signal, sys, time
+parent, engine = int(sys.argv[1]), [int(pid) for pid in sys.argv[2:]]
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+while any(alive(pid) for pid in engine):
+    if os.getppid() != parent:  # the rank is gone without stopping its engine (SIGKILL, a crash)
+        for pid in engine:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        break
+    time.sleep(1.0)
+"""
+"""The watchdog of an engine's processes: vLLM's engine core outlives a rank killed without a chance to stop it (it
+does not watch its parent), and would hold its memory for good."""
+
+
+def _descendants() -> set[int]:
+    """The pids of this process's child processes and theirs."""
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _watch_for_orphans(engine_pids: list[int]) -> None:
+    """Start the :data:`ORPHAN_WATCH` process over ``engine_pids``: it ends them if this process dies first, and
+    itself once they have ended."""
+    import subprocess
+    import sys
+
+    if engine_pids:
+        subprocess.Popen([sys.executable, "-c", ORPHAN_WATCH, str(os.getpid()), *map(str, engine_pids)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
 
 
 def _shut_down(llm: Any) -> None:
