@@ -1,13 +1,20 @@
 """The per-token arithmetic every decode loop shares: positions that skip left padding, keyed noise, top-k/top-p
-filtering and the exponential-race draw. Pure functions of tensors; plain PyTorch.
+filtering and the keyed draw. Pure functions of tensors; plain PyTorch.
 
 Every backend draws its tokens through :func:`next_token`, so the same keys give the same tokens under every backend,
-device and placement. The draw is the exponential race (the Gumbel-max trick): row ``b`` takes
-``argmax_v p_v / E_v`` with ``E_v = -log u_v`` and ``u_v`` a uniform read off an integer hash of (the row's seed, its
-response column, ``v``). That picks ``v`` with probability ``p_v / sum(p)``, needs no cumulative sum over the
-vocabulary (the float64 scan Inductor could not compile on CUDA), and its noise is a pure function of integers
-computed on the device: no per-row generator on the host, no copy per call, and the compiled decode step holds the
-draw in its one graph.
+device and placement. The draw descends a sum tree (:func:`sum_tree_draw`): the row's probabilities are summed in
+pairs, level by level, in a fixed order of elementwise additions, and from the root each level goes to the right
+child with probability ``right / (left + right)``, by one uniform per level read off an integer hash of (the row's
+seed, its response column, the level). A leaf is reached with its probability ``p_v / sum(p)``. The arithmetic of a
+row touches that row only and its order is written out as elementwise additions (no reduction or scan kernel,
+whose order on a GPU can follow the batch's shape): the same probabilities give the same token in any batch. No
+cumulative sum over the vocabulary either (the float64 scan Inductor could not compile on CUDA), no host generator,
+no copy per call: the compiled decode step holds the draw in its one graph.
+
+Until 2026-12-02 the draw was the exponential race (:func:`exponential_race`: ``argmax p_v / E_v`` over one keyed
+uniform per token): a 32-bit hash of every vocabulary entry (several int64 passes over ``[B, V]``) and two
+logarithms, about 20x the tree's cost on one CPU thread at 49152 tokens. The tree needs one exponential pass over
+``[B, V]``, about as many additions, and ``ceil(log2 V)`` uniforms per row (``benchmarks/keyed_draw.py``).
 """
 
 from __future__ import annotations
@@ -50,19 +57,20 @@ def keyed_seeds(keys: torch.Tensor) -> torch.Tensor:
     return hash32(hash32(keys & _MASK32) ^ ((keys >> 32) & _MASK32))
 
 
-def keyed_uniforms(seeds: torch.Tensor, columns: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1): entry ``(b, v)`` is a function of ``seeds[b]``, ``columns[b]`` and ``v``
-    only (a row's noise does not depend on its batch, its position in it, or the device).
+def keyed_uniforms(seeds: torch.Tensor, columns: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count] float32 uniforms in (0, 1): entry ``(b, j)`` is a function of ``seeds[b]``, ``columns[b]`` and ``j``
+    only (a row's noise does not depend on its batch, its position in it, or the device). :func:`next_token` reads
+    one per level of its sum tree (``j`` the level); the exponential race reads one per token (``j`` the token).
 
     Args:
         seeds: [B] the rows' :func:`keyed_seeds`.
         columns: [B] (or [1], broadcast) the response column each row samples.
-        vocab_size: V.
+        count: How many uniforms per row.
     """
     # The golden-ratio step keeps consecutive columns' streams apart before the hash mixes them.
     stream = hash32(seeds ^ hash32((columns.to(torch.int64) * 0x9E3779B9) & _MASK32))
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    bits = hash32(stream.unsqueeze(-1) ^ tokens)
+    indices = torch.arange(count, dtype=torch.int64, device=seeds.device)
+    bits = hash32(stream.unsqueeze(-1) ^ indices)
     # The top 23 bits plus one half: 24 significant bits, exact in float32, never 0 or 1.
     return ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
@@ -86,9 +94,49 @@ def filter_log_probs(log_probs: torch.Tensor, top_k: int, top_p: float) -> torch
     return log_probs
 
 
+def tree_depth(vocab_size: int) -> int:
+    """The levels below the root of :func:`sum_tree_draw`'s tree over ``vocab_size`` leaves, ``ceil(log2 V)``: the
+    uniforms one draw reads (16 for SmolLM2's 49152 tokens)."""
+    return max(vocab_size - 1, 0).bit_length()
+
+
+def sum_tree_draw(log_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[B] a token of each row of ``log_probs`` [B, V] (unnormalised; ``-inf`` where filtered), token ``v`` with
+    probability ``p_v / sum(p)`` for ``p = exp(log_probs)``, by descending a sum tree with ``uniforms``
+    [B, :func:`tree_depth` (V)] in (0, 1), one per level from the root down.
+
+    Level 0 is ``p``; each next level holds the sums of the level's first and second halves (a level of odd length
+    gets a zero leaf at its end first), so node ``i`` of a level of length ``n`` has the children ``i`` and
+    ``i + n/2`` on the level below, and the last level is the row's total. Every sum is one elementwise addition: a
+    row's numbers do not depend on the batch or on a reduction kernel's order. At each level a row goes right when
+    ``u * (left + right) >= left`` and the right child is not empty: right with probability ``right / (left + right)``
+    (to float32 and the uniforms' 2**-23 steps), never into a subtree of filtered tokens (nor into an empty left one:
+    ``u * right >= 0``), so the leaf reached has ``p_v > 0``.
+    """
+    rows = log_probs.shape[0]
+    levels = []
+    level = log_probs.exp()
+    while level.shape[-1] > 1:
+        if level.shape[-1] % 2:
+            level = F.pad(level, (0, 1))
+        half = level.shape[-1] // 2
+        level = level.reshape(rows, 2, half)
+        levels.append(level)
+        level = level[:, 0] + level[:, 1]
+    # The index as [B, 1, 1] and the uniforms split once: few ops per level, which eager runs one by one.
+    index = torch.zeros(rows, 1, 1, dtype=torch.int64, device=log_probs.device)
+    for level, uniform in zip(reversed(levels), uniforms.reshape(rows, 1, 1, len(levels)).unbind(-1)):
+        left, right = level.gather(2, index.expand(rows, 2, 1)).split(1, dim=1)
+        go_right = (uniform * (left + right) >= left) & (right > 0)
+        index = index + go_right * level.shape[-1]
+    return index.reshape(rows)
+
+
 def exponential_race(log_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[B] the token of each row of ``log_probs`` [B, V] (unnormalised; ``-inf`` where filtered) that wins the race
-    ``argmax p / E`` with ``E = -log u``: token ``v`` wins with probability ``p_v / sum(p)``."""
+    ``argmax p / E`` with ``E = -log u``: token ``v`` wins with probability ``p_v / sum(p)``. ``uniforms`` [B, V]: one
+    per token. The draw before :func:`sum_tree_draw` (see the module's docstring); :func:`next_token` no longer uses
+    it."""
     return (log_probs - torch.log(-torch.log(uniforms))).argmax(-1)
 
 
@@ -102,10 +150,10 @@ def next_token(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's next token [B] and its behaviour log-probability [B] at the sampling temperature.
 
-    The token is the most likely one (``config.do_sample=False``) or the keyed race over the top-k/top-p filtered
-    distribution; the log-probability is that of the unfiltered distribution. A row already done gets
-    ``pad_token_id`` and log-probability 0. Only tensor arithmetic, no host sync: a compiled decode step holds it in
-    one graph.
+    The token is the most likely one (``config.do_sample=False``) or the keyed draw from the top-k/top-p filtered
+    distribution (:func:`sum_tree_draw`); the log-probability is that of the unfiltered distribution. A row already
+    done gets ``pad_token_id`` and log-probability 0. Only tensor arithmetic, no host sync: a compiled decode step
+    holds it in one graph.
 
     Args:
         logits: [B, V] the next token's logits, in any float dtype (the arithmetic runs in float32).
@@ -120,8 +168,8 @@ def next_token(
     scaled = logits.float() if config.temperature == 1.0 else logits.float() / config.temperature
     log_probs = F.log_softmax(scaled, dim=-1)
     if config.do_sample:
-        uniforms = keyed_uniforms(seeds, columns, log_probs.shape[-1])
-        token = exponential_race(filter_log_probs(log_probs, config.top_k, config.top_p), uniforms)
+        uniforms = keyed_uniforms(seeds, columns, tree_depth(log_probs.shape[-1]))
+        token = sum_tree_draw(filter_log_probs(log_probs, config.top_k, config.top_p), uniforms)
     else:
         token = log_probs.argmax(-1)
     token = token.masked_fill(done, pad_token_id)
