@@ -240,7 +240,15 @@ def run_ours(settings: RaceSettings, model_dir: str, run_dir: Path) -> None:
         actor_optimizer=lambda p: torch.optim.AdamW(p, lr=settings.lr, weight_decay=settings.weight_decay),
     )
     module.configure_model()  # built before the clock starts, as the peer's model is built before train()
-    engines = start_engine(module.actor, module.generation) if settings.backend == "vllm" else None
+    engines = None
+    if settings.backend == "vllm":
+        # The actor's weights are dequantized float32, but its config keeps the GGUF quantization mark, and vLLM
+        # refuses an engine whose config names it ("Unknown quantization method: gguf"): drop the mark, as the peer
+        # does for TRL's Trainer (its _drop_gguf_quantizer).
+        base = module.actor.get_base_model()
+        if getattr(base, "hf_quantizer", None) is not None:
+            base.hf_quantizer.remove_quantization_config(base)
+        engines = start_engine(module.actor, module.generation)
     recorder = IterationRecorder(run_dir, lambda path: module.actor.save_pretrained(path))
 
     # Defined here, not at module level: the class needs Lightning, which the driver's pure parts do not.
