@@ -261,7 +261,8 @@ class RLHFCLI(LightningCLI):
         tuner = any(isinstance(callback, PlacementTuner) for callback in trainer.callbacks or [])
         dataset = datamodule.dataset
         profile_inputs = {"reward_fn": module.reward_fn, "tokenizer": module.tokenizer,
-                          "prompts": dataset.prompts[:64], "fields": dataset.fields[:64]}
+                          "prompts": dataset.prompts[:64], "fields": dataset.fields[:64],
+                          "vllm_engine_args": module.generation.vllm_engine_args}
         return TrainingRun(workload, cluster, processes, strategy, strategy_plan, module.generation.batch_size,
                            module.ppo.micro_batch_size, tuner, notes=(cluster_note, prompt_note),
                            profile_inputs=profile_inputs,

@@ -38,8 +38,9 @@ class PlacementTuner(Callback):
             ``mcmc_steps``, so that its answer does not depend on the machine's load; a chain stopped by this bound
             says so in the tuner's report.
         mcmc_steps: Proposals of the MCMC chain: its budget.
-        profile: Measure this machine's op times first (a few seconds; cached on disk per hardware and model
-            shape). ``False`` uses the analytic model only.
+        profile: Measure this machine's op times first (a few seconds, and with ``generation.backend: vllm`` a vLLM
+            engine's start for the actor's generation; cached on disk per hardware and model shape). ``False`` uses
+            the analytic model only.
         cluster: Describe the devices instead of reading the running job, e.g. ``"1x8xA100-80GB"``; its device
             count must equal the job's world size.
         ckpt_path: A checkpoint whose saved plan to reuse. Default: ``trainer.ckpt_path`` when it is set before
@@ -142,7 +143,8 @@ class PlacementTuner(Callback):
             if self.profile:
                 profile = profile_workload(workload, reward_fn=pl_module.reward_fn, tokenizer=pl_module.tokenizer,
                                            prompts=datamodule.dataset.prompts[:64], device=device,
-                                           fields=datamodule.dataset.fields[:64])
+                                           fields=datamodule.dataset.fields[:64],
+                                           vllm_engine_args=pl_module.generation.vllm_engine_args)
             if self.cluster is not None:
                 cluster = parse_cluster(self.cluster)
             else:

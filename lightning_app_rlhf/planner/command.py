@@ -11,27 +11,33 @@ the named-size workloads, the search, and the printing::
     python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch_size 32 --json
     python -m lightning_app_rlhf plan --cluster 1x8xH100-80GB --actor llama2-7b --algorithm grpo --num_samples 8 \
         --turns 4 --generation_length 256 --observation_tokens 128   # multi-turn episodes
+    python -m lightning_app_rlhf plan --config examples/configs/demo_vllm_cpu.yaml --backends eager,vllm
     python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import json as json_module
+import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from lightning_app_rlhf.algorithms import ALGORITHMS
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
+from lightning_app_rlhf.generation import get_backend, vllm_available
+from lightning_app_rlhf.generation.vllm import VLLM_INSTALL
 from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan
 from lightning_app_rlhf.parallel.wrappers import wrapper_class
 from lightning_app_rlhf.planner.cluster import Cluster, parse_cluster
 from lightning_app_rlhf.planner.cost_model import (
     ENGINE_OPS,
+    SYNC_COPIES,
     CostModel,
     PlanChoice,
     calibrate_engine,
@@ -41,7 +47,7 @@ from lightning_app_rlhf.planner.cost_model import (
     role_wrappers,
 )
 from lightning_app_rlhf.planner.plan_picture import draw_plan_picture, require_matplotlib
-from lightning_app_rlhf.planner.profiler import Profile, profile_machine
+from lightning_app_rlhf.planner.profiler import VLLM, VLLM_OPS, VLLM_SYNC, Profile, profile_machine
 from lightning_app_rlhf.planner.search import Candidate, PlannerError, PlannerResult, plan_placement
 from lightning_app_rlhf.planner.workload import Workload, installed_wrappers, role_shape
 
@@ -118,6 +124,13 @@ class PlanOptions:
     wrappers: str | None = None
     """Comma-separated wrappers the search may give the roles: a subset of ddp, fsdp2, zero1, zero2, zero3 (the zero
     ones need deepspeed: pip install 'lightning-app-rlhf[deepspeed]'). Default: every one installed here."""
+    backends: str | None = None
+    """Comma-separated generation backends to price every plan under, e.g. eager,vllm: the search runs once per
+    backend and the fastest (plan, backend) pair is the best, its backend in the fit flags (--model.generation.backend).
+    vllm is priced from its generation measured on a vLLM engine (--profile auto: one engine start, about a minute;
+    cached) plus the sync of the actor's weights to the engines once per iteration, and turns
+    ppo.recompute_old_logprobs on, as a run on it does by default. Default: the training config's
+    generation.backend alone (eager without a config)."""
     search: Literal["app", "mcmc", "both", "presets"] = "both"
     """app (APP's prior rules and grid), mcmc (ReaLHF's Metropolis chain), both, or presets (the three presets
     only)."""
@@ -226,8 +239,8 @@ class TrainingRun:
     notes: tuple[str, ...] = ()
     """How the cluster and the workload were read."""
     profile_inputs: dict[str, Any] = field(default_factory=dict)
-    """The reward function, tokenizer, prompts and row fields that profiling times the reward with
-    (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`'s keywords)."""
+    """The reward function, tokenizer, prompts and row fields that profiling times the reward with, and the vLLM
+    engine's options (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`'s keywords)."""
     measure_phases: Callable[[PlacementPlan], dict[str, float]] | None = None
     """Runs a few iterations of the config under a plan on this machine's processes: median seconds of its
     ``generate``, ``score`` and ``train`` phases on rank 0
@@ -247,6 +260,13 @@ class PlanReport:
     """Lines printed under the table."""
     profile: Profile | None = None
     """What ``--profile auto`` measured on this machine (None: priced with the device's nominal figures)."""
+    backend_results: dict[str, PlannerResult] = field(default_factory=dict)
+    """With ``--backends``: each generation backend's search, by name (``result`` is the fastest's); empty without."""
+
+    @property
+    def chosen_backend(self) -> str | None:
+        """The generation backend ``plan`` chose among ``--backends`` (None: it chose none; the config's own runs)."""
+        return self.result.workload.generation_backend if self.backend_results else None
 
     def to_dict(self) -> dict[str, Any]:
         """The planner's result as JSON (:meth:`PlannerResult.to_dict`), with the episode's shape (turns, tokens per
@@ -257,28 +277,36 @@ class PlanReport:
         if self.profile is not None:
             measured = {"hardware": self.profile.hardware, "device": asdict(self.profile.device),
                         "ops": self.profile.ops, "compute_shares": self.result.cluster.compute_shares}
+        backends = {name: {"iteration_s": r.best.iteration_s, "samples_per_s": r.best.samples_per_s,
+                           "label": r.best.choice.label,
+                           "weight_sync_s": r.best.estimate.call_s.get("weight_sync", 0.0)}
+                    for name, r in self.backend_results.items()}
         return {
             "measured": measured,
             **self.result.to_dict(),
+            "generation_backend": w.generation_backend,
+            "backends": backends,
             "turns": w.turns,
             "observation_tokens": w.observation_length,
             "episode_length": w.episode_length,
             "configured_strategy": self.configured_strategy,
             "configured": self.configured.to_dict() if self.configured is not None else None,
-            "fit_flags": fit_flags(self.result.best, self.result.cluster),
+            "fit_flags": fit_flags(self.result.best, self.result.cluster, self.chosen_backend),
             "notes": self.notes,
         }
 
 
-def fit_flags(candidate: Candidate, cluster: Cluster) -> list[str]:
+def fit_flags(candidate: Candidate, cluster: Cluster, backend: str | None = None) -> list[str]:
     """The ``fit`` command-line arguments that run ``candidate`` on ``cluster``: the trainer's accelerator, nodes and
-    devices, :data:`FIT_STRATEGY` with the plan as JSON (``--trainer.strategy.plan``), and the plan's generation and
-    micro-batch sizes where it sets them. Appended to a ``fit`` command with the same training config, they
-    override its ``trainer.strategy``.
+    devices, :data:`FIT_STRATEGY` with the plan as JSON (``--trainer.strategy.plan``), the plan's generation and
+    micro-batch sizes where it sets them, and the generation backend where ``plan`` chose it. Appended to a ``fit``
+    command with the same training config, they override its ``trainer.strategy``.
 
     Args:
         candidate: A priced plan (the planner's best, usually).
         cluster: The cluster it was planned for.
+        backend: The generation backend it was priced with, where chosen among ``--backends``
+            (``--model.generation.backend``); None: the config's own.
     """
     plan = {k: v for k, v in candidate.plan.to_dict().items() if k not in PLAN_DEFAULTS or v != PLAN_DEFAULTS[k]}
     flags = ["--trainer.accelerator", "cpu" if cluster.cores_per_node is not None else "gpu",
@@ -288,6 +316,8 @@ def fit_flags(candidate: Candidate, cluster: Cluster) -> list[str]:
         flags += ["--model.generation.batch_size", str(candidate.choice.generation_batch)]
     if candidate.choice.micro_batch is not None:
         flags += ["--model.ppo.micro_batch_size", str(candidate.choice.micro_batch)]
+    if backend is not None:
+        flags += ["--model.generation.backend", backend]
     return flags
 
 
@@ -340,6 +370,38 @@ def wrappers_option(options: PlanOptions) -> tuple[str, ...]:
     for wrapper in wrappers:
         wrapper_class(wrapper)  # unknown, or its package missing: a ValueError with the choices or the install
     return wrappers
+
+
+def backends_option(options: PlanOptions, workload: Workload) -> tuple[str, ...]:
+    """``--backends`` as a tuple, in its order (default: the workload's own generation backend); an unregistered
+    backend is a ``ValueError`` listing those registered, vllm without vLLM installed one naming its install."""
+    if options.backends is None:
+        return (workload.generation_backend,)
+    backends = tuple(dict.fromkeys(b.strip() for b in options.backends.split(",") if b.strip()))
+    if not backends:
+        raise ValueError(f"--backends {options.backends!r} names no generation backend: give some of "
+                         f"{','.join(sorted({'eager', VLLM, workload.generation_backend}))}, comma-separated.")
+    for backend in backends:
+        get_backend(backend)  # unknown: the registered names, and how to register another
+        if backend == VLLM and not vllm_available():
+            raise ValueError(f"--backends lists vllm, which is not installed here: {VLLM_INSTALL}; or drop vllm "
+                             "from --backends.")
+    return backends
+
+
+def backend_workload(workload: Workload, backend: str) -> Workload:
+    """``workload`` generating with ``backend``: a backend of other numerics than the trainer's (vLLM) also recomputes
+    the rollout's log-probabilities before the update, as ``ppo.recompute_old_logprobs`` resolves by default with it;
+    the workload's own setting stays otherwise (a config's resolved value does not say whether it was set).
+
+    Args:
+        workload: The config's (or the named sizes') workload.
+        backend: A registered ``generation.backend`` name.
+    """
+    if backend == workload.generation_backend:
+        return workload
+    recompute = workload.recompute_old_logprobs or get_backend(backend).separate_numerics
+    return replace(workload, generation_backend=backend, recompute_old_logprobs=recompute)
 
 
 def workload_name(actor: str, critic: str | None, algorithm: str, num_samples: int, lora_rank: int | None) -> str:
@@ -407,10 +469,11 @@ def multi_turn_fields(options: PlanOptions) -> dict[str, Any]:
 # ---------------------------------------------------------------- planning
 
 
-def measured_machine(options: PlanOptions, run: TrainingRun,
-                     workload: Workload) -> tuple[Cluster, Profile | None, list[str]]:
+def measured_machine(options: PlanOptions, run: TrainingRun, workload: Workload,
+                     backends: tuple[str, ...]) -> tuple[Cluster, Profile | None, list[str]]:
     """The cluster to plan for and, where ``--profile auto`` applies (a cluster of this machine's CPU processes), the
-    profile measured on this machine (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`, then
+    profile measured on this machine (:func:`~lightning_app_rlhf.planner.profiler.profile_machine`, with the
+    generation of each of ``backends`` that runs on an engine of its own, then
     :func:`~lightning_app_rlhf.planner.cost_model.calibrate_engine` from :data:`CALIBRATION_ITERATIONS` iterations of
     the config under Flattening with DDP on the job's processes), with a note saying what was measured."""
     cluster = parse_cluster(run.cluster)
@@ -424,8 +487,10 @@ def measured_machine(options: PlanOptions, run: TrainingRun,
     # goes first, while this process is lean: its ranks are forked from it.
     reference = flattening_plan(cluster.world_size, "ddp", roles=workload.roles)
     calibrated = run.measure_phases is not None and "ddp" in workload.wrappers
-    phases = run.measure_phases(reference) if calibrated else None
-    profile, measured = profile_machine(workload, cluster.world_size, **run.profile_inputs)
+    with stdout_to_stderr():
+        phases = run.measure_phases(reference) if calibrated else None
+        profile, measured = profile_machine(workload, cluster.world_size, generation_backends=backends,
+                                            **run.profile_inputs)
     if phases is not None:
         profile = calibrate_engine(profile, measured, workload, reference, phases)
     shares = " ".join(f"{x:.2f}" for x in measured.compute_shares or ())
@@ -438,7 +503,25 @@ def measured_machine(options: PlanOptions, run: TrainingRun,
         f"op, {across}a core's share with {'1..' if n > 1 else ''}{n} busy process{'es' if n > 1 else ''} {shares}"
         + (f", and from {CALIBRATION_ITERATIONS} iterations of the config under flattening (DDP) the engine's own "
            f"work: {engine['generate'][0][2] * 1e3:.1f} ms per generate call, {engine['score'][0][2] * 1e3:.1f} ms "
-           f"per rollout, {engine['train_step'][0][2] * 1e3:.1f} ms per optimizer step" if engine else "") + "."]
+           f"per rollout, {engine['train_step'][0][2] * 1e3:.1f} ms per optimizer step" if engine else "")
+        + (f", and vLLM's generation on its engine with the sync of the actor's weights to it "
+           f"({profile.ops[workload.actor.key][VLLM_SYNC][0][2] * 1e3:.0f} ms)" if VLLM in backends else "") + "."]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """This process's file descriptor 1 pointed at its stderr for the block: the processes a measurement starts
+    inherit it (a vLLM engine's, which log to their stdout), so the command's stdout stays its report alone (one JSON
+    document with ``--json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def search(options: PlanOptions, cluster: Cluster, workload: Workload, profile: Profile | None = None) -> PlannerResult:
@@ -457,11 +540,50 @@ def search(options: PlanOptions, cluster: Cluster, workload: Workload, profile: 
     )
 
 
+def search_backends(options: PlanOptions, cluster: Cluster, workload: Workload, backends: tuple[str, ...],
+                    profile: Profile | None = None) -> tuple[PlannerResult, dict[str, PlannerResult], list[str]]:
+    """The planner's searches for ``workload`` generating with each of ``backends`` (:func:`backend_workload`): the
+    result of the fastest (plan, backend) pair (the first backend listed on a tie), every backend's result where
+    ``--backends`` asked for a choice (else none), and notes: a backend with no plan that fits, vllm priced without its
+    measured points.
+
+    Args:
+        options: The flags.
+        cluster: Where it runs.
+        workload: The config's (or the named sizes') workload.
+        backends: :func:`backends_option`.
+        profile: The ops measured on this machine (None: the analytic model).
+
+    Raises:
+        PlannerError: No plan fits under any of ``backends`` (the first's message).
+    """
+    results: dict[str, PlannerResult] = {}
+    notes, errors = [], []
+    for backend in backends:
+        try:
+            results[backend] = search(options, cluster, backend_workload(workload, backend), profile)
+        except PlannerError as err:
+            errors.append(err)
+            notes.append(f"No plan fits with generation backend {backend}: {err}")
+    if not results:
+        raise errors[0]
+    actor_ops = profile.ops.get(workload.actor.key, {}) if profile is not None else {}
+    measured = all(op in actor_ops for op in (*VLLM_OPS, VLLM_SYNC))
+    if VLLM in results and not measured:
+        notes.append(f"vllm is priced without its measured points: its generation at the analytic op times, its weight "
+                     f"sync at {SYNC_COPIES} copies of the weights at memory bandwidth (--profile auto on a cluster of "
+                     "this machine's CPU processes measures both).")
+    best = min(results, key=lambda backend: results[backend].best.iteration_s)
+    return results[best], results if options.backends is not None else {}, notes
+
+
 def plan_named_sizes(options: PlanOptions) -> PlanReport:
-    """The plans of the named-size workload on ``--cluster`` (default :data:`DEFAULT_CLUSTER`)."""
+    """The plans of the named-size workload on ``--cluster`` (default :data:`DEFAULT_CLUSTER`), under each backend of
+    ``--backends``."""
     cluster = parse_cluster(options.cluster or DEFAULT_CLUSTER)
     workload = named_size_workload(options, gpu=cluster.cores_per_node is None)
-    return PlanReport(search(options, cluster, workload))
+    result, by_backend, notes = search_backends(options, cluster, workload, backends_option(options, workload))
+    return PlanReport(result, notes=notes, backend_results=by_backend)
 
 
 def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
@@ -474,10 +596,11 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
     check_no_named_sizes(options)
     workload = replace(run.workload, generation_rounds=options.generation_rounds, **multi_turn_fields(options))
     workload = replace(workload, wrappers=wrappers_option(options)) if options.wrappers else workload
-    cluster, profile, measured_note = measured_machine(options, run, workload)
-    result = search(options, cluster, workload, profile)
-    report = PlanReport(result, configured_strategy=run.strategy, notes=[*run.notes, *measured_note],
-                        profile=profile)
+    backends = backends_option(options, workload)  # checked before the machine is measured
+    cluster, profile, measured_note = measured_machine(options, run, workload, backends)
+    result, by_backend, backend_notes = search_backends(options, cluster, workload, backends, profile)
+    report = PlanReport(result, configured_strategy=run.strategy, notes=[*run.notes, *measured_note, *backend_notes],
+                        profile=profile, backend_results=by_backend)
     cluster = result.cluster
     if run.processes is not None and run.processes != cluster.world_size:
         report.notes.append(
@@ -643,7 +766,7 @@ def print_report(report: PlanReport) -> None:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     number = candidates.index(result.best) + 1
     print(f"fit flags that run #{number} (append them to a fit command of this training config):")
-    print(shlex.join(fit_flags(result.best, result.cluster)))
+    print(shlex.join(fit_flags(result.best, result.cluster, report.chosen_backend)))
 
 
 def _call_cell(plan: PlacementPlan, call: str) -> str:
@@ -671,9 +794,30 @@ def summary_lines(report: PlanReport, candidates: list[Candidate]) -> list[str]:
         if configured.estimate.efficiency:
             lines.append(f"efficiency of #{candidates.index(configured) + 1}: "
                          f"{efficiency_text(configured.estimate.efficiency)}.")
+    if report.backend_results:
+        lines.append(backend_line(report))
     lines += [f"rule: {rule}" for rule in report.result.rules]
     lines += [f"note: {note}" for note in report.notes]
     return lines
+
+
+def backend_line(report: PlanReport) -> str:
+    """``backend: vllm, the fastest of eager (0.412 s/iteration at its best plan, flattening) and vllm (0.300
+    s/iteration at its best plan, flattening; 20.0 ms of it the weight sync to the engines) (...)``: the choice among
+    ``--backends``.
+
+    Args:
+        report: A report of ``plan --backends``.
+    """
+    priced = []
+    for name, result in report.backend_results.items():
+        sync = result.best.estimate.call_s.get("weight_sync")
+        priced.append(f"{name} ({_seconds_per_iteration(result.best.iteration_s)} s/iteration at its best plan, "
+                      f"{result.best.plan.name}" + (f"; {sync * 1e3:.1f} ms of it the weight sync to the engines"
+                                                    if sync is not None else "") + ")")
+    chosen = (f"the one --backends lists: {priced[0]}" if len(priced) == 1
+              else "the fastest of " + ", ".join(priced[:-1]) + " and " + priced[-1])
+    return f"backend: {report.chosen_backend}, {chosen} (--model.generation.backend in the fit flags)."
 
 
 def efficiency_text(efficiency: dict[str, dict[str, float]]) -> str:

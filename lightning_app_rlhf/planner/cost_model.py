@@ -12,6 +12,11 @@ Read top to bottom:
    plan's two sides meet only where a task waits for another (the rollout's handoff, the published weights), and
    CPU processes that outnumber the cores share them.
 
+``actor.generate`` is priced as the workload's ``generation.backend`` runs it: on vLLM (``vllm``) from the points the
+profile measured on its engine, all of a rank's rows at once, after the sync of the new weights to the engine once
+per iteration, with the engine's copy of the weights and its KV cache in memory; any other backend from the points
+measured with ``eager``.
+
 Everything iterates over the workload's roles and calls (the role table's, less the critic's for a critic-free
 algorithm), and every batch is the rollout's ``samples`` (prompts x ``num_samples``).
 """
@@ -19,11 +24,13 @@ algorithm), and every batch is the rollout's ``samples`` (prompts x ``num_sample
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
+from lightning_app_rlhf.generation.vllm import CPU_KV_CACHE_GIB, GPU_MEMORY_UTILIZATION
 from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.parallel.tensor_parallel import check_tensor_parallel
@@ -36,7 +43,7 @@ from lightning_app_rlhf.planner.gpu_efficiency import (
     forward_mfu,
     training_mfu,
 )
-from lightning_app_rlhf.planner.profiler import Profile, wrapper_op
+from lightning_app_rlhf.planner.profiler import VLLM, VLLM_SYNC, Profile, generation_op, wrapper_op
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
 REALLOCATION_BUCKET_BYTES = REALLOCATION_BUCKET_NUMEL * 4
@@ -62,6 +69,13 @@ steady state between the 2nd and the last (:func:`steady_iterations`)."""
 TP_ALL_REDUCES_PER_LAYER = 2
 """Megatron-style tensor parallelism all-reduces the activations twice per transformer layer in a forward (after
 the attention and after the MLP), and twice more in the backward."""
+SYNC_TASK = ACTOR.call("generate") + ":sync"
+"""The task of a generating rank sending the actor's new weights to its vLLM engine, once per iteration before its
+first generate call (the engine logs it within ``time/generate_s``)."""
+SYNC_COPIES = 4
+"""Copies of the actor's weights one sync to a vLLM engine makes, at memory bandwidth, where the profile did not
+measure it: to bytes for the RPC, its message to the engine's process, the engine's tensors from the bytes, and its
+in-place load (``VllmEngine.load_weights``)."""
 
 
 @dataclass(frozen=True)
@@ -176,17 +190,22 @@ class Estimate:
     samples_per_s: float
     """Sequences (prompts x ``num_samples``) per second, as the engine's ``perf/samples_per_sec`` counts them."""
     call_s: dict[str, float]
-    """Seconds of each call on its slowest rank, alone (no contention), plus ``reallocate`` and ``gather``."""
+    """Seconds of each call on its slowest rank, alone (no contention), plus ``reallocate`` and ``gather``; on vLLM
+    ``weight_sync``, the sync of the new weights to each generating rank's engine (once per iteration)."""
     memory: list[RankMemory]
     capacity_bytes: int
     """Usable memory of one device."""
     rejected: str | None = None
-    """Why the plan cannot run (None: it fits)."""
+    """Why the plan cannot run (None: it fits): out of memory, or a generation backend that cannot run its
+    ``actor.generate`` (:meth:`CostModel.backend_refusal`)."""
     timeline: list[tuple[str, tuple[int, ...], float, float]] = field(default_factory=list)
     """(task, ranks, start, end) of one steady-state iteration."""
     efficiency: dict[str, dict[str, float]] = field(default_factory=dict)
     """GPU clusters: each model call's predicted efficiencies (:meth:`CostModel.efficiencies`); filled for the plans
     a search reports, empty elsewhere."""
+    refused: bool = False
+    """Whether its generation backend cannot run it (:meth:`CostModel.backend_refusal`, the reason in ``rejected``):
+    unlike a plan out of memory, no smaller batch makes it run."""
 
     @property
     def fits(self) -> bool:
@@ -223,6 +242,8 @@ class CostModel:
         usable = 1.0 if cluster.cores_per_node is not None else GPU_USABLE_MEMORY
         self.capacity = int(cluster.device.memory_bytes * usable)
         self._role_bytes: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}
+        self.vllm = workload.generation_backend == VLLM
+        """Whether ``actor.generate`` runs on a vLLM engine per generating rank."""
 
     # ---- memory
 
@@ -315,7 +336,24 @@ class CostModel:
                     if role_of(call) == role and not call.endswith(".train") and rank in plan.ranks(call):
                         row.weights += whole // plan.tp_degree(call)
                         row.roles[role] += f" +tp{plan.tp_degree(call)} copy"
+        if self.vllm:
+            weights, kv_cache = self.engine_bytes()
+            for rank in plan.ranks(ACTOR.call("generate")):
+                rows[rank].weights += weights
+                rows[rank].kv_cache += kv_cache
+                rows[rank].roles[ACTOR.name] += " +vllm engine"
         return rows
+
+    def engine_bytes(self) -> tuple[int, int]:
+        """``(weights, KV cache)`` bytes of the vLLM engine of a generating rank: its own whole copy of the actor (a
+        LoRA actor's adapters merged in) and the KV cache it reserves: ``VLLM_CPU_KVCACHE_SPACE`` GiB on CPU processes
+        (:data:`~lightning_app_rlhf.generation.vllm.CPU_KV_CACHE_GIB` unless set), on a GPU the rest of the
+        :data:`~lightning_app_rlhf.generation.vllm.GPU_MEMORY_UTILIZATION` share of its memory the engine takes (the
+        backend's default; a run's ``generation.vllm_engine_args`` may set another)."""
+        weights = self.workload.actor.param_bytes
+        if self.cluster.cores_per_node is not None:
+            return weights, int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)) * 2**30)
+        return weights, max(int(GPU_MEMORY_UTILIZATION * self.cluster.device.memory_bytes) - weights, 0)
 
     def role_bytes(self, role: str, wrapper: str, group_size: int, group_rank: int) -> tuple[int, int, int]:
         """``(weights, gradients, optimizer)`` bytes of ``role`` on the rank ``group_rank`` of a group of
@@ -392,6 +430,8 @@ class CostModel:
         n = len(plan.ranks(call)) // (t * p)  # data-parallel replicas: each shards the batch, t x p ranks per replica
         s, db = w.sequence_length, shape.dtype_bytes
         gathered = 2 * shape.param_bytes // shape.layers if self._sharded_call(plan, call) else 0
+        if call == ACTOR.call("generate") and self.vllm:  # the engine decodes: the rank holds the weights' message
+            return shape.param_bytes, 0
         if call == ACTOR.call("generate"):
             if self.unshards_once(plan):  # the whole weights, gathered once for the rollout (less the own shard)
                 gathered = w.held_params(ACTOR.name) * db - self.role_bytes(ACTOR.name, plan.wrappers[ACTOR.name],
@@ -504,13 +544,15 @@ class CostModel:
         forward of ``batch`` prompts of ``length`` tokens as generation runs it (last position's logits). ``decode``: one
         step of ``batch`` sequences with ``length`` tokens of context. ``optimizer``: ``batch`` is the parameter count.
         ``tp`` and ``pp``: the call's tensor- and pipeline-parallel degrees, which set the GPU efficiencies (a caller
-        divides the time by ``tp x pp`` itself). A measured profile's time wins where it has the op.
+        divides the time by ``tp x pp`` itself). A measured profile's time wins where it has the op; vLLM's
+        ``vllm_prefill`` and ``vllm_decode`` (:func:`~lightning_app_rlhf.planner.profiler.generation_op`) are else
+        priced as the ``prefill`` and ``decode`` they are.
         """
         if self.profile is not None:
             measured = self.profile.time(shape, op, batch, length)
             if measured is not None:
                 return measured
-        return self.analytic_time(shape, op, batch, length, tp, pp)
+        return self.analytic_time(shape, op.removeprefix(f"{VLLM}_"), batch, length, tp, pp)
 
     def analytic_time(self, shape: RoleShape, op: str, batch: int, length: int, tp: int = 1, pp: int = 1) -> float:
         """FLOPs against the compute ceiling, bytes against the bandwidth ceiling: on a GPU cluster at datasheet peaks
@@ -778,7 +820,8 @@ class CostModel:
         chunked and placed as :meth:`generate_time` does."""
         w, call = self.workload, ACTOR.call("generate")
         t, p = choice.plan.tp_degree(call), choice.plan.pp_degree(call)
-        g = min(choice.generation_batch or local, local)
+        g = self.generation_rows(choice, local)
+        decode = generation_op(w.generation_backend, "decode")
         moved, seconds = 0.0, 0.0
         for start in range(0, local, g):
             b = min(g, local - start)
@@ -786,7 +829,7 @@ class CostModel:
                 context = w.turn_context(turn) + (w.generation_length + 1) // 2
                 steps = w.generation_length - 1
                 moved += steps * (shape.param_bytes + shape.kv_bytes_per_token * context * b) / t
-                seconds += steps * (self.op_time(shape, "decode", b, context, tp=t, pp=p) / t
+                seconds += steps * (self.op_time(shape, decode, b, context, tp=t, pp=p) / t
                                     + self.tp_pass_s(choice.plan, call, shape, b))
         middle = w.turn_context(0) + (w.generation_length + 1) // 2
         return {
@@ -851,7 +894,9 @@ class CostModel:
         in chunks of the generation batch: per turn, the prefill of the turn's whole context
         (:meth:`~lightning_app_rlhf.planner.workload.Workload.turn_context`; no KV cache is kept across turns) and
         ``generation_length - 1`` decode steps at its middle context; then the environment's Python time per episode
-        and turn (``environment_s_per_turn``). Single-turn: one prefill of the prompt, and no environment.
+        and turn (``environment_s_per_turn``). Single-turn: one prefill of the prompt, and no environment. The ops
+        are the workload's backend's (:func:`~lightning_app_rlhf.planner.profiler.generation_op`), over
+        :meth:`generation_rows` rows at a time.
 
         Args:
             choice: The plan and its generation batch.
@@ -860,21 +905,65 @@ class CostModel:
             tp_pass_s: ``(tokens) -> seconds`` of the call's tensor-parallel communication (:meth:`tp_pass_s`).
         """
         w, t = self.workload, choice.plan.tp_degree(ACTOR.call("generate"))
-        g = min(choice.generation_batch or local, local)
+        g = self.generation_rows(choice, local)
+        prefill, decode = (generation_op(w.generation_backend, op) for op in ("prefill", "decode"))
         compute, forwards, tp_comm = 0.0, 0, 0.0
         for start in range(0, local, g):
             b = min(g, local - start)
             for turn in range(w.turns):
                 context = w.turn_context(turn)
                 mid_context = context + (w.generation_length + 1) // 2
-                compute += op_time("prefill", b, context) / t
-                compute += (w.generation_length - 1) * op_time("decode", b, mid_context) / t
+                compute += op_time(prefill, b, context) / t
+                compute += (w.generation_length - 1) * op_time(decode, b, mid_context) / t
                 tp_comm += tp_pass_s(b * context)
                 tp_comm += (w.generation_length - 1) * tp_pass_s(b)
                 forwards += w.generation_length
         if w.environment_s_per_turn:  # each episode's environment steps after each of its turns
             compute += local * w.turns * w.environment_s_per_turn
         return compute, tp_comm, forwards
+
+    def generation_rows(self, choice: PlanChoice, local: int) -> int:
+        """Rows a generating rank decodes together, of its ``local`` samples: all of them on vLLM, whose engine
+        schedules every request of the call itself (``generation.batch_size`` does not chunk them); else the
+        choice's generation batch (None: all of them).
+
+        Args:
+            choice: The plan and its generation batch.
+            local: Samples the rank generates.
+        """
+        return local if self.vllm else min(choice.generation_batch or local, local)
+
+    def weight_sync_s(self) -> float:
+        """Seconds a generating rank spends sending the actor's new weights to its vLLM engine (0 for the other
+        backends): the profile's measured :data:`~lightning_app_rlhf.planner.profiler.VLLM_SYNC` for the actor's
+        parameters, else :data:`SYNC_COPIES` copies of its weights at memory bandwidth."""
+        if not self.vllm:
+            return 0.0
+        shape = self.workload.actor
+        measured = self.profile.time(shape, VLLM_SYNC, shape.params, 0) if self.profile is not None else None
+        if measured is not None:
+            return measured
+        return SYNC_COPIES * shape.param_bytes / (self.device.memory_bandwidth * BANDWIDTH_EFFICIENCY)
+
+    def backend_refusal(self, plan: PlacementPlan) -> str | None:
+        """Why the workload's generation backend cannot run ``plan``'s ``actor.generate`` (None: it can). A vLLM
+        engine takes the actor's whole weights on each generating rank, so it refuses a tensor-parallel generate call
+        and an actor sharded (FSDP2, ZeRO-3) over the ranks it generates on: it generates on DDP or ZeRO-1/2 train
+        ranks, or on shadow copies.
+
+        Args:
+            plan: The placement.
+        """
+        if not self.vllm:
+            return None
+        generate = ACTOR.call("generate")
+        if plan.tp_degree(generate) > 1:
+            return ("generation.backend vllm runs a whole copy of the actor per generating rank, not a "
+                    f"tensor-parallel one (actor.generate tp{plan.tp_degree(generate)})")
+        if self._sharded_call(plan, generate):
+            return (f"generation.backend vllm takes the actor's whole weights, and this plan generates on the ranks "
+                    f"that shard it ({plan.wrappers[ACTOR.name]})")
+        return None
 
     def _train_time(
         self, choice: PlanChoice, call: str, shape: RoleShape, ranks: tuple[int, ...]
@@ -1060,14 +1149,20 @@ class CostModel:
         traced runs) with the workload's generation rounds, each priced by :meth:`step_tasks` and named ``...#i`` in
         iteration ``i``. A free-running plan's two sides meet only through dependencies (:attr:`Task.after`): the
         training side's receipt of rollout ``i`` waits for its send, and the generation side's take at iteration
-        ``i`` for the publishing of version ``i - k`` (by training iteration ``i - k - 1``)."""
+        ``i`` for the publishing of version ``i - k`` (by training iteration ``i - k - 1``). On vLLM each iteration's
+        first ``actor.generate`` is preceded by the sync of the new weights to the engines (:data:`SYNC_TASK`,
+        :meth:`weight_sync_s`): once per iteration, whatever its generation rounds or turns."""
         plan = choice.plan
         self.check_plan(plan)
         priced: dict[Step, list[Task]] = {}  # a step costs the same in every iteration: price it once
         tasks: list[Task] = []
         named: dict[tuple[int, str], list[str]] = {}  # (iteration, step kind) -> its tasks' names, for dependencies
         for i in range(unrolled_iterations(plan)):
+            synced = not self.vllm  # a vLLM engine takes the new weights before the iteration's first generate call
             for step in iteration_steps(plan, first=i == 0, rounds=self.workload.generation_rounds):
+                if not synced and step.kind == "call" and step.name == ACTOR.call("generate"):
+                    tasks.append(Task(f"{SYNC_TASK}#{i}", step.ranks, self.weight_sync_s()))
+                    synced = True
                 if step not in priced:
                     priced[step] = self.step_tasks(choice, step)
                 if step.kind == "receive":
@@ -1147,7 +1242,10 @@ class CostModel:
             compute, comm = self.call_time(choice, name)
             call_s[name] = compute + comm
         call_s["reallocate"] = sum(self.reallocate_time(choice.plan, r)[1] for r in self.workload.trainable)
-        rejected = self.check_memory(rows)
+        if self.vllm:
+            call_s["weight_sync"] = self.weight_sync_s()
+        refusal = self.backend_refusal(choice.plan)
+        rejected = refusal or self.check_memory(rows)
         tasks = self.tasks(choice)
         spans = simulate(tasks, self.cluster)
         iteration = [int(t.name.rsplit("#", 1)[1]) for t in tasks]
@@ -1159,9 +1257,8 @@ class CostModel:
             for t, k, (s, e) in zip(tasks, iteration, spans)
             if k == last
         ]
-        return Estimate(
-            choice, steady, self.workload.samples / steady, call_s, rows, self.capacity, rejected, timeline
-        )
+        return Estimate(choice, steady, self.workload.samples / steady, call_s, rows, self.capacity, rejected, timeline,
+                        refused=refusal is not None)
 
 
 ENGINE_OPS = "engine"

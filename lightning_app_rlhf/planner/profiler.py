@@ -4,8 +4,9 @@ The profiler runs the engine's own functions (``generation.generate``, ``calls.r
 ``critic_forward`` / ``reward_forward``, the algorithm's train loss (``Algorithm.loss``) with backward, an AdamW
 step) on random-init models of the shapes of the workload's roles (no critic for a critic-free workload), over a
 small grid of batch x length, plus the device's matmul and copy ceilings and the collective bandwidth of the running
-process group. A :class:`Profile` answers the cost model's op times;
-shapes or ops it lacks fall back to the analytic model.
+process group. A workload generating on vLLM (``generation.backend: vllm``) also gets the actor's generation measured
+on a vLLM engine and the sync of its weights to the engine (:func:`measure_vllm_generation`). A :class:`Profile`
+answers the cost model's op times; shapes or ops it lacks fall back to the analytic model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.core.files import write_atomically
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
+from lightning_app_rlhf.generation.vllm import CPU_KV_CACHE_GIB, VllmBackend
 from lightning_app_rlhf.parallel.wrappers import available_wrappers
 from lightning_app_rlhf.planner.cluster import (
     DEVICE_TYPES,
@@ -48,6 +50,32 @@ if TYPE_CHECKING:
 DEFAULT_CACHE = Path(
     os.environ.get("LIGHTNING_APP_RLHF_CACHE", Path.home() / ".cache" / "lightning_app_rlhf")
 )
+VLLM = VllmBackend.name
+"""The generation backend whose ``actor.generate`` the profiler measures on its own engine (:data:`VLLM_OPS`)."""
+VLLM_OPS = ("vllm_prefill", "vllm_decode")
+"""The profile's ops of a generate call on a vLLM engine, points ``[batch, length, seconds]`` as ``prefill`` and
+``decode``: the first token of ``batch`` prompts of ``length`` tokens (a whole call of one token: the engine's prefill,
+its scheduling and its RPC), and one decode step of ``batch`` rows at ``length`` tokens of context."""
+VLLM_SYNC = "vllm_sync"
+"""The profile's op of sending the actor's weights to its vLLM engine (``VllmEngine.load_weights`` with a new policy
+version), a point ``[parameters, 0, seconds]``: proportional to the parameters sent."""
+VLLM_REPEATS = 5
+"""Timed repeats of each vLLM point at most (after a warm-up): the fastest of a few wall times of an engine in its own
+process, which another job on the machine slows down by up to 2x on this project's 2 cores."""
+VLLM_PROFILE_FORMAT = 1
+"""Bumped when :func:`measure_vllm_generation` measures otherwise, so that cached vLLM points are measured again."""
+
+
+def generation_op(backend: str, op: str) -> str:
+    """The profile's op of ``backend``'s ``prefill`` or ``decode``: vLLM's own (:data:`VLLM_OPS`), measured on its
+    engine; for the backends that decode in the rank's process with this package's loops (``eager``, ``static``,
+    ``continuous``, one of your own) the plain op, measured with ``eager``.
+
+    Args:
+        backend: A ``generation.backend`` name.
+        op: ``prefill`` or ``decode``.
+    """
+    return f"{VLLM}_{op}" if backend == VLLM else op
 
 
 class ProfileFileError(ValueError):
@@ -78,14 +106,16 @@ class Profile:
     ops: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     """Shape key -> op (``forward``, ``train``, ``decode``, ``prefill``, ``optimizer``) -> ``[batch, length, seconds]``
     points; a wrapper's ``{wrapper}_step`` and ``{wrapper}_forward`` points are ``[group size, 1, seconds]``
-    (:func:`measure_wrapper_steps`)."""
+    (:func:`measure_wrapper_steps`); a causal LM generating on vLLM has :data:`VLLM_OPS` points too, and
+    :data:`VLLM_SYNC` ``[parameters, 0, seconds]``."""
 
     def time(self, shape: RoleShape, op: str, batch: int, length: int) -> float | None:
-        """Seconds of ``op`` interpolated (bilinear in batch x length, linear beyond the grid); None if unmeasured."""
+        """Seconds of ``op`` interpolated (bilinear in batch x length, linear beyond the grid); None if unmeasured.
+        ``optimizer`` and :data:`VLLM_SYNC` take the parameters as ``batch``."""
         points = self.ops.get(shape.key, {}).get(op)
         if not points:
             return None
-        if op == "optimizer":  # proportional to the parameters updated
+        if op in ("optimizer", VLLM_SYNC):  # proportional to the parameters updated, or sent
             params, _, seconds = points[0]
             return seconds * batch / params
         return interpolate(points, batch, length)
@@ -548,9 +578,12 @@ def profile_workload(
     statistic: str = "min",
     device: DeviceType | None = None,
     fields: Sequence[Mapping[str, Any]] | None = None,
+    generation_backends: Sequence[str] | None = None,
+    vllm_engine_args: Mapping[str, Any] | None = None,
 ) -> Profile:
     """Measure the shape of every role of ``workload`` (cached per hardware and shape; a critic-free workload has no
-    critic to measure) and this device's ceilings.
+    critic to measure) and this device's ceilings; with ``vllm`` among the generation backends, the actor's
+    generation on a vLLM engine too (:func:`profile_vllm`: one engine start, cached).
 
     Args:
         workload: Its shapes must carry their Hugging Face ``config`` (from :func:`role_shape`).
@@ -567,6 +600,9 @@ def profile_workload(
             machine, with ``threads=1``).
         device: This device's ceilings, already measured (e.g. with :func:`measure_collectives`); None: measure
             them here.
+        generation_backends: The ``generation.backend`` names whose ``actor.generate`` the cost model will price
+            (:func:`generation_op`); None: the workload's own.
+        vllm_engine_args: ``generation.vllm_engine_args``, the options the run starts its vLLM engines with.
     """
     if statistic not in STATISTIC:
         raise ValueError(f"statistic={statistic!r}: choose one of {sorted(STATISTIC)}.")
@@ -596,6 +632,8 @@ def profile_workload(
         with _threads(threads):
             per_sample = measure_reward_fn(reward_fn, tokenizer, workload, prompts, statistic, fields)
         profile.ops["reward_fn"] = {"sample": [[1, 1, per_sample]]}
+    if VLLM in (generation_backends if generation_backends is not None else (workload.generation_backend,)):
+        profile = profile.merge(profile_vllm(workload, batches, repeats, cache_dir, vllm_engine_args))
     return profile
 
 
@@ -684,6 +722,8 @@ def profile_machine(
     prompts: list[str] | None = None,
     fields: Sequence[Mapping[str, Any]] | None = None,
     cache_dir: Path | None = DEFAULT_CACHE,
+    generation_backends: Sequence[str] | None = None,
+    vllm_engine_args: Mapping[str, Any] | None = None,
 ) -> tuple[Profile, Cluster]:
     """Everything the cost model needs of this machine to price a job of ``world_size`` CPU processes on it: what
     ``plan`` measures before it searches, and ``benchmarks/planner_calibration.py`` before it decides.
@@ -694,7 +734,9 @@ def profile_machine(
       processes (:func:`measure_wrapper_steps`; cached per workload, group sizes and wrappers);
     - the gloo collectives of ``world_size`` fresh processes (:func:`measure_collectives_in_processes`);
     - the share of a core each of 1..``world_size`` busy processes gets now
-      (:func:`~lightning_app_rlhf.planner.cluster.measure_settled_compute_shares`, with :func:`model_work`).
+      (:func:`~lightning_app_rlhf.planner.cluster.measure_settled_compute_shares`, with :func:`model_work`);
+    - with ``vllm`` among ``generation_backends``, the actor's generation on a vLLM engine and the sync of its weights
+      (:func:`profile_vllm`: wall times; cached per shape and engine options).
 
     Args:
         workload: Its shapes must carry their Hugging Face ``config``; its ``wrappers`` are measured.
@@ -704,13 +746,16 @@ def profile_machine(
         prompts: Real prompts for ``reward_fn``.
         fields: Each prompt's row fields, which ``reward_fn`` receives by name.
         cache_dir: Where the op and wrapper measurements are cached; None: measure everything now.
+        generation_backends: The generation backends the cost model will price (None: the workload's own).
+        vllm_engine_args: ``generation.vllm_engine_args`` of the run, for its vLLM engine.
 
     Returns:
         The profile (ops and the measured device) and the cluster of ``world_size`` processes on this machine with
         its measured compute shares.
     """
     profile = profile_workload(workload, batches=(1, 4, 16, 32), repeats=7, statistic="cpu", cache_dir=cache_dir,
-                               reward_fn=reward_fn, tokenizer=tokenizer, prompts=prompts, fields=fields)
+                               reward_fn=reward_fn, tokenizer=tokenizer, prompts=prompts, fields=fields,
+                               generation_backends=generation_backends, vllm_engine_args=vllm_engine_args)
     wrappers = tuple(w for w in available_wrappers() if w in workload.wrappers)
     # LoRA: the cost model prices the adapters' small updates analytically (CostModel._measured_wrapper), so the full
     # models' wrapper costs are not measured.
@@ -886,6 +931,112 @@ def _measure_generation(model: torch.nn.Module, vocab: int, batch: int, prompt_l
 
     prefill = _best_of(prefill_of, repeats, statistic)
     return [batch, p, prefill], [batch, p + (g + 1) // 2, max(gen - prefill, 0.0) / max(g - 1, 1)]
+
+
+def measure_vllm_generation(shape: RoleShape, workload: Workload, batches: tuple[int, ...], repeats: int,
+                            engine_args: Mapping[str, Any] | None = None) -> dict[str, list[list[float]]]:
+    """:data:`VLLM_OPS` and :data:`VLLM_SYNC` of a causal LM of ``shape`` on one vLLM engine, as the ``vllm`` backend
+    runs it (:class:`~lightning_app_rlhf.generation.vllm.VllmBackend`: one request per row, every row of the call at
+    once): per batch of ``batches``, the prefill point (a call of one token on the workload's prompts) and the decode
+    step ``(generate - prefill) / (tokens - 1)`` at the mid context, as :func:`_measure_generation`; then the sync of
+    the weights to the engine.
+
+    Wall times, the fastest of ``min(repeats, VLLM_REPEATS)`` after a warm-up: the engine computes in its own process,
+    which this process's CPU time does not see, and its processes poll while they wait (a quarter of a core while
+    idle, measured here), so their CPU time is no measure of the work either. Every call takes new random prompts, so
+    vLLM's prefix cache reuses nothing (the rollout's prompts are new each iteration). The engine starts once, outside
+    every timed region (30-100 s on this project's 2 cores), and is stopped at the end.
+
+    Args:
+        shape: The actor's shape, with its Hugging Face ``config``.
+        workload: Its prompt and generation lengths.
+        batches: Rows per call.
+        repeats: Timed repeats per point (at most :data:`VLLM_REPEATS`).
+        engine_args: ``generation.vllm_engine_args``: the engine's options, as the run starts it.
+    """
+    import torch
+
+    from lightning_app_rlhf.core.config import GenerationConfig
+    from lightning_app_rlhf.generation import DecodeRequest, stop_condition
+
+    model = _shape_model(shape)
+    p, g = workload.prompt_length, workload.generation_length
+    config = GenerationConfig(max_new_tokens=g, backend=VLLM, vllm_engine_args=dict(engine_args or {}))
+    repeats = min(repeats, VLLM_REPEATS)
+    backend = VllmBackend()  # an engine of its own, stopped below: never one the registered backend serves a run with
+
+    def call(batch: int, tokens: int) -> Any:
+        request = DecodeRequest(torch.randint(3, shape.vocab, (batch, p)), left_padded_mask(batch, p, p),
+                                replace(config, max_new_tokens=tokens), torch.arange(batch), stop_condition(config, -1),
+                                0, weights_version=0)
+        return backend.decode(model, request)
+
+    ops: dict[str, list[list[float]]] = {op: [] for op in VLLM_OPS}
+    try:
+        # Started and given its weights (version 0) outside the timed calls.
+        call(1, 1)
+        for b in batches:
+            # No stop id: a row stops at g tokens, unless vLLM ends it earlier (then its steps are counted).
+            steps = int(call(b, g).response_mask.sum(1).max())
+            generated = _best_of(lambda b=b: call(b, g), repeats)
+            prefill = _best_of(lambda b=b: call(b, 1), repeats)
+            ops["vllm_prefill"].append([b, p, prefill])
+            ops["vllm_decode"].append([b, p + (steps + 1) // 2, max(generated - prefill, 0.0) / max(steps - 1, 1)])
+        engine, versions = backend.engines[model], iter(range(1, repeats + 2))
+        sync = _best_of(lambda: engine.load_weights(model, next(versions)), repeats)
+    finally:
+        backend.close()
+    # A second point along the length, so both interpolate along it too (as measure_shape's).
+    ops["vllm_decode"] += [[b, 2 * n, t] for b, n, t in ops["vllm_decode"]]
+    ops["vllm_prefill"] += [[b, 2 * n, 2 * t] for b, n, t in ops["vllm_prefill"]]
+    return {**ops, VLLM_SYNC: [[shape.params, 0, sync]]}
+
+
+def vllm_cache_path(shape: RoleShape, workload: Workload, batches: tuple[int, ...],
+                    engine_args: Mapping[str, Any] | None, cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Where :func:`measure_vllm_generation`'s points of ``shape`` are cached: per hardware, installed vLLM, shape,
+    lengths, batches, engine options and CPU KV cache size.
+
+    Args:
+        shape: The actor's shape.
+        workload: Its prompt and generation lengths.
+        batches: Rows per call.
+        engine_args: ``generation.vllm_engine_args``.
+        cache_dir: The profile cache.
+    """
+    import importlib.metadata
+
+    installed = [f"{name} {importlib.metadata.version(name)}"
+                 for name in importlib.metadata.packages_distributions().get("vllm", [])]
+    digest = hashlib.sha1(
+        f"v{VLLM_PROFILE_FORMAT}|{','.join(installed)}|{hardware_key()}|{shape.key}|{workload.prompt_length}|"
+        f"{workload.generation_length}|{batches}|{json.dumps(engine_args or {}, sort_keys=True, default=str)}|"
+        f"{os.environ.get('VLLM_CPU_KVCACHE_SPACE', CPU_KV_CACHE_GIB)}".encode()
+    ).hexdigest()[:16]
+    return cache_dir / "profiles" / f"vllm-{shape.key}-{digest}.json"
+
+
+def profile_vllm(workload: Workload, batches: tuple[int, ...], repeats: int, cache_dir: Path | None,
+                 engine_args: Mapping[str, Any] | None = None) -> Profile:
+    """The actor's :func:`measure_vllm_generation` points, read from the cache where measured before.
+
+    Args:
+        workload: Its actor must carry its Hugging Face ``config``.
+        batches: Rows per call.
+        repeats: Timed repeats per point.
+        cache_dir: Where profiles are cached; None disables the cache.
+        engine_args: ``generation.vllm_engine_args``.
+    """
+    shape = workload.actor
+    path = vllm_cache_path(shape, workload, batches, engine_args, cache_dir) if cache_dir is not None else None
+    cached = _load_cached(path) if path is not None and path.exists() else None
+    if cached is not None:
+        return cached
+    measured = Profile(hardware_key(), None,
+                       {shape.key: measure_vllm_generation(shape, workload, batches, repeats, engine_args)})
+    if path is not None:
+        measured.save(path)
+    return measured
 
 
 def _measure_optimizer_step(model: torch.nn.Module, repeats: int, statistic: str) -> float:

@@ -506,9 +506,12 @@ def with_tp(model: CostModel, candidates: list[Candidate], keep: int = 8) -> lis
 
 
 def _penalised(e: Estimate) -> float:
-    """Seconds per iteration, times ``1 + OVERFLOW_PENALTY x`` the fraction a plan overflows memory by."""
+    """Seconds per iteration, times ``1 + OVERFLOW_PENALTY x`` the fraction a plan overflows memory by; infinite for a
+    plan its generation backend cannot run (no amount of memory would help)."""
     if e.fits:
         return e.iteration_s
+    if e.refused:
+        return math.inf
     return e.iteration_s * (1 + OVERFLOW_PENALTY * (e.peak_bytes / e.capacity_bytes - 1))
 
 

@@ -21,6 +21,7 @@ from lightning_app_rlhf.core.role_table import (
     TRAINABLE_ROLES,
     calls_of,
 )
+from lightning_app_rlhf.generation import get_backend
 from lightning_app_rlhf.parallel.wrappers import available_wrappers, wrapper_class
 
 ROLE_KINDS = ("causal_lm", "value", "classifier")
@@ -386,6 +387,10 @@ class Workload:
     recompute_old_logprobs: bool = False
     """``ppo.recompute_old_logprobs``: the actor's train call first runs one forward (no gradients) over its share of
     the whole rollout, and sums the log-probabilities over its group."""
+    generation_backend: str = "eager"
+    """``generation.backend``: the decoder ``actor.generate`` runs, a registered name. ``vllm`` is priced from its own
+    measured points and pays the sync of the actor's weights to its engine once per iteration (docs/planner.md,
+    "Generation on vLLM"); the others are priced from the points measured with ``eager``."""
     generation_rounds: int = 1
     """Generation rounds per update: with dynamic sampling (``ppo.dynamic_sampling``) an update generates and scores
     a batch of prompts this many times on average (a run logs it as ``train/generation_rounds``) before it trains
@@ -440,6 +445,7 @@ class Workload:
             raise ValueError(f"Workload max_episode_tokens must be >= 1 (or None), got {self.max_episode_tokens}.")
         if self.optimizer_slots < 0:
             raise ValueError(f"optimizer_slots must be >= 0, got {self.optimizer_slots}.")
+        get_backend(self.generation_backend)  # unknown: the registered names, and how to register another
 
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1 (or None for full fine-tuning), got {self.lora_rank}.")
@@ -626,6 +632,7 @@ def workload_from_module(
         ppo_epochs=module.ppo.ppo_epochs,
         num_minibatches=module.ppo.num_minibatches,
         recompute_old_logprobs=module.ppo.recompute_old_logprobs,
+        generation_backend=module.generation.backend,
         num_samples=module.generation.num_samples,
         algorithm=module.algorithm.name,
         optimizer_bytes_per_param=float(optimizer_slots * actor.dtype_bytes),
