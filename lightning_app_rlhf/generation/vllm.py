@@ -100,6 +100,21 @@ def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, (tensor.detach() if delta is None else tensor.detach() + delta.to(tensor.dtype))
 
 
+def engine_config(config: Any, architecture: str) -> Any:
+    """A copy of the model's transformers config for the engine: named by the model's class (a config built for a
+    random-init model names none, and vLLM would then resolve the bare backbone, e.g. LlamaModel), without a GGUF
+    quantization mark (transformers dequantizes a GGUF file at load: the weights sent are the model's float ones,
+    and vLLM refuses ``quantization: gguf`` without the file)."""
+    config = copy.copy(config)
+    config.architectures = [architecture]
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
+                                                                                              "quant_method", None)
+    if str(method).lower().endswith("gguf"):
+        del config.quantization_config
+    return config
+
+
 def _as_message(weights: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
     """The weights as plain bytes for vLLM's RPC to the engine core (it serialises tensors only in some layouts):
     ``(name, dtype, shape, raw bytes)`` per tensor, any dtype (bfloat16 too)."""
@@ -142,9 +157,7 @@ class VllmEngine:
         self._directory = tempfile.TemporaryDirectory(prefix="rlhf-vllm-")
         # The architecture only (the weights are sent after start), named by the model's class: a config built for
         # a random-init model names none, and vLLM would then resolve the bare backbone (LlamaModel).
-        hf_config = copy.copy(hf_config)
-        hf_config.architectures = [type(base).__name__]
-        hf_config.save_pretrained(self._directory.name)
+        engine_config(hf_config, type(base).__name__).save_pretrained(self._directory.name)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         # The engine core in a child process, never in this one (see the module's docstring).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
