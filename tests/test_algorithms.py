@@ -697,7 +697,7 @@ def test_tis_weights_multiply_each_tokens_surrogate():
 
 def test_rollout_is_needs_the_trainers_logprobs_and_a_threshold_above_one():
     with pytest.raises(ValueError, match="set ppo.recompute_old_logprobs: true"):
-        PPOConfig(rollout_is="tis")
+        PPOConfig(rollout_is="tis", recompute_old_logprobs=False)
     with pytest.raises(ValueError, match="rollout_is_threshold must be > 1"):
         PPOConfig(recompute_old_logprobs=True, rollout_is="mis", rollout_is_threshold=1.0)
     assert algorithm("grpo", num_samples=2, recompute_old_logprobs=True).stat_names("actor")[-5:] == \

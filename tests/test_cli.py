@@ -83,5 +83,5 @@ def test_unknown_generation_backend_is_refused_with_the_registered_names(monkeyp
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(ROOT / "examples/configs/demo_cpu.yaml"), "--model.generation.backend", "statik"])
     assert exit_info.value.code == 2
-    assert re.search(r"^error: generation.backend must be one of \['eager', 'static', 'continuous'\], got 'statik'\. Did you mean "
+    assert re.search(r"^error: generation.backend must be one of \['eager', 'static', 'continuous', 'vllm'\], got 'statik'\. Did you mean "
                      r"'static'\?.*register_backend", capsys.readouterr().err, re.MULTILINE)

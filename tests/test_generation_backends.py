@@ -206,7 +206,7 @@ def test_cache_backends_refuse_a_model_without_a_transformers_config(batch, back
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"backend": "vllm"}, "must be one of \\['eager', 'static', 'continuous'\\]"),
+    ({"backend": "sglang"}, "must be one of \\['eager', 'static', 'continuous', 'vllm'\\]"),
     ({"sync_every": 0}, "sync_every must be an integer >= 1"),
     ({"compile": "yes"}, "compile must be true, false or null"),
 ])
@@ -248,8 +248,8 @@ def test_a_registered_backend_is_selected_by_name(counting_backend, batch):
     rollout = run(model, batch, config)
     assert counting_backend.decodes == 2  # six rows in chunks of at most 4
     assert_same_rollout(rollout, run(model, batch, replace(config, backend="eager")))
-    assert registered_backends() == ["eager", "static", "continuous", "counting"]
-    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static', 'continuous', 'counting'\], got "
+    assert registered_backends() == ["eager", "static", "continuous", "vllm", "counting"]
+    with pytest.raises(ValueError, match=r"must be one of \['eager', 'static', 'continuous', 'vllm', 'counting'\], got "
                                          r"'countng'\. "
                                          r"Did you mean 'counting'\?.*register_backend"):
         GenerationConfig(backend="countng")
@@ -289,8 +289,8 @@ def test_cli_help_lists_the_registered_backends(counting_backend, capsys, monkey
         main(["fit", "--help"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
-    assert "--model.generation.backend {eager,static,continuous,counting}" in printed
-    assert "Registered: eager, static, continuous, counting." in " ".join(printed.split())
+    assert "--model.generation.backend {eager,static,continuous,vllm,counting}" in printed
+    assert "Registered: eager, static, continuous, vllm, counting." in " ".join(printed.split())
 
 
 def test_the_compiled_cpu_step_takes_math_attention_in_float32_only():
