@@ -145,7 +145,7 @@ class RLHFModule(pl.LightningModule):
         """``lr-{role}`` (and ``-momentum``, ``-weight_decay``) of each trained role, on every rank."""
         self.refill_prompts: Callable[[int, int], dict[str, Any]] | None = None
         """``(iteration, round) -> batch``: where dynamic sampling (``ppo.dynamic_sampling``) draws the prompts of a
-        further generation round. None: the Trainer's datamodule's ``refill_batch``
+        further generation round, and partial rollouts the prompts that fill their pool. None: the Trainer's datamodule's ``refill_batch``
         (:meth:`~lightning_app_rlhf.data.PromptDataModule.refill_batch`); under Fabric, set it."""
         self._fabric_iteration = 0
         self._engine: RLHFEngine | None = None
@@ -325,18 +325,22 @@ class RLHFModule(pl.LightningModule):
         self.learning_rates = result.learning_rates
 
     def _more_prompts(self) -> Callable[[int, int], dict[str, Any]] | None:
-        """Dynamic sampling's further prompts (:attr:`refill_prompts`), on this module's device; None without it."""
-        if not self.ppo.dynamic_sampling:
+        """The further prompts of dynamic sampling and of partial rollouts (:attr:`refill_prompts`), on this module's
+        device; None without either."""
+        partial = self.placed_roles is not None and self.placed_roles.placement.plan.partial_rollout
+        if not self.ppo.dynamic_sampling and not partial:
             return None
+        wants = "ppo.dynamic_sampling generates on more prompts when a batch has too few informative groups" if \
+            self.ppo.dynamic_sampling else "partial_rollout keeps more prompts in flight than a batch holds"
+        fix = "set ppo.dynamic_sampling false" if self.ppo.dynamic_sampling else "set partial_rollout false"
         refill = self.refill_prompts
         if refill is None and self._trainer is not None:
             refill = getattr(self.trainer.datamodule, "refill_batch", None)
         if refill is None:
             where = "module.refill_prompts = datamodule.refill_batch" if self._fabric is not None else (
                 "a PromptDataModule (trainer.fit(module, datamodule=...)), or set module.refill_prompts")
-            raise ValueError("ppo.dynamic_sampling generates on more prompts when a batch has too few informative "
-                             f"groups, and this run has no source of them: use {where} "
-                             "((iteration, round) -> batch), or set ppo.dynamic_sampling false.")
+            raise ValueError(f"{wants}, and this run has no source of them: use {where} "
+                             f"((iteration, round) -> batch), or {fix}.")
         return lambda iteration, generation_round: move_data_to_device(refill(iteration, generation_round),
                                                                        self.device)
 

@@ -136,9 +136,11 @@ class Algorithm:
         # An inference engine's numerics (vLLM's kernels) are not the trainer's: measure and correct by default.
         separate = GENERATION_BACKENDS.get(generation.backend).separate_numerics
         if config.recompute_old_logprobs is None:
-            config.recompute_old_logprobs = separate or config.rollout_is not in (None, "none")
+            config.recompute_old_logprobs = separate or config.rollout_is not in (None, "none") \
+                or config.partial_rollout_loss == "decoupled"
         if config.rollout_is is None:
-            config.rollout_is = "tis" if separate and config.recompute_old_logprobs else "none"
+            decoupled = config.partial_rollout_loss == "decoupled"  # its own weights
+            config.rollout_is = "tis" if separate and config.recompute_old_logprobs and not decoupled else "none"
         if config.dynamic_sampling is None:
             config.dynamic_sampling = self.default_dynamic_sampling
         if config.dynamic_sampling and self.min_group_size < 2:
@@ -192,7 +194,9 @@ class Algorithm:
         if role == CRITIC.name:
             return self.value_stats
         stats = self.policy_stats + ("policy/kl_loss",) if self.keeps_ref_logprobs else self.policy_stats
-        return stats + MISMATCH_STATS if self.config.recompute_old_logprobs else stats
+        stats = stats + MISMATCH_STATS if self.config.recompute_old_logprobs else stats
+        return stats + ("rollout/superseded_masked_frac",) if self.config.partial_rollout_loss == "mask_superseded" \
+            else stats
 
     def advantages(self, rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token advantages [B, T] and, with a critic, the critic's returns [B, T] (else None), from the

@@ -327,18 +327,23 @@ def rollout_correction(
 
     - ``tis`` (truncated importance sampling): the loss of each token is multiplied by ``min(w, threshold)``;
     - ``mis`` (masked importance sampling): tokens (or whole sequences) with ``w > threshold`` leave the loss;
+    - ``decoupled`` (the decoupled PPO objective of AReaL's ``use_decoupled_loss``, after Hilton et al. 2022,
+      "Batch size-invariance for policy optimization"): the trainer's log-probabilities are the proximal policy's;
+      the loss of each token is multiplied by ``w``, and tokens with ``w > threshold`` leave it (AReaL's
+      ``behav_imp_weight_cap``);
     - ``none``: nothing changes; the statistics are still measured.
 
     Args:
         trainer_logprobs: [B, T] the trainer's log-probabilities of the sampled tokens, before the update.
         behaviour_logprobs: [B, T] the log-probabilities the rollout engine sampled them with.
         mask: [B, T] 1 on the valid response tokens.
-        mode: ``none``, ``tis`` or ``mis``.
+        mode: ``none``, ``tis``, ``mis`` or ``decoupled``.
         level: ``token`` or ``sequence``.
-        threshold: The cap (``tis``) or the rejection bound (``mis``) of the weight.
+        threshold: The cap (``tis``) or the rejection bound (``mis``, ``decoupled``) of the weight.
 
     Returns:
-        ``(weights, mask, stats)``: the per-token loss weights for ``tis`` (else None), the loss mask after ``mis``,
+        ``(weights, mask, stats)``: the per-token loss weights for ``tis`` and ``decoupled`` (else None), the loss
+        mask after ``mis`` and ``decoupled``,
         and the :data:`MISMATCH_STATS` over the valid tokens: the mean and largest ``|log p_trainer - log
         p_behaviour|``, the k3 estimate of KL(behaviour || trainer), the mean weight the loss uses (1 without
         ``tis``) and the share of valid tokens ``mis`` masked.
@@ -348,8 +353,9 @@ def rollout_correction(
     token_log_w = (trainer_logprobs - behaviour_logprobs) * valid
     log_w = token_log_w.sum(1, keepdim=True).expand_as(token_log_w) * valid if level == "sequence" else token_log_w
     weight = torch.exp(log_w)
-    weights = torch.clamp(weight, max=threshold) * valid if mode == "tis" else None
-    kept = valid * (weight <= threshold) if mode == "mis" else valid
+    kept = valid * (weight <= threshold) if mode in ("mis", "decoupled") else valid
+    weights = torch.clamp(weight, max=threshold) * valid if mode == "tis" else (
+        weight * kept if mode == "decoupled" else None)
     diff = token_log_w.abs()
     stats = {
         "rollout/logprob_abs_diff_mean": diff.sum() / tokens,
@@ -449,3 +455,17 @@ def value_loss(
     with torch.no_grad():
         clipfrac = masked_mean((clipped_error > error).float(), mask, count=token_count)
     return loss, clipfrac
+
+
+def superseded_token_mask(mask: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+    """Partial rollouts, slime's ``--mask-offpolicy-in-partial-rollout``: ``mask`` without the tokens sampled by a
+    policy version older than the newest that sampled any token of the same row (the weights were superseded while
+    the sample was in flight).
+
+    Args:
+        mask: [B, T] the loss mask.
+        versions: [B, T] the policy version that sampled each token (:attr:`Rollout.versions`).
+    """
+    valid = mask.bool()
+    newest = torch.where(valid, versions, torch.iinfo(versions.dtype).min).amax(1, keepdim=True)
+    return (valid & (versions == newest)).to(mask.dtype)

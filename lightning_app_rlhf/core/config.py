@@ -88,6 +88,11 @@ class GenerationConfig:
     ``gpu_memory_utilization`` (0.3 by default, beside training), ``enforce_eager``, ``max_num_seqs``,
     ``max_model_len``; docs/generation.md). On the CPU the KV cache's size is vLLM's ``VLLM_CPU_KVCACHE_SPACE``
     environment variable, in GiB (1 unless set)."""
+    segment_tokens: int | None = None
+    """With partial rollouts (``SeparationStrategy(partial_rollout=True)``): the most tokens a generation round
+    decodes before the pool checks whether a batch of groups is complete (a round re-prefills each unfinished row's
+    prompt and tokens so far). Smaller ends a call closer to the moment its batch is complete, at more prefills.
+    None: a quarter of ``max_new_tokens``."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -115,9 +120,18 @@ class GenerationConfig:
             )
         if type(self.do_sample) is not bool:
             raise ValueError(f"generation.do_sample must be True (sampling) or False (greedy), got {self.do_sample!r}.")
+        if self.segment_tokens is not None and (isinstance(self.segment_tokens, bool)
+                                                or not isinstance(self.segment_tokens, int) or self.segment_tokens < 1):
+            raise ValueError(f"generation.segment_tokens must be an integer >= 1 (tokens per round of a partial "
+                             f"rollout), or None for a quarter of max_new_tokens, got {self.segment_tokens!r}.")
         self._check_stop_token_ids()
         self._check_stop_strings()
         self._check_backend()
+
+    @property
+    def partial_segment(self) -> int:
+        """The tokens a partial rollout's round decodes at most (:attr:`segment_tokens`, or its default)."""
+        return self.segment_tokens if self.segment_tokens is not None else max(1, self.max_new_tokens // 4)
 
     def _check_backend(self) -> None:
         # A user's backend registers itself, so no fixed list of names; one whose engine is missing says so now.
@@ -292,6 +306,15 @@ class PPOConfig:
     rollout_is_threshold)``; ``mis`` leaves out the tokens (or sequences) whose ratio is above it; ``none`` only
     measures (docs/algorithms.md, "Rollout-trainer mismatch"). None: ``tis`` with a generation backend of other
     numerics than the trainer's (``vllm``) while the log-probabilities are recomputed, ``none`` otherwise."""
+    partial_rollout_loss: Literal["behaviour", "decoupled", "mask_superseded"] = "behaviour"
+    """How the actor's loss treats a partial rollout's tokens, which come from several policy versions
+    (``SeparationStrategy(partial_rollout=True)``; docs/placements.md, "Partial rollouts"): ``behaviour``, each token's
+    behaviour log-probability is its old one, with ``rollout_is`` as set (slime's and OpenRLHF's default);
+    ``decoupled``, AReaL's decoupled PPO objective: the log-probabilities recomputed by the trainer are the proximal
+    policy's, and each token's loss is weighed by ``p_proximal / p_behaviour``, the tokens above
+    ``rollout_is_threshold`` left out (turns ``recompute_old_logprobs`` on); ``mask_superseded``, slime's
+    ``--mask-offpolicy-in-partial-rollout``: the tokens sampled before the weights of a sample's last segment leave the
+    loss."""
     rollout_is_level: Literal["token", "sequence"] = "token"
     """The ratio of ``rollout_is`` per token, or per sequence (the product over its tokens)."""
     rollout_is_threshold: float = 2.0
@@ -367,6 +390,14 @@ class PPOConfig:
         if self.rollout_is not in (None, "none") and self.recompute_old_logprobs is False:
             raise ValueError(f"ppo.rollout_is={self.rollout_is!r} weighs each token by the trainer's over the rollout "
                              "engine's probability, so it needs the trainer's: set ppo.recompute_old_logprobs: true.")
+        if self.partial_rollout_loss not in ("behaviour", "decoupled", "mask_superseded"):
+            raise ValueError(f"ppo.partial_rollout_loss must be 'behaviour', 'decoupled' or 'mask_superseded', got "
+                             f"{self.partial_rollout_loss!r}.")
+        if self.partial_rollout_loss == "decoupled" and (self.recompute_old_logprobs is False
+                                                        or self.rollout_is not in (None, "none")):
+            raise ValueError("ppo.partial_rollout_loss='decoupled' recomputes the proximal log-probabilities and weighs "
+                             "each token by p_proximal / p_behaviour itself: leave ppo.recompute_old_logprobs and "
+                             "ppo.rollout_is unset (or set recompute_old_logprobs: true, rollout_is: none).")
         if not self.rollout_is_threshold > 1:
             raise ValueError(f"ppo.rollout_is_threshold must be > 1 (a ratio of 1 means no mismatch), got "
                              f"{self.rollout_is_threshold}.")

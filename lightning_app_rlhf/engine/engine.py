@@ -34,6 +34,7 @@ from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dyn
 from lightning_app_rlhf.engine.experience import RewardShaping, collect_experience
 from lightning_app_rlhf.engine.free_running import FreeRunningLink, experience_payload, free_running_result
 from lightning_app_rlhf.engine.iteration import Recipe, Step, iteration_recipe
+from lightning_app_rlhf.engine.partial_rollout import PartialRollouts, check_partial_rollout, fill_pool
 from lightning_app_rlhf.engine.iteration_state import (
     IterationResult,
     IterationState,
@@ -43,7 +44,7 @@ from lightning_app_rlhf.engine.iteration_state import (
 from lightning_app_rlhf.engine.role_calls import RoleCalls
 from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES, UpdateLoop
-from lightning_app_rlhf.generation import Rollout, repeat_samples
+from lightning_app_rlhf.generation import Rollout, repeat_samples, sample_keys
 from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.models.roles import RewardFunction
 from lightning_app_rlhf.parallel.heartbeat import entering
@@ -116,6 +117,14 @@ class RLHFEngine:
             check_dynamic_sampling_plan(self.placement.plan)
             self.collector = GroupCollector(generation.num_samples, config.max_generation_rounds,
                                             tokenizer.pad_token_id)
+        self.partial: PartialRollouts | None = None
+        """With ``plan.partial_rollout``: the samples in flight across generation calls, the same on every rank that
+        gathers the rollout."""
+        if self.placement.plan.partial_rollout:
+            check_partial_rollout(self.collector is not None, environment is not None)
+            self.partial = PartialRollouts(generation.num_samples, generation.max_new_tokens,
+                                           generation.partial_segment, tokenizer.pad_token_id)
+        self._more_prompts: Callable[[int, int], dict[str, Any]] | None = None
 
     @property
     def placement(self) -> Placement:
@@ -149,6 +158,7 @@ class RLHFEngine:
         Raises:
             DivergenceError: On every rank (free-running: of the side that meets it), once a role's updates diverged.
         """
+        self._more_prompts = more_prompts
         prompts = batch["input_ids"].shape[0]
         if prompts != self._checked_prompts:
             self.check_batch(prompts)
@@ -192,15 +202,46 @@ class RLHFEngine:
 
     def _step_take(self, step: Step, state: IterationState) -> None:
         assert self.link is not None
-        oldest = state.iteration - self.placement.plan.max_staleness
+        oldest = state.iteration - self.placement.plan.schedule_staleness
         self.policy_version = self.link.take(self.policy_version, oldest,
                                              lambda role: shadow_buckets(self.modules(role)))
 
     def _step_generate(self, step: Step, state: IterationState) -> None:
-        state.generated = self.calls.generate_shard(state.batch, state.sampling_key, self.policy_version)
+        if self.partial is None:  # partial rollouts generate in rounds, each gathered (_partial_rollout)
+            state.generated = self.calls.generate_shard(state.batch, state.sampling_key, self.policy_version)
 
     def _step_gather_rollout(self, step: Step, state: IterationState) -> None:
-        state.rollout = self.calls.gather_rollout(state.batch, state.generated, step.among)
+        if self.partial is not None:
+            self._partial_rollout(step, state)
+        else:
+            state.rollout = self.calls.gather_rollout(state.batch, state.generated, step.among)
+
+    def _partial_rollout(self, step: Step, state: IterationState) -> None:
+        """Partial rollouts (:mod:`~lightning_app_rlhf.engine.partial_rollout`), on every rank of the gather: fill the
+        pool, decode its unfinished rows in rounds (on the generating ranks), each round gathered, until the call is
+        done; then the batch of complete groups becomes the iteration's prompts and rollout."""
+        pool, iteration, device = self.partial, state.iteration, self.placement.device
+        assert pool is not None
+        more = None
+        if self._more_prompts is not None:
+            refill = self._more_prompts
+            more = lambda r: repeat_samples(refill(iteration, r), self.generation.num_samples)  # noqa: E731
+        keys = lambda rows, r: sample_keys(self.calls.seed, round_key(iteration, r), rows["index"],  # noqa: E731
+                                           rows["sample"])
+        drawn = fill_pool(pool, state.batch, state.prompts, keys, more)
+        rounds = 0
+        while not pool.call_done(state.prompts, self.policy_version):
+            rows = pool.unfinished()
+            input_ids, attention_mask, row_keys, max_new = pool.round_inputs(rows, device)
+            out = self.calls.generate_round(input_ids, attention_mask, row_keys, max_new, self.policy_version,
+                                            step.among)
+            pool.record(rows, out, self.policy_version)
+            rounds += 1
+        state.marks["generated"] = self._now()
+        state.batch, state.rollout, stats = pool.take(state.prompts, device)
+        self.calls.batch_rows = len(state.rollout.sequences)
+        state.stats.update({**stats, "rollout/partial_rounds": float(rounds),
+                            "rollout/partial_refills": float(drawn)})
 
     def _step_forward(self, step: Step, state: IterationState) -> None:
         role = role_of(step.name)
@@ -339,6 +380,7 @@ class RLHFEngine:
             **self.shaping.state_dict(),
             "collected_groups": self.collector.groups if self.collector is not None else 0,
             "train_stats": {},
+            "partial_rollouts": self.partial.state_dict() if self.partial is not None else None,
         }
         if self.link is not None and self.placement.rank in self.placement.plan.generation_ranks:
             # The update that made the saved weights, which the generation side logs with its next rollout.
@@ -355,7 +397,7 @@ class RLHFEngine:
         pending = state.get("pending_experiences")
         if pending is None:  # saved before bounded staleness: at most one rollout, under "pending_experience"
             pending = [state["pending_experience"]] if state.get("pending_experience") is not None else []
-        bound = self.placement.plan.max_staleness
+        bound = self.placement.plan.schedule_staleness
         if len(pending) > bound:  # they would never be trained on, or be trained on beyond the bound
             n = len(pending)
             raise ValueError(f"holds {n} scored rollouts not trained on yet (saved with max_staleness {n}), more than "
@@ -368,6 +410,12 @@ class RLHFEngine:
         self.iterations_done = state.get("iterations_done", self.policy_version)
         if self.collector is not None:
             self.collector.clear()  # a checkpoint is saved between iterations: nothing was being collected
+        if self.partial is not None:
+            self.partial.load_state_dict(state.get("partial_rollouts") or {})
+        elif state.get("partial_rollouts"):
+            raise ValueError("This checkpoint holds partial rollouts in flight (saved with partial_rollout=True); "
+                             "resume with the same setting (--trainer.strategy.partial_rollout true), or from a "
+                             "checkpoint saved without it.")
         if self.link is not None:
             self.link.load_state_dict(state, self.policy_version)
 

@@ -237,6 +237,10 @@ def collect_experience(state: IterationState, algorithm: Algorithm, shaping: Rew
                                               outputs.get(CRITIC.name), algorithm, shaping,
                                               state.iteration, kept)
     state.experience.policy_version = policy_version  # the weights that generated it
+    if rollout.versions is not None:  # partial rollouts: a version per token; the oldest is the rollout's
+        state.experience.token_versions = rollout.versions
+        mask = rollout.response_mask.bool()
+        state.experience.policy_version = int(rollout.versions[mask].min()) if mask.any() else policy_version
     if collector is not None:  # the trained batch's own reward: biased by the filter, the policy's is above
         stats = {k: v for k, v in stats.items() if k not in ("reward/std", "response/length_mean")}
         stats["reward/trained_mean"] = stats.pop("reward/mean")

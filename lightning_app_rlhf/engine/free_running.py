@@ -46,7 +46,7 @@ from lightning_app_rlhf.parallel.heartbeat import job_store
 from lightning_app_rlhf.parallel.placement import Placement
 
 ROLLOUT_FIELDS = ("sequences", "attention_mask", "response_mask", "logprobs", "prompt_length", "stopped",
-                  "turn_rewards", "episode_stats")
+                  "turn_rewards", "episode_stats", "versions")
 """The rollout's fields that travel with the experience (the training side logs the rollout too)."""
 
 
@@ -202,6 +202,10 @@ def free_running_result(state: IterationState, link: FreeRunningLink, policy_ver
     staleness = float(state.iteration - policy_version)  # trained on at training iteration `iteration`
     stats.update({"rollout/staleness_mean": staleness, "rollout/staleness_max": staleness,
                   "rollout/policy_version": float(policy_version)})
+    versions, mask = state.rollout.versions, state.rollout.response_mask.bool()
+    if versions is not None and mask.any():  # partial rollouts: the lag per token
+        lags = (state.iteration - versions[mask]).float()
+        stats.update({"rollout/staleness_mean": lags.mean().item(), "rollout/staleness_max": lags.max().item()})
     stats.update({name: value for name, value in link.train_stats.items() if not name.startswith("lr-")})
     samples = len(state.experience.sequences)
     stats.update(state.timings(False, samples, state.rollout.response_mask.sum().item()))

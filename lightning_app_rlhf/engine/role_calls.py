@@ -10,6 +10,7 @@ call runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -138,6 +139,14 @@ class RoleCalls:
                       policy_version: int | None) -> Rollout:
         """The actor's responses for ``rows``: each stops at the tokenizer's EOS, any end id of the actor's
         generation config, ``generation.stop_token_ids`` or ``generation.stop_strings``."""
+        keys = sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows])
+        return self.generate_keyed(batch["input_ids"][rows], batch["attention_mask"][rows], keys, generation,
+                                   policy_version)
+
+    def generate_keyed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor,
+                       generation: GenerationConfig, policy_version: int | None) -> Rollout:
+        """The actor's responses for left-padded prompts with their sample ``keys`` (:meth:`generate_rows`'s rows, or a
+        partial rollout's round: :mod:`~lightning_app_rlhf.engine.partial_rollout`)."""
         actor = self.call_module(ACTOR.name)
         lockstep = self.lockstep_group(ACTOR.name)
         # The hybrid engine: a sharded actor generating on its own train group gathers its weights once for the
@@ -150,10 +159,10 @@ class RoleCalls:
         with wrapper.unsharded() if wrapper is not None else contextlib.nullcontext():
             return generate(
                 actor,
-                batch["input_ids"][rows],
-                batch["attention_mask"][rows],
+                input_ids,
+                attention_mask,
                 generation,
-                sample_keys(self.seed, iteration, batch["index"][rows], batch["sample"][rows]),
+                keys,
                 eos_token_id=[self.tokenizer.eos_token_id, *model_eos_token_ids(actor)],
                 pad_token_id=self.tokenizer.pad_token_id,
                 lockstep_group=lockstep,
@@ -161,6 +170,26 @@ class RoleCalls:
                 inference_mode=self.inference_mode(ACTOR.name),
                 weights_version=policy_version,
             )
+
+    def generate_round(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor,
+                       max_new_tokens: int, policy_version: int, among: str | None) -> dict[str, torch.Tensor]:
+        """One round of a partial rollout: this rank's shard of the rows (``actor.generate``'s ranks; the others only
+        gather), at most ``max_new_tokens`` each, then the round's tokens of every row on every rank of the world (or
+        of the call ``among``)."""
+        call = ACTOR.call("generate")
+        local = None
+        if self.placement.runs(call):
+            rows = self.placement.shard(call, input_ids.shape[0])
+            generation = dataclasses.replace(self.generation, max_new_tokens=max_new_tokens)
+            with self.running(ACTOR.name):
+                part = self.generate_keyed(input_ids[rows], attention_mask[rows], keys[rows], generation,
+                                           policy_version)
+            local = {"responses": part.responses, "response_mask": part.response_mask, "logprobs": part.logprobs,
+                     "stopped": part.stopped.to(torch.uint8)}
+        specs = {"responses": TensorSpec(torch.long, 2, self.tokenizer.pad_token_id),
+                 "response_mask": TensorSpec(attention_mask.dtype, 2),
+                 "logprobs": TensorSpec(torch.float32, 2), "stopped": TensorSpec(torch.uint8, 1)}
+        return self.placement.gather_to_world(call, local, specs, among)
 
     def gather_rollout(self, batch: dict[str, Any], local: dict[str, torch.Tensor] | None,
                        among: str | None = None) -> Rollout:

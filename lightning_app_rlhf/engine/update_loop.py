@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_app_rlhf.algorithms import Algorithm, LossScale
-from lightning_app_rlhf.algorithms.functional import rollout_correction
+from lightning_app_rlhf.algorithms.functional import rollout_correction, superseded_token_mask
 from lightning_app_rlhf.core.config import PPOConfig
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
 from lightning_app_rlhf.engine.batch_split import micro_batch_count
@@ -83,6 +83,13 @@ class UpdateLoop:
         mismatch: dict[str, torch.Tensor] = {}
         if role == ACTOR.name and self.config.recompute_old_logprobs:
             experience, mismatch = self.recompute_old_logprobs(experience, wrapper)
+        if role == ACTOR.name and self.config.partial_rollout_loss == "mask_superseded":
+            versions = experience.token_versions
+            mask = experience.response_mask if versions is None else superseded_token_mask(experience.response_mask,
+                                                                                            versions)
+            valid = experience.response_mask.sum().clamp(min=1)
+            mismatch["rollout/superseded_masked_frac"] = (experience.response_mask - mask).sum() / valid
+            experience = dataclasses.replace(experience, response_mask=mask)
         totals = torch.zeros(len(names), device=experience.advantages.device)
         steps = skipped = 0
         wrapper.skipped.diverged = None  # a divergence that the caller caught does not stop a later fit at once
@@ -236,7 +243,8 @@ class UpdateLoop:
         trainer = self.placement.all_reduce_sum(call, trainer) * experience.response_mask
         config = self.config
         weights, mask, stats = rollout_correction(trainer, experience.logprobs, experience.response_mask,
-                                                  config.rollout_is, config.rollout_is_level,
+                                                  "decoupled" if config.partial_rollout_loss == "decoupled"
+                                                  else config.rollout_is, config.rollout_is_level,
                                                   config.rollout_is_threshold)
         return dataclasses.replace(experience, logprobs=trainer, response_mask=mask, is_weights=weights), stats
 

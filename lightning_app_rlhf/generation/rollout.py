@@ -37,6 +37,10 @@ class Rollout:
     """[B, T] a multi-turn episode's environment rewards, each on its turn's last sampled token; None: single-turn."""
     episode_stats: torch.Tensor | None = None
     """[B, len(agents.EPISODE_STATS)] what each multi-turn episode did (turns, tool calls...); None: single-turn."""
+    versions: torch.Tensor | None = None
+    """[B, T] the policy version that sampled each response token (0 off the response mask), with partial rollouts,
+    where a sample's tokens can come from several versions (:mod:`~lightning_app_rlhf.engine.partial_rollout`); None:
+    the whole rollout comes from one version (the experience's ``policy_version``)."""
 
     @classmethod
     def from_responses(
@@ -99,7 +103,7 @@ class Rollout:
         part = lambda t: t[rows] if t is not None else None
         return Rollout(self.sequences[rows], self.attention_mask[rows], self.response_mask[rows],
                        self.logprobs[rows], self.prompt_length, part(self.stopped), part(self.turn_rewards),
-                       part(self.episode_stats))
+                       part(self.episode_stats), part(self.versions))
 
     def final_turns(self) -> torch.Tensor:
         """[B, T] 1 on the sampled tokens of each row's last turn (the whole response of a single-turn rollout): the
@@ -136,7 +140,8 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     return Rollout(*(torch.cat(column) for column in zip(*parts)), prompt_length=prompt,
                    stopped=joined([r.stopped for r in rollouts], False),
                    turn_rewards=joined([r.turn_rewards for r in rollouts], True),
-                   episode_stats=joined([r.episode_stats for r in rollouts], False))
+                   episode_stats=joined([r.episode_stats for r in rollouts], False),
+                   versions=joined([r.versions for r in rollouts], True))
 
 
 def sample_keys(

@@ -334,7 +334,11 @@ class Experience:
     otherwise."""
     policy_version: int = 0
     """The policy version that generated the rollout: how many updates its weights had had. An update on it is
-    ``current version - policy_version`` versions stale (``PlacementPlan.max_staleness`` bounds it)."""
+    ``current version - policy_version`` versions stale (``PlacementPlan.max_staleness`` bounds it). With partial
+    rollouts, the oldest version of any of its tokens."""
+    token_versions: torch.Tensor | None = None
+    """[B, T] with partial rollouts: the policy version that sampled each response token (0 off the response mask);
+    the staleness bound holds per token. None: every token is ``policy_version``'s."""
 
     def minibatch(self, indices: torch.Tensor) -> Experience:
         parts = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -81,6 +81,13 @@ class PlacementPlan:
     on; the training group trains on rollout ``i`` at its iteration ``i``. Staleness is between 0 and
     ``max_staleness``, as the two groups' speeds decide (not reproducible run to run beyond ``max_staleness=0``).
     Needs disjoint groups: every generate and forward call on the generation ranks, every train call on others."""
+    partial_rollout: bool = False
+    """Partial rollouts (slime's ``--partial-rollout``, AReaL's interruptible generation): a generation call ends once
+    a batch of groups is complete, not when its longest response is; the unfinished samples keep their tokens and
+    resume under the next weights (:mod:`~lightning_app_rlhf.engine.partial_rollout`). Their tokens are then one
+    version older than the rest, so the schedule keeps one version of ``max_staleness`` for them
+    (:attr:`schedule_staleness`): ``max_staleness=1`` is the on-policy schedule with carried tokens one version old.
+    Needs ``max_staleness`` of at least 1."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calls", {c: tuple(sorted(set(r))) for c, r in self.calls.items()})
@@ -91,10 +98,17 @@ class PlacementPlan:
         self.validate()
 
     @property
+    def schedule_staleness(self) -> int:
+        """The staleness the schedule runs at: ``max_staleness``, less the one version that partial rollouts keep for
+        their carried tokens (:attr:`partial_rollout`). The fixed schedule trains on the rollout of this many
+        iterations earlier; a free-running generation side waits for version ``i`` minus this many."""
+        return self.max_staleness - int(self.partial_rollout)
+
+    @property
     def overlap(self) -> bool:
         """Whether the train calls work on an earlier iteration's rollout, beside the generation of the next
-        (``max_staleness`` above 0)."""
-        return self.max_staleness > 0
+        (:attr:`schedule_staleness` above 0)."""
+        return self.schedule_staleness > 0
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -134,6 +148,11 @@ class PlacementPlan:
             raise ValueError(f"max_staleness={self.max_staleness!r}: give a whole number of weight versions, 0 for "
                              "on-policy training, 1 for one-step off-policy (overlap), k for a rollout k updates "
                              "old.")
+        if self.partial_rollout and self.max_staleness < 1:
+            raise ValueError("partial_rollout=True resumes unfinished samples under the next weights, so their first "
+                             "tokens are one version older than the update that trains on them: set max_staleness >= 1 "
+                             "(SeparationStrategy(max_staleness=1, partial_rollout=True) keeps the on-policy schedule), "
+                             "or partial_rollout=False.")
         for role in self.trainable_roles:
             wrapper = self.wrappers.get(role)
             check_wrapper(wrapper, role)  # unknown, or its package missing: the error names the fix
@@ -227,7 +246,7 @@ class PlacementPlan:
         """How many iterations the generation side may run ahead of the training side's: ``max_staleness + 1``
         when free-running (rollout ``i`` needs version ``i - k``, which training iteration ``i - k - 1`` makes),
         else 0 (every iteration is a collective step of the whole world)."""
-        return self.max_staleness + 1 if self.free_running else 0
+        return self.schedule_staleness + 1 if self.free_running else 0
 
     def tp_degree(self, call: str) -> int:
         """The tensor-parallel degree of ``call`` (1 unless :attr:`tp` names it)."""
@@ -302,7 +321,8 @@ class PlacementPlan:
         return {"world_size": self.world_size, "calls": {c: list(r) for c, r in self.calls.items()},
                 "wrappers": dict(self.wrappers), "name": self.name, "max_staleness": self.max_staleness,
                 "tp": dict(self.tp), "pp": dict(self.pp), "pipeline_schedule": self.pipeline_schedule,
-                "unshard_for_generation": self.unshard_for_generation, "free_running": self.free_running}
+                "unshard_for_generation": self.unshard_for_generation, "free_running": self.free_running,
+                "partial_rollout": self.partial_rollout}
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> PlacementPlan:
@@ -416,6 +436,7 @@ def separation_plan(
     max_staleness: int = 0,
     roles: tuple[str, ...] = ROLE_NAMES,
     free_running: bool = False,
+    partial_rollout: bool = False,
 ) -> PlacementPlan:
     """Generation and the forward calls on one group, the train calls on another.
 
@@ -430,6 +451,7 @@ def separation_plan(
         roles: The algorithm's roles (a critic-free algorithm has no critic calls).
         free_running: The generation group runs ahead of the training group within ``max_staleness`` versions,
             instead of the fixed schedule (:attr:`PlacementPlan.free_running`).
+        partial_rollout: Unfinished samples resume under the next weights (:attr:`PlacementPlan.partial_rollout`).
     """
     if world_size < 2:
         raise ValueError("Separation needs at least 2 ranks (one generating, one training); use flattening on "
@@ -445,4 +467,4 @@ def separation_plan(
     gen, train = tuple(generation_ranks), tuple(training_ranks)
     calls = {c: train if c.endswith(".train") else gen for c in calls_of(roles)}
     return PlacementPlan(world_size, calls, _trainable_wrappers(roles, wrapper), name="separation",
-                         max_staleness=max_staleness, free_running=free_running)
+                         max_staleness=max_staleness, free_running=free_running, partial_rollout=partial_rollout)

@@ -1168,7 +1168,7 @@ class CostModel:
                 if step.kind == "receive":
                     after = tuple(named.get((i, "send"), ()))
                 elif step.kind == "take":
-                    after = tuple(named.get((i - plan.max_staleness - 1, "publish"), ()))
+                    after = tuple(named.get((i - plan.schedule_staleness - 1, "publish"), ()))
                 else:
                     after = ()
                 for t in priced[step]:

@@ -31,6 +31,9 @@ class SeparationStrategy(PlacementStrategy):
             ``i - max_staleness`` at the oldest, and trained on at iteration ``i``
             (:attr:`~lightning_app_rlhf.parallel.plan.PlacementPlan.free_running`). Faster where the two groups'
             speeds vary; staleness then varies too (logged), and the run is not reproducible beyond ``max_staleness=0``.
+        partial_rollout: A generation call ends once a batch of groups is complete; the unfinished samples keep their
+            tokens and resume under the next weights, one version of ``max_staleness`` kept for them
+            (:attr:`~lightning_app_rlhf.parallel.plan.PlacementPlan.partial_rollout`; needs ``max_staleness >= 1``).
         **kwargs: See :class:`PlacementStrategy`.
     """
 
@@ -45,6 +48,7 @@ class SeparationStrategy(PlacementStrategy):
         max_staleness: int | None = None,
         overlap: bool = False,
         free_running: bool = False,
+        partial_rollout: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -57,9 +61,11 @@ class SeparationStrategy(PlacementStrategy):
                              "(overlap=True is max_staleness=1).")
         self.max_staleness = max_staleness if max_staleness is not None else int(overlap)
         self.free_running = free_running
+        self.partial_rollout = partial_rollout
 
     @override
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
         return placement_preset("separation").build_plan(
             world_size, self.generation_ranks, self.training_ranks, self.generation_ratio, self.wrapper,
-            self.max_staleness, roles=roles, free_running=self.free_running)
+            self.max_staleness, roles=roles, free_running=self.free_running,
+            partial_rollout=self.partial_rollout)
