@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from lightning_app_rlhf.bench.decode import stop_ids
 from lightning_app_rlhf.bench.presets import DECODERS, PLACEMENTS, TOKENIZER_VOCAB, RunSettings
 
 
@@ -51,7 +52,9 @@ def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:
             "actor": model,
             **roles,
             "generation": {"max_new_tokens": settings.new_tokens, "temperature": 1.0,
-                           "num_samples": settings.num_samples, **DECODERS[settings.decoder]},
+                           "num_samples": settings.num_samples, **DECODERS[settings.decoder],
+                           **({"stop_token_ids": stop_ids(settings.model_config()["vocab_size"], settings.mean_length)}
+                              if settings.mean_length else {})},
             "ppo": ppo,
         },
         "data": {"prompts": "lightning_app_rlhf.demo:prompts", "batch_size": settings.batch_size},

@@ -49,10 +49,15 @@ class RunSettings:
     """Processes (ranks). Ours only: the peer runs single-process here."""
     placement: str = "flattening"
     """``flattening``, ``interleaving``, ``separation``, ``separation_overlap`` (max_staleness 1),
-    ``separation_k2``, ``separation_k4``, or free-running ``separation_free_k{0,1,2,4}`` (:data:`PLACEMENTS`)."""
+    ``separation_k2``, ``separation_k4``, free-running ``separation_free_k{0,1,2,4}``, and with partial rollouts
+    ``separation_partial`` (max_staleness 1) and ``separation_free_k{1,2}_partial`` (:data:`PLACEMENTS`)."""
     decoder: str = "eager"
     """Our generation backend (:data:`DECODERS`): ``eager`` (the default), ``static``, or ``static_compiled`` (the
     static decode step through ``torch.compile``; its compilation falls in the warm-up). Ours only."""
+    mean_length: int | None = None
+    """Responses of uneven length: a random-init model's rows stop after about this many tokens (geometric lengths,
+    cut at ``new_tokens``; :func:`~lightning_app_rlhf.bench.decode.stop_ids`). None: every row runs to
+    ``new_tokens``. Ours only."""
     padding_free: bool = False
     """Ours only: ``ppo.padding_free`` (the actor's training forward and the reference's scoring forward on packed
     real tokens; the same numbers within float rounding). False: the default padded forwards."""
@@ -119,5 +124,10 @@ PLACEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "separation_k4": ("lightning_app_rlhf.strategies.SeparationStrategy", {"max_staleness": 4}),
     **{f"separation_free_k{k}": ("lightning_app_rlhf.strategies.SeparationStrategy",
                                  {"max_staleness": k, "free_running": True}) for k in (0, 1, 2, 4)},
+    **{f"separation_free_k{k}_partial": ("lightning_app_rlhf.strategies.SeparationStrategy",
+                                         {"max_staleness": k, "free_running": True, "partial_rollout": True})
+       for k in (1, 2)},
+    "separation_partial": ("lightning_app_rlhf.strategies.SeparationStrategy",
+                           {"max_staleness": 1, "partial_rollout": True}),
 }
 """Placement name -> (strategy class path, extra strategy arguments)."""

@@ -43,6 +43,9 @@ def summarize(ranks: list[dict[str, Any]], settings: RunSettings, params: int) -
         key = f"time/{phase}_s"
         if all(key in row for row in measured):
             out[f"{phase}_s"] = statistics.median(row[key] for row in measured)
+    if free_running and all("time/wait_for_rollout_s" in row for row in measured):
+        # The training side's idle share: its wait for the next rollout over its iterations' time.
+        out["trainer_idle_share"] = sum(row["time/wait_for_rollout_s"] for row in measured) / sum(wall)
     if "peak_cuda_bytes" in ranks[0]:
         out["peak_cuda_bytes"] = [rank["peak_cuda_bytes"] for rank in ranks]
     if out.get("train_s") and all("prompt_tokens" in row and "gen_tokens" in row for row in measured):

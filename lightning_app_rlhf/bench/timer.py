@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_app_rlhf.bench.turns import TurnClient
 
-PHASES = ("time/generate_s", "time/score_s", "time/train_s", "time/reallocate_s")
+PHASES = ("time/generate_s", "time/score_s", "time/train_s", "time/reallocate_s", "time/wait_for_rollout_s")
 
 
 class IterationTimer(pl.Callback):
