@@ -281,3 +281,11 @@ def test_partial_rollouts_refuse_what_they_cannot_carry():
         check_partial_rollout(dynamic_sampling=True, multi_turn=False)
     with pytest.raises(ValueError, match="run episodes .* with partial_rollout false"):
         check_partial_rollout(dynamic_sampling=False, multi_turn=True)
+
+
+def test_with_the_option_off_nothing_partial_is_kept(tmp_path):
+    """The default: every call decodes its rows to the end, hands on all of them, keeps no pool and no versions."""
+    rows = logged(fit_demo(tmp_path, "off", "--trainer.devices", "2", "--trainer.strategy", "rlhf_separation", *UNEVEN,
+                           steps=2))
+    assert not any(name.startswith("rollout/partial") for r in rows for name in r)
+    assert not separation_plan(2, max_staleness=1).partial_rollout

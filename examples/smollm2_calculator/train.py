@@ -206,7 +206,9 @@ def calculator_module(settings: Any, model_dir: str, gguf_file: str, tokenizer: 
                                     vllm_engine_args={"enforce_eager": True}
                                     if getattr(settings, "backend", "eager") == "vllm" else None),
         ppo=PPOConfig(ppo_epochs=1, num_minibatches=settings.minibatches, kl_coef=0.0,
-                      kl_loss_coef=settings.kl_loss_coef),
+                      kl_loss_coef=settings.kl_loss_coef,
+                      recompute_old_logprobs={"auto": None, "true": True, "false": False}[
+                          getattr(settings, "recompute_old_logprobs", "auto")]),
         actor_optimizer=lambda p: torch.optim.AdamW(p, lr=settings.lr),
         environment=environment(),
         agent=AgentConfig(max_turns=settings.max_turns, max_episode_tokens=settings.max_episode_tokens),
@@ -228,6 +230,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     parser.add_argument("--backend", default="eager", choices=["eager", "static", "continuous", "vllm"],
                         help="generation backend (vllm: a vLLM engine with prefix caching across the turns)")
+    parser.add_argument("--recompute-old-logprobs", default="auto", choices=["auto", "true", "false"],
+                        help="the trainer recomputes the rollout's log-probabilities before the update (auto: with "
+                             "vllm, with TIS; one more actor forward per iteration)")
     parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--kl-loss-coef", type=float, default=0.02, help="weight of the k3 KL loss (0: none)")

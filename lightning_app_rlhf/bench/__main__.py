@@ -38,8 +38,10 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 PLACEMENT_SETTINGS = {
     "generation-heavy": {"new_tokens": 64, "ppo_epochs": 1, "num_minibatches": 1},
     "training-heavy": {"new_tokens": 16, "ppo_epochs": 4, "num_minibatches": 2},
+    "uneven": {"new_tokens": 128, "mean_length": 16, "ppo_epochs": 1, "num_minibatches": 1},
 }
-"""The two placement workloads: long responses and one short update; short responses and many updates."""
+"""The placement workloads: long responses and one short update; short responses and many updates; responses of
+very uneven length (geometric stops, mean 16 of 128: where partial rollouts pay)."""
 
 
 def compare_trl(
