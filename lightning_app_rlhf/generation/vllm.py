@@ -136,6 +136,20 @@ class WeightReceiver:
         return sum(t.numel() for _, t in weights)
 
 
+def bind_cpu_threads() -> None:
+    """On the CPU, bind the engine's threads to this rank's share of the cores, as many as its torch threads (the
+    strategy's ``threads_per_process``), the ``LOCAL_RANK``-th block of them, none held back (unless the environment
+    sets ``VLLM_CPU_OMP_THREADS_BIND`` or ``VLLM_CPU_NUM_OF_RESERVED_CPU``). vLLM's own default keeps one core back
+    and binds to the rest: on 2 cores it decoded on one, half as fast, while the rank's own threads waited."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    count = max(1, min(torch.get_num_threads(), len(cores)))
+    start = int(os.environ.get("LOCAL_RANK", "0")) * count
+    start = start if start + count <= len(cores) else 0
+    block = cores[start : start + count]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, block)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 class VllmEngine:
     """One vLLM engine serving one generating model on this rank.
 
@@ -159,6 +173,8 @@ class VllmEngine:
         # a random-init model names none, and vLLM would then resolve the bare backbone (LlamaModel).
         engine_config(hf_config, type(base).__name__).save_pretrained(self._directory.name)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        if parameter.device.type == "cpu":
+            bind_cpu_threads()
         # The engine core in a child process, never in this one (see the module's docstring).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         args: dict[str, Any] = {
