@@ -331,3 +331,14 @@ time.sleep(120)
     while any(alive(pid) for pid in engine) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in engine)
+
+
+def test_prompts_beyond_one_step_s_token_budget_prefill_whole(smollm2_shaped):
+    """20 prompts of 250 tokens, 5000 in all, above the tokens vLLM schedules per step (4096): each prompt's prefill
+    runs whole. On the CPU build a prefill split over steps rewinds its request's seeded generator, which a CPU
+    generator cannot do, and the engine died ("CPU Generator does not use offset"); every request here is seeded."""
+    model, tok, backend = smollm2_shaped
+    prompts = [[tok.bos_token_id, *[100 + i] * 249] for i in range(20)]
+    rollout = vllm_generate(backend, model, prompts, list(range(20)), GenerationConfig(max_new_tokens=2, backend="vllm"),
+                            0, tok.pad_token_id, [tok.eos_token_id])
+    assert rollout.response_mask.sum(1).min().item() >= 1

@@ -191,6 +191,11 @@ class VllmEngine:
         }
         if parameter.device.type == "cuda":
             args["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+        else:
+            # A prefill split over steps (chunked prefill: a batch of prompts above max_num_batched_tokens) rewinds a
+            # seeded request's generator, which a CPU generator cannot do: the CPU build's engine then dies
+            # ("CPU Generator does not use offset"). Every request here is seeded, so each prefill runs whole.
+            args["enable_chunked_prefill"] = False
         args.update(config.vllm_engine_args or {})
         from vllm import LLM
 
