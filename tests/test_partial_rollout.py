@@ -185,8 +185,9 @@ def test_the_loss_options_mask_superseded_tokens_and_weigh_the_decoupled_objecti
 
 PARTIAL = ("--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
            "--trainer.strategy.max_staleness", "1", "--trainer.strategy.partial_rollout", "true")
-UNEVEN = ("--model.generation.stop_token_ids", str(list(range(100, 164))), "--model.generation.segment_tokens", "3")
-"""An eighth of the demo's vocabulary ends a response: lengths about geometric, of mean 8, cut at 12 tokens."""
+UNEVEN = ("--model.generation.stop_token_ids", str(list(range(100, 228))), "--model.generation.segment_tokens", "2")
+"""A quarter of the demo's vocabulary ends a response: lengths about geometric, of mean 4, cut at 12 tokens, so that
+whole groups of 4 complete at different rounds (rounds of 2 tokens)."""
 ONE_PROCESS = ("--trainer.strategy", "lightning_app_rlhf.PlacementStrategy", "--trainer.strategy.plan.world_size", "1",
                "--trainer.strategy.plan.calls", ONE_RANK_CALLS, "--trainer.strategy.plan.max_staleness", "1",
                "--trainer.strategy.plan.partial_rollout", "true")

@@ -179,6 +179,7 @@ def test_processes_started_while_measuring_log_to_stderr_not_to_the_report(capfd
     assert out == "the report\n" and "an engine logs" in err
 
 
+@pytest.mark.slow  # a real engine's start and measurement (70 s); the pricing from points runs above by default
 @pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (scripts/setup.sh installs it)")
 def test_a_real_vllm_engine_measures_positive_points_and_sync_once_then_from_the_cache(tmp_path, monkeypatch):
     """A tiny Llama (2 heads x 32 dims) measured on one real vLLM engine (enforce_eager: no compile): positive prefill
