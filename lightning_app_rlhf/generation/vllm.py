@@ -68,10 +68,16 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def vllm_weights(model: nn.Module, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of the causal LM ``model`` by Hugging Face checkpoint name, as vLLM loads them: a PEFT model's
     LoRA adapters merged into their base weights (``W + scale * B @ A``, computed here; the live model keeps its
     adapters and its base weights untouched).
+
+    Args:
+        model: The causal LM, or a PEFT model wrapping one.
+        trainable_only: Only the weights an update can change: those of parameters that require gradients, and the
+            base weights that LoRA adapters merge into. A LoRA actor's frozen base (most of its bytes) is then left
+            out of every sync after the first.
 
     Raises:
         ValueError: A parameter is a sharded ``DTensor`` (a tensor-parallel or FSDP2 copy), naming it and the fix.
@@ -87,8 +93,10 @@ def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 active = [a for a in module.active_adapters if a in module.lora_A]
                 if active:
                     deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in active)
+    trainable = {name for name, parameter in base.named_parameters() if parameter.requires_grad}
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
+        if ".lora_" in name or (trainable_only and name not in trainable
+                                and name.replace(".base_layer.", ".") not in deltas):
             continue
         name = name.replace(".base_layer.", ".")
         if type(tensor).__name__ == "DTensor":
@@ -222,7 +230,10 @@ class VllmEngine:
         """
         if version is not None and version == self.weights_version:
             return False
-        weights = list(vllm_weights(model))
+        # After the first send (dummy weights before it) only what an update can change: a LoRA actor's merged
+        # projections, not its frozen base.
+        first = self.weights_version is None
+        weights = list(vllm_weights(model, trainable_only=not first))
         for name, tensor in weights:
             expected = self.shapes.get(name)
             if expected != tuple(tensor.shape):
@@ -230,7 +241,7 @@ class VllmEngine:
                                  f"built for {expected if expected else 'no such weight'}: the generating model's "
                                  "architecture changed after the engine started. Keep the actor's architecture fixed.")
         missing = sorted(set(self.shapes) - {name for name, _ in weights})
-        if missing:
+        if missing and first:
             raise ValueError(f"The actor has no weight {missing[0]} (and {len(missing) - 1} more), which the vLLM "
                              "engine was built with: keep the actor's architecture fixed.")
         self.llm.collective_rpc("load_sent_weights", args=(_as_message(iter(weights)),))
