@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_app_rlhf.bench.presets import MODEL_PRESETS, SPECIAL_TOKENS
+from lightning_app_rlhf.bench.presets import MODEL_PRESETS, SPECIAL_TOKENS, stop_ids
 from lightning_app_rlhf.core.config import GenerationConfig
 from lightning_app_rlhf.generation import generate, sample_keys
 
@@ -107,16 +107,6 @@ def prompts(batch_size: int, prompt_tokens: int, vocab: int, device: str) -> tup
     lengths = torch.randint(max(prompt_tokens // 2, 1), prompt_tokens + 1, (batch_size,), generator=generator)
     mask = (torch.arange(prompt_tokens) >= prompt_tokens - lengths[:, None]).long()
     return ids.masked_fill(mask == 0, SPECIAL_TOKENS["pad_token_id"]).to(device), mask.to(device)
-
-
-def stop_ids(vocab: int, mean_length: int | None) -> list[int]:
-    """Stop ids that end a random-init model's rows after about ``mean_length`` tokens: such a model's next token is
-    close to uniform over the vocabulary, so ``vocab / mean_length`` stop ids stop a row at each step with
-    probability ``1 / mean_length``: geometric lengths, most far below the longest (None: no stop id, every row
-    runs to ``new_tokens``)."""
-    if mean_length is None:
-        return []
-    return list(range(3, 3 + max(1, vocab // mean_length)))  # past pad, bos and eos (0, 1, 2)
 
 
 def decode_once(decoder: str, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,

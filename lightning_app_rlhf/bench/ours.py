@@ -13,8 +13,7 @@ from typing import Any
 
 import yaml
 
-from lightning_app_rlhf.bench.decode import stop_ids
-from lightning_app_rlhf.bench.presets import DECODERS, PLACEMENTS, TOKENIZER_VOCAB, RunSettings
+from lightning_app_rlhf.bench.presets import DECODERS, PLACEMENTS, TOKENIZER_VOCAB, RunSettings, stop_ids
 
 
 def fit_config(settings: RunSettings, out_dir: Path) -> dict[str, Any]:

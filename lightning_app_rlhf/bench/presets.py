@@ -56,7 +56,7 @@ class RunSettings:
     static decode step through ``torch.compile``; its compilation falls in the warm-up). Ours only."""
     mean_length: int | None = None
     """Responses of uneven length: a random-init model's rows stop after about this many tokens (geometric lengths,
-    cut at ``new_tokens``; :func:`~lightning_app_rlhf.bench.decode.stop_ids`). None: every row runs to
+    cut at ``new_tokens``; :func:`stop_ids`). None: every row runs to
     ``new_tokens``. Ours only."""
     padding_free: bool = False
     """Ours only: ``ppo.padding_free`` (the actor's training forward and the reference's scoring forward on packed
@@ -131,3 +131,13 @@ PLACEMENTS: dict[str, tuple[str, dict[str, Any]]] = {
                            {"max_staleness": 1, "partial_rollout": True}),
 }
 """Placement name -> (strategy class path, extra strategy arguments)."""
+
+
+def stop_ids(vocab: int, mean_length: int | None) -> list[int]:
+    """Stop ids that end a random-init model's rows after about ``mean_length`` tokens: such a model's next token is
+    close to uniform over the vocabulary, so ``vocab / mean_length`` stop ids stop a row at each step with
+    probability ``1 / mean_length``: geometric lengths, most far below the longest (None: no stop id, every row
+    runs to ``new_tokens``)."""
+    if mean_length is None:
+        return []
+    return list(range(3, 3 + max(1, vocab // mean_length)))  # past pad, bos and eos (0, 1, 2)

@@ -34,13 +34,13 @@ from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dyn
 from lightning_app_rlhf.engine.experience import RewardShaping, collect_experience
 from lightning_app_rlhf.engine.free_running import FreeRunningLink, experience_payload, free_running_result
 from lightning_app_rlhf.engine.iteration import Recipe, Step, iteration_recipe
-from lightning_app_rlhf.engine.partial_rollout import PartialRollouts, check_partial_rollout, fill_pool
 from lightning_app_rlhf.engine.iteration_state import (
     IterationResult,
     IterationState,
     stale_experience,
     staleness_stats,
 )
+from lightning_app_rlhf.engine.partial_rollout import PartialRollouts, check_partial_rollout, fill_pool
 from lightning_app_rlhf.engine.role_calls import RoleCalls
 from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES, UpdateLoop
@@ -124,7 +124,8 @@ class RLHFEngine:
             check_partial_rollout(self.collector is not None, environment is not None)
             self.partial = PartialRollouts(generation.num_samples, generation.max_new_tokens,
                                            generation.partial_segment, tokenizer.pad_token_id)
-        self._more_prompts: Callable[[int, int], dict[str, Any]] | None = None
+        self._refill: Callable[[int, int], dict[str, Any]] | None = None
+        """This iteration's ``more_prompts`` (:meth:`run_iteration`): where partial rollouts top up their pool."""
 
     @property
     def placement(self) -> Placement:
@@ -158,7 +159,7 @@ class RLHFEngine:
         Raises:
             DivergenceError: On every rank (free-running: of the side that meets it), once a role's updates diverged.
         """
-        self._more_prompts = more_prompts
+        self._refill = more_prompts
         prompts = batch["input_ids"].shape[0]
         if prompts != self._checked_prompts:
             self.check_batch(prompts)
@@ -222,15 +223,19 @@ class RLHFEngine:
         done; then the batch of complete groups becomes the iteration's prompts and rollout."""
         pool, iteration, device = self.partial, state.iteration, self.placement.device
         assert pool is not None
-        more = None
-        if self._more_prompts is not None:
-            refill = self._more_prompts
-            more = lambda r: repeat_samples(refill(iteration, r), self.generation.num_samples)  # noqa: E731
-        keys = lambda rows, r: sample_keys(self.calls.seed, round_key(iteration, r), rows["index"],  # noqa: E731
-                                           rows["sample"])
-        drawn = fill_pool(pool, state.batch, state.prompts, keys, more)
+        refill = self._refill
+
+        def more(generation_round: int) -> dict[str, Any]:
+            assert refill is not None
+            return repeat_samples(refill(iteration, generation_round), self.generation.num_samples)
+
+        def keys(rows: dict[str, Any], generation_round: int) -> torch.Tensor:
+            return sample_keys(self.calls.seed, round_key(iteration, generation_round), rows["index"], rows["sample"])
+
+        drawn = fill_pool(pool, state.batch, state.prompts, keys, more if refill is not None else None)
         rounds = 0
         while not pool.call_done(state.prompts, self.policy_version):
+            entering(f"iteration {iteration}: call actor.generate (partial rollout, round {rounds})")
             rows = pool.unfinished()
             input_ids, attention_mask, row_keys, max_new = pool.round_inputs(rows, device)
             out = self.calls.generate_round(input_ids, attention_mask, row_keys, max_new, self.policy_version,
