@@ -252,6 +252,13 @@ def test_lora_weights_are_merged_by_checkpoint_name_and_the_model_keeps_its_adap
                        plain["model.layers.0.self_attn.q_proj.weight"] + delta)
     assert torch.equal(weights["model.layers.0.self_attn.k_proj.weight"], plain["model.layers.0.self_attn.k_proj.weight"])
     assert torch.equal(layer.base_layer.weight, plain["model.layers.0.self_attn.q_proj.weight"])  # untouched
+    # Every sync after the first: only the merged projections (the frozen base stays in the engine)...
+    assert set(dict(vllm_weights(lora, trainable_only=True))) == {"model.layers.0.self_attn.q_proj.weight",
+                                                                   "model.layers.0.self_attn.v_proj.weight"}
+    # ... decided by the adapters, not requires_grad: a model without them (or a whole copy without gradients) sends
+    # every weight.
+    copy = LlamaForCausalLM(base.config).requires_grad_(False)
+    assert set(dict(vllm_weights(copy, trainable_only=True))) == set(plain)
     merged = lora.merge_and_unload()
     assert torch.allclose(weights["model.layers.0.self_attn.q_proj.weight"],
                           merged.state_dict()["model.layers.0.self_attn.q_proj.weight"], atol=1e-6)

@@ -75,9 +75,10 @@ def vllm_weights(model: nn.Module, trainable_only: bool = False) -> Iterator[tup
 
     Args:
         model: The causal LM, or a PEFT model wrapping one.
-        trainable_only: Only the weights an update can change: those of parameters that require gradients, and the
-            base weights that LoRA adapters merge into. A LoRA actor's frozen base (most of its bytes) is then left
-            out of every sync after the first.
+        trainable_only: For a PEFT model, only the weights an update can change: the base weights its LoRA adapters
+            merge into, and its ``modules_to_save``; its frozen base (most of its bytes) is then left out of every
+            sync after the first. Decided by the adapters, not by ``requires_grad``: a whole copy of the actor (beside
+            a pipelined train call) holds the same weights without gradients. A model without adapters: every weight.
 
     Raises:
         ValueError: A parameter is a sharded ``DTensor`` (a tensor-parallel or FSDP2 copy), naming it and the fix.
@@ -93,10 +94,10 @@ def vllm_weights(model: nn.Module, trainable_only: bool = False) -> Iterator[tup
                 active = [a for a in module.active_adapters if a in module.lora_A]
                 if active:
                     deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in active)
-    trainable = {name for name, parameter in base.named_parameters() if parameter.requires_grad}
+    peft = base is not model
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name or (trainable_only and name not in trainable
-                                and name.replace(".base_layer.", ".") not in deltas):
+        frozen = peft and name.replace(".base_layer.", ".") not in deltas and "modules_to_save" not in name
+        if ".lora_" in name or (trainable_only and frozen):
             continue
         name = name.replace(".base_layer.", ".")
         if type(tensor).__name__ == "DTensor":
@@ -231,7 +232,7 @@ class VllmEngine:
         if version is not None and version == self.weights_version:
             return False
         # After the first send (dummy weights before it) only what an update can change: a LoRA actor's merged
-        # projections, not its frozen base.
+        # projections, not its frozen base (vllm_weights).
         first = self.weights_version is None
         weights = list(vllm_weights(model, trainable_only=not first))
         for name, tensor in weights:
