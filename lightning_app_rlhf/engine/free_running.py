@@ -8,7 +8,7 @@ iterations; ``k`` is ``plan.max_staleness``.
 
 - **take** (generation side, before each rollout ``i``): join the bucketed broadcasts of every version the training
   side has published since this rank's own, in order (the existing reallocation), waiting only when the newest is
-  older than ``i - k``.
+  older than ``i - k`` (``i - k + 1`` with partial rollouts: ``PlacementPlan.schedule_staleness``).
 - **send** / **receive**: the generation leader sends the experience of rollout ``i`` to every training rank, point
   to point, and goes on; a training rank receives it at its iteration ``i`` (waiting when the generation side is
   slower).

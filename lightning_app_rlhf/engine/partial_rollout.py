@@ -111,13 +111,7 @@ class PartialRollouts:
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """A round's left-padded inputs (each row's prompt and tokens so far), attention mask and keys, and how many
         tokens it decodes at most (the segment, or less where every row has less of its budget left)."""
-        prefixes = [s.prompt_ids + s.tokens for s in rows]
-        length = max(len(p) for p in prefixes)
-        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((len(rows), length), dtype=torch.long, device=device)
-        for i, prefix in enumerate(prefixes):
-            input_ids[i, length - len(prefix) :] = torch.tensor(prefix, dtype=torch.long, device=device)
-            attention_mask[i, length - len(prefix) :] = 1
+        input_ids, attention_mask = self._left_padded([s.prompt_ids + s.tokens for s in rows], device)
         keys = torch.tensor([mix_key(s.key, len(s.tokens)) if s.tokens else s.key for s in rows], dtype=torch.int64)
         left = max(self.max_new_tokens - len(s.tokens) for s in rows)
         return input_ids, attention_mask, keys, min(self.segment_tokens, left)
@@ -182,13 +176,18 @@ class PartialRollouts:
         }
         return batch, rollout, stats
 
+    def _left_padded(self, sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token lists left-padded into one batch, and its attention mask."""
+        length = max(map(len, sequences))
+        input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long, device=device)
+        for i, ids in enumerate(sequences):
+            input_ids[i, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, length - len(ids) :] = 1
+        return input_ids, attention_mask
+
     def _batch(self, rows: list[PartialSample], device: torch.device) -> dict[str, Any]:
-        length = max(len(s.prompt_ids) for s in rows)
-        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((len(rows), length), dtype=torch.long, device=device)
-        for i, s in enumerate(rows):
-            input_ids[i, length - len(s.prompt_ids) :] = torch.tensor(s.prompt_ids, dtype=torch.long)
-            attention_mask[i, length - len(s.prompt_ids) :] = 1
+        input_ids, attention_mask = self._left_padded([s.prompt_ids for s in rows], device)
         batch: dict[str, Any] = {
             "input_ids": input_ids, "attention_mask": attention_mask,
             "index": torch.tensor([s.index for s in rows], device=device),
