@@ -12,12 +12,16 @@ import math
 import pytest
 import torch
 from helpers import approx_or_none, fit_demo
+from test_agent_placements import AGENT, GRPO_CONFIG
+from test_agent_placements import COMPARED as AGENT_COMPARED
 from test_placements import COMPARED, ONE_RANK_CALLS
 
 from lightning_app_rlhf.algorithms.functional import rollout_correction, superseded_token_mask
-from lightning_app_rlhf.core.config import PPOConfig
-from lightning_app_rlhf.engine.partial_rollout import PartialRollouts, fill_pool
+from lightning_app_rlhf.agents.episodes import TurnOutcome
+from lightning_app_rlhf.core.config import AgentConfig, PPOConfig
+from lightning_app_rlhf.engine.partial_rollout import EpisodeEnvironments, PartialRollouts, fill_pool, resume_key
 from lightning_app_rlhf.generation import repeat_samples
+from lightning_app_rlhf.generation.rollout import mix_key
 from lightning_app_rlhf.parallel.plan import PlacementPlan, flattening_plan, separation_plan
 
 EOS, PAD = 2, 0
@@ -181,6 +185,107 @@ def test_the_loss_options_mask_superseded_tokens_and_weigh_the_decoupled_objecti
         PPOConfig(partial_rollout_loss="decoupled", recompute_old_logprobs=False)
 
 
+# ---- multi-turn episodes ----
+
+
+class ScriptedTurns:
+    """Episode ``(index, sample)`` answers turns of ``turns[(index, sample)][k]`` tokens, each ending at EOS; token
+    ``t`` of a turn is ``20 + t``. The pool's own rounds (:class:`ScriptedDecoder`'s rules, per turn)."""
+
+    def __init__(self, turns: dict[tuple[int, int], list[int]]) -> None:
+        self.turns = turns
+
+    def __call__(self, pool: PartialRollouts, version: int) -> None:
+        rows = pool.unfinished()
+        _, _, _, max_new = pool.round_inputs(rows, torch.device("cpu"))
+        responses = torch.full((len(rows), max_new), PAD)
+        mask = torch.zeros((len(rows), max_new), dtype=torch.long)
+        stopped = torch.zeros(len(rows), dtype=torch.uint8)
+        for i, row in enumerate(rows):
+            length, start = self.turns[(row.index, row.sample)][row.turns], row.turn_tokens
+            n = min(max_new, length - start)
+            responses[i, :n] = torch.tensor([20 + t for t in range(start, start + n)])
+            responses[i, n - 1] = EOS if start + n == length else responses[i, n - 1]
+            mask[i, :n] = 1
+            stopped[i] = start + n == length
+        pool.record(rows, {"responses": responses, "response_mask": mask, "logprobs": -mask.float(),
+                           "stopped": stopped}, version)
+
+
+def test_multi_turn_episodes_resume_mid_turn_with_their_observations_and_budgets():
+    """One group of 2 episodes, turns of at most 4 tokens, 12 per episode, segments of 3. Episode 0's first turn (5
+    tokens) is cut at the turn's budget: truncated. Episode 1's first turn (3 tokens) ends in round 1; its
+    observation (2 tokens, not trained on) is appended; its second turn (4 tokens) spans rounds 2 and 3, a version
+    change between them; its third (3 tokens) would pass the episode's 12 tokens: cut at the budget, truncated."""
+    agent = AgentConfig(max_turns=3, max_episode_tokens=12)
+    pool = PartialRollouts(group_size=2, max_new_tokens=4, segment_tokens=3, pad_token_id=PAD, agent=agent)
+    pool.admit(repeat_samples(batch_of([[5]]) | {"prompts": ["p"]}, 2), torch.tensor([7, 8]))
+    assert [s.started for s in pool.unstarted()] == [False, False]
+    for s in pool.unstarted():  # what the environments' owners render and gather
+        s.prompt_ids, s.started = [1, 5], True
+    decoder = ScriptedTurns({(0, 0): [5], (0, 1): [3, 4, 3]})
+    decoder(pool, version=0)  # round 1: episode 0 has 3 tokens; episode 1's turn ended, awaiting its environment
+    (waiting,) = pool.awaiting_step()
+    assert waiting.sample == 1 and waiting.turn_tokens == 3
+    pool.answer(waiting, TurnOutcome(0.5, False, [30, 31], tool_calls=1), version=0)
+    assert waiting.mask == [1, 1, 1, 0, 0] and waiting.turn_tokens == 0 and waiting.turns == 1
+    assert [resume_key(s) for s in pool.unfinished()] == [mix_key(7, 3), mix_key(8, 1)]  # mid-turn / turn 1's key
+    decoder(pool, version=0)  # round 2: episode 0 cut at 4 (its turn's budget); episode 1 has 3 of 4
+    first = pool.groups[0][0]
+    assert first.done and first.truncated and first.tokens == [20, 21, 22, 23] and first.turns == 1
+    decoder(pool, version=1)  # round 3, under new weights: episode 1's second turn ends
+    pool.answer(pool.awaiting_step()[0], TurnOutcome(0.25, False, [30, 31]), version=1)
+    decoder(pool, version=1)  # its third turn: 3 tokens, but 12 - 11 = 1 left in the episode
+    assert pool.call_done(1, version=1)
+    batch, rollout, _ = pool.take(1, torch.device("cpu"))
+    second = rollout.responses[1].tolist()
+    assert second == [20, 21, EOS, 30, 31, 20, 21, 22, EOS, 30, 31, 20]
+    assert rollout.response_mask[1].tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 1]
+    assert rollout.versions[1].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert rollout.turn_rewards[1].tolist() == [0, 0, 0.5, 0, 0, 0, 0, 0, 0.25, 0, 0, 0]
+    assert rollout.stopped.tolist() == [False, False]  # both truncated
+    assert rollout.episode_stats.tolist() == [[1, 0, 0, 0, 1], [3, 1, 0, 0, 1]]
+    assert batch["input_ids"].tolist() == [[1, 5], [1, 5]] and batch["prompts"] == ["p", "p"]
+
+
+def test_a_resumed_pool_replays_each_episode_and_refuses_an_environment_that_answers_differently():
+    """A checkpoint keeps the episodes' tokens, not their environments: a resumed rank rebuilds each by replaying
+    the ended turns, and an environment that answers a turn with another observation is an error naming the fix."""
+    from agent_task import LetterCount, tokenizer
+
+    tok = tokenizer()
+    agent = AgentConfig(max_turns=3, max_episode_tokens=96)
+    pool = PartialRollouts(group_size=1, max_new_tokens=8, segment_tokens=8, pad_token_id=tok.pad_token_id,
+                           agent=agent)
+    pool.admit(batch_of([[5]]) | {"prompts": ["count"], "sample": torch.tensor([0])}, torch.tensor([3]))
+    environments = EpisodeEnvironments(LetterCount(turns=3), tok, agent, owners=1, mine=0,
+                                       end_of_turn_ids=lambda: [tok.eos_token_id])
+    (sample,) = pool.unstarted()
+    reset = environments.reset([sample])
+    sample.prompt_ids, sample.started = reset["prompt"][0].tolist(), True
+    turn = tok.encode("eee", add_special_tokens=False) + [tok.eos_token_id]
+    pool.record([sample], {"responses": torch.tensor([turn]), "response_mask": torch.ones(1, len(turn)),
+                           "logprobs": torch.zeros(1, len(turn)), "stopped": torch.tensor([1])}, version=0)
+    answer = environments.step([sample])
+    observation = answer["observation"][0]
+    pool.answer(sample, TurnOutcome(*answer["outcome"][0, :2].tolist(), observation[observation >= 0].tolist()), 0)
+    assert sample.turns == 1 and sample.mask.count(0) > 0
+
+    restored = PartialRollouts(group_size=1, max_new_tokens=8, segment_tokens=8, pad_token_id=tok.pad_token_id,
+                               agent=agent)
+    restored.load_state_dict(torch.load(_saved(pool.state_dict()), weights_only=True))
+    fresh = EpisodeEnvironments(LetterCount(turns=3), tok, agent, owners=1, mine=0,
+                                end_of_turn_ids=lambda: [tok.eos_token_id])
+    fresh.replay(restored)
+    (rebuilt,) = fresh.environments.values()
+    assert rebuilt.taken == 1  # stepped on the one ended turn
+    restored.groups[0][0].tokens[len(turn)] += 1  # the observation as another environment would have answered it
+    with pytest.raises(ValueError, match="LetterCount answered turn 1 of sample 0/0 with another observation than "
+                                         "before the checkpoint: make reset and step depend only on the row"):
+        EpisodeEnvironments(LetterCount(turns=3), tok, agent, owners=1, mine=0,
+                            end_of_turn_ids=lambda: [tok.eos_token_id]).replay(restored)
+
+
 # ---- real runs, from the CLI ----
 
 PARTIAL = ("--trainer.strategy", "lightning_app_rlhf.strategies.SeparationStrategy",
@@ -276,12 +381,51 @@ def test_the_loss_options_train(tmp_path, loss):
         assert any(r[key] > 0 for r in rows)
 
 
+MULTI_TURN_COMPARED = (*AGENT_COMPARED, "rollout/staleness_mean", "rollout/partial_carried_tokens",
+                       "rollout/partial_resumed_share", "episode/tool_calls_mean")
+
+
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_multi_turn_episodes_with_partial_rollouts_log_the_same_trajectory_as_one_process(tmp_path, devices):
+    """GRPO on the multi-turn task (3 prompts x 4 episodes of up to 3 turns, segments of 3 tokens): episodes resume
+    mid-turn and mid-episode under the next weights, their environments stepping on the generating ranks (each
+    episode's on one of them); one process and Separation log the same values."""
+    args = (*AGENT, "--model.generation.segment_tokens", "3")
+    one = logged(fit_demo(tmp_path, "one", *args, *ONE_PROCESS, config=GRPO_CONFIG, steps=3))
+    check_partial_rows(one, 1)
+    assert any(1 < r["episode/turns_mean"] for r in one)
+    placed = logged(fit_demo(tmp_path, f"separation{devices}", *args, "--trainer.devices", str(devices), *PARTIAL,
+                             config=GRPO_CONFIG, steps=3))
+    for step, (got, want) in enumerate(zip(placed, one, strict=True)):
+        for metric in MULTI_TURN_COMPARED:
+            assert got.get(metric) == approx_or_none(want.get(metric), rel=1e-4, abs=1e-6), (devices, step, metric)
+
+
+@pytest.mark.slow  # the default run resumes single-turn partial rollouts (above) and replays an episode (unit test)
+def test_a_multi_turn_resume_from_mid_partial_replays_the_episodes_and_logs_what_the_uninterrupted_run_logged(
+        tmp_path):
+    """The step-2 checkpoint holds episodes mid-turn: each generating rank rebuilds their environments by replaying
+    the ended turns, and the resumed run logs what the uninterrupted one logged."""
+    common = [*AGENT, "--model.generation.segment_tokens", "3", "--trainer.devices", "2", *PARTIAL,
+              "--trainer.enable_checkpointing", "true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=2",
+              "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}"]
+    full = logged(fit_demo(tmp_path, "full", *common, config=GRPO_CONFIG, steps=4))
+    assert full[1]["rollout/partial_carried_rows"] > 0
+    (checkpoint,) = (tmp_path / "ckpt").glob("step=2*.ckpt")
+    resumed = logged(fit_demo(tmp_path, "resumed", *common, "--ckpt_path", str(checkpoint), config=GRPO_CONFIG,
+                              steps=4))
+    assert [r["step"] for r in resumed] == [2, 3]
+    for got, want in zip(resumed, full[2:], strict=True):
+        for metric in MULTI_TURN_COMPARED:
+            assert got.get(metric) == approx_or_none(want.get(metric), rel=1e-5, abs=1e-7), (metric, got["step"])
+
+
 def test_partial_rollouts_refuse_what_they_cannot_carry():
     from lightning_app_rlhf.engine.partial_rollout import check_partial_rollout
     with pytest.raises(ValueError, match="set ppo.dynamic_sampling false, or partial_rollout false"):
-        check_partial_rollout(dynamic_sampling=True, multi_turn=False)
-    with pytest.raises(ValueError, match="run episodes .* with partial_rollout false"):
-        check_partial_rollout(dynamic_sampling=False, multi_turn=True)
+        check_partial_rollout(dynamic_sampling=True)
 
 
 def test_with_the_option_off_nothing_partial_is_kept(tmp_path):

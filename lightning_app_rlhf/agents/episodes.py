@@ -75,16 +75,12 @@ def turn_keys(keys: torch.Tensor, turn: int) -> torch.Tensor:
 
 def start_episodes(environment: Environment, rows: Sequence[dict[str, Any]], renderer: ChatRenderer,
                    tokenizer: Any) -> list[Episode]:
-    """One copy of ``environment`` per row, reset on it; its opening messages rendered as the prompt."""
-    name = type(environment).__name__
+    """One copy of ``environment`` per row, reset on it (:func:`start_episode`); its opening messages rendered as the
+    prompt."""
     episodes = []
     for row in rows:
-        env = copy.deepcopy(environment)
-        env.tokenizer = tokenizer
-        entering(f"{name}.reset")  # a stuck-rank verdict names the environment
-        started = time.perf_counter()
-        messages = checked_messages(env.reset(dict(row)), f"{name}.reset", allow_empty=False)
-        episodes.append(Episode(env, renderer.prompt_ids(messages), seconds=time.perf_counter() - started))
+        env, prompt, seconds = start_episode(environment, row, renderer, tokenizer)
+        episodes.append(Episode(env, prompt, seconds=seconds))
     return episodes
 
 
@@ -170,6 +166,53 @@ def _generate_turn(model: torch.nn.Module, episodes: list[Episode], keys: torch.
                     lockstep_group, tokenizer=tokenizer, inference_mode=inference_mode, weights_version=weights_version)
 
 
+@dataclass
+class TurnOutcome:
+    """What an episode's environment answered to one complete assistant turn."""
+
+    reward: float
+    done: bool
+    """The environment ended the episode."""
+    observation: list[int] | None
+    """The observation's tokens to append before the next turn; None where no turn follows (done, the last turn, or
+    no room left for another turn within ``max_episode_tokens``: then the episode is truncated)."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    seconds: float = 0.0
+
+
+def start_episode(environment: Environment, row: dict[str, Any], renderer: ChatRenderer,
+                  tokenizer: Any) -> tuple[Environment, list[int], float]:
+    """A copy of ``environment`` reset on ``row``: the copy, its opening messages rendered as the prompt's tokens,
+    and the seconds ``reset`` took."""
+    env = copy.deepcopy(environment)
+    env.tokenizer = tokenizer
+    name = type(environment).__name__
+    entering(f"{name}.reset")  # a stuck-rank verdict names the environment
+    started = time.perf_counter()
+    messages = checked_messages(env.reset(dict(row)), f"{name}.reset", allow_empty=False)
+    return env, renderer.prompt_ids(messages), time.perf_counter() - started
+
+
+def step_environment(environment: Environment, sampled: list[int], tokens_so_far: int, turn: int,
+                     agent: AgentConfig, renderer: ChatRenderer, tokenizer: Any) -> TurnOutcome:
+    """Step ``environment`` on a complete assistant turn (``sampled``, ending in an end of turn), the episode holding
+    ``tokens_so_far`` tokens after its prompt with the turn: its reward, and the observation's tokens where another
+    turn follows (turn ``turn`` is 0-based)."""
+    name = type(environment).__name__
+    entering(f"{name}.step (turn {turn + 1})")  # a stuck-rank verdict names the environment
+    started = time.perf_counter()
+    result = checked_step(environment.step(tokenizer.decode(sampled, skip_special_tokens=True)), f"{name}.step")
+    outcome = TurnOutcome(result.reward, result.done, None, int(result.info.get("tool_calls", 0)),
+                          int(result.info.get("tool_errors", 0)), time.perf_counter() - started)
+    if result.done or turn + 1 == agent.max_turns:
+        return outcome  # done; or no turn is left to answer the observation (run_episodes marks it truncated)
+    observation = renderer.observation_ids(result.observation, sampled[-1] in renderer.end_of_turn_ids)
+    if tokens_so_far + len(observation) < agent.max_episode_tokens:  # else no room is left for another turn
+        outcome.observation = observation
+    return outcome
+
+
 def _finish_turn(episode: Episode, part: Rollout, row: int, turn: int, agent: AgentConfig, renderer: ChatRenderer,
                  tokenizer: Any) -> None:
     """Append row ``row`` of the turn's rollout to ``episode``, step its environment, append the observation."""
@@ -184,25 +227,17 @@ def _finish_turn(episode: Episode, part: Rollout, row: int, turn: int, agent: Ag
     if over_budget or not bool(part.stopped[row]) or not sampled:  # cut: no complete turn to answer
         episode.done = episode.truncated = True
         return
-    name = type(episode.environment).__name__
-    entering(f"{name}.step (turn {turn + 1})")  # a stuck-rank verdict names the environment
-    started = time.perf_counter()
-    result = checked_step(episode.environment.step(tokenizer.decode(sampled, skip_special_tokens=True)),
-                          f"{name}.step")
-    episode.seconds += time.perf_counter() - started
-    episode.rewards[-1] += result.reward
-    episode.tool_calls += int(result.info.get("tool_calls", 0))
-    episode.tool_errors += int(result.info.get("tool_errors", 0))
-    if result.done:
+    outcome = step_environment(episode.environment, sampled, len(episode.tokens), turn, agent, renderer, tokenizer)
+    episode.seconds += outcome.seconds
+    episode.rewards[-1] += outcome.reward
+    episode.tool_calls += outcome.tool_calls
+    episode.tool_errors += outcome.tool_errors
+    if outcome.done:
         episode.done = True
-        return
-    if turn + 1 == agent.max_turns:
-        return  # run_episodes marks it truncated: no turn is left to answer the observation
-    observation = renderer.observation_ids(result.observation, sampled[-1] in renderer.end_of_turn_ids)
-    if len(episode.tokens) + len(observation) >= agent.max_episode_tokens:  # no room left for another turn
+    elif outcome.observation is not None:
+        episode.append(outcome.observation, False)
+    elif turn + 1 < agent.max_turns:  # no room left for another turn (at max_turns run_episodes marks it)
         episode.done = episode.truncated = True
-        return
-    episode.append(observation, False)
 
 
 def _to_rollout(episodes: list[Episode], pad: int, device: torch.device) -> EpisodeRollout:

@@ -26,9 +26,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lightning_app_rlhf.agents import Environment
+from lightning_app_rlhf.agents.episodes import TurnOutcome
 from lightning_app_rlhf.algorithms import Algorithm
 from lightning_app_rlhf.core.config import AgentConfig, GenerationConfig, PPOConfig
-from lightning_app_rlhf.core.role_table import role_of
+from lightning_app_rlhf.core.role_table import ACTOR, role_of
 from lightning_app_rlhf.engine.batch_split import check_batch_split
 from lightning_app_rlhf.engine.dynamic_sampling import GroupCollector, check_dynamic_sampling_plan, round_key
 from lightning_app_rlhf.engine.experience import RewardShaping, collect_experience
@@ -40,17 +41,23 @@ from lightning_app_rlhf.engine.iteration_state import (
     stale_experience,
     staleness_stats,
 )
-from lightning_app_rlhf.engine.partial_rollout import PartialRollouts, check_partial_rollout, fill_pool
+from lightning_app_rlhf.engine.partial_rollout import (
+    EpisodeEnvironments,
+    PartialRollouts,
+    PartialSample,
+    check_partial_rollout,
+    fill_pool,
+)
 from lightning_app_rlhf.engine.role_calls import RoleCalls
 from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.engine.update_loop import SKIPPED_UPDATES, UpdateLoop
-from lightning_app_rlhf.generation import Rollout, repeat_samples, sample_keys
+from lightning_app_rlhf.generation import Rollout, model_eos_token_ids, repeat_samples, sample_keys
 from lightning_app_rlhf.models.calls import Experience
 from lightning_app_rlhf.models.roles import RewardFunction
 from lightning_app_rlhf.parallel.heartbeat import entering
 from lightning_app_rlhf.parallel.memory import RoleMemory
 from lightning_app_rlhf.parallel.placed_roles import Models, PlacedRoles
-from lightning_app_rlhf.parallel.placement import Placement
+from lightning_app_rlhf.parallel.placement import Placement, TensorSpec
 from lightning_app_rlhf.parallel.reallocation import shadow_buckets
 from lightning_app_rlhf.parallel.wrappers import RoleWrapper
 
@@ -120,10 +127,19 @@ class RLHFEngine:
         self.partial: PartialRollouts | None = None
         """With ``plan.partial_rollout``: the samples in flight across generation calls, the same on every rank that
         gathers the rollout."""
+        self.episodes: EpisodeEnvironments | None = None
+        """With ``plan.partial_rollout`` and an environment: the environments of the pool's episodes held here."""
         if self.placement.plan.partial_rollout:
-            check_partial_rollout(self.collector is not None, environment is not None)
+            check_partial_rollout(self.collector is not None)
             self.partial = PartialRollouts(generation.num_samples, generation.max_new_tokens,
-                                           generation.partial_segment, tokenizer.pad_token_id)
+                                           generation.partial_segment, tokenizer.pad_token_id,
+                                           self.calls.agent if environment is not None else None)
+            if environment is not None:
+                generate = ACTOR.call("generate")
+                self.episodes = EpisodeEnvironments(
+                    environment, tokenizer, self.calls.agent, self.placement.replicas(generate),
+                    self.placement.replica(generate) if self.placement.runs(generate) else None,
+                    lambda: [tokenizer.eos_token_id, *model_eos_token_ids(self.calls.call_module(ACTOR.name))])
         self._refill: Callable[[int, int], dict[str, Any]] | None = None
         """This iteration's ``more_prompts`` (:meth:`run_iteration`): where partial rollouts top up their pool."""
 
@@ -233,6 +249,9 @@ class RLHFEngine:
             return sample_keys(self.calls.seed, round_key(iteration, generation_round), rows["index"], rows["sample"])
 
         drawn = fill_pool(pool, state.batch, state.prompts, keys, more if refill is not None else None)
+        if self.episodes is not None:
+            self.episodes.replay(pool)
+            self._answer_episodes(self.episodes.reset, pool.unstarted(), step.among)
         rounds = 0
         while not pool.call_done(state.prompts, self.policy_version):
             entering(f"iteration {iteration}: call actor.generate (partial rollout, round {rounds})")
@@ -241,12 +260,40 @@ class RLHFEngine:
             out = self.calls.generate_round(input_ids, attention_mask, row_keys, max_new, self.policy_version,
                                             step.among)
             pool.record(rows, out, self.policy_version)
+            if self.episodes is not None:
+                self._answer_episodes(self.episodes.step, pool.awaiting_step(), step.among)
+                self.episodes.close_finished(pool)
             rounds += 1
         state.marks["generated"] = self._now()
         state.batch, state.rollout, stats = pool.take(state.prompts, device)
         self.calls.batch_rows = len(state.rollout.sequences)
         state.stats.update({**stats, "rollout/partial_rounds": float(rounds),
                             "rollout/partial_refills": float(drawn)})
+
+    def _answer_episodes(self, ask: Callable[[list[PartialSample]], dict[str, torch.Tensor] | None],
+                         samples: list[PartialSample], among: str | None) -> None:
+        """Multi-turn partial rollouts: the owners of ``samples``' environments reset them (``ask`` is
+        :meth:`EpisodeEnvironments.reset`) or step them on their ended turns (:meth:`EpisodeEnvironments.step`); the
+        answers are gathered to every rank of the pool, which applies them alike."""
+        assert self.partial is not None and self.episodes is not None
+        if not samples:  # the same on every rank of the pool: all skip the gather
+            return
+        entering(f"{type(self.episodes.prototype).__name__}: {ask.__name__} ({len(samples)} episodes)")
+        step = ask == self.episodes.step
+        specs = ({"observation": TensorSpec(torch.long, 2, -1), "outcome": TensorSpec(torch.float64, 2)} if step
+                 else {"prompt": TensorSpec(torch.long, 2, -1), "seconds": TensorSpec(torch.float64, 1)})
+        out = self.placement.gather_to_world(ACTOR.call("generate"), ask(samples), specs, among)
+        for i, sample in enumerate(self.episodes.in_gather_order(samples)):
+            if not step:
+                prompt = out["prompt"][i]
+                sample.prompt_ids, sample.started = prompt[prompt >= 0].tolist(), True
+                sample.seconds += float(out["seconds"][i])
+                continue
+            reward, done, answered, calls, errors, seconds = out["outcome"][i].tolist()
+            observation = out["observation"][i]
+            self.partial.answer(sample, TurnOutcome(reward, bool(done),
+                                                    observation[observation >= 0].tolist() if answered else None,
+                                                    int(calls), int(errors), seconds), self.policy_version)
 
     def _step_forward(self, step: Step, state: IterationState) -> None:
         role = role_of(step.name)
