@@ -13,6 +13,8 @@ the named-size workloads, the search, and the printing::
         --turns 4 --generation_length 256 --observation_tokens 128   # multi-turn episodes
     python -m lightning_app_rlhf plan --config examples/configs/demo_vllm_cpu.yaml --backends eager,vllm
     python -m lightning_app_rlhf plan --sweep   # the LLaMA table of docs/planner.md
+    python -m lightning_app_rlhf plan --cluster 1x4xcpu --actor gpt2-tiny --batch_size 32 --generation_length 128 \
+        --mean_response_length 16 --max_staleness 2 --partial_rollout   # uneven lengths, partial rollouts priced
 """
 
 from __future__ import annotations
@@ -147,6 +149,20 @@ class PlanOptions:
     """The staleness bound the plans may use (SeparationStrategy(max_staleness=...)): above 0, plans whose training
     can run beside their generation are also priced training on the previous rollout (staleness 1, column
     "stale"), and Separation plans free-running too ("1 free"). 0: on-policy plans only."""
+    partial_rollout: bool = False
+    """Also price every plan with partial rollouts (SeparationStrategy(partial_rollout=true): a generation call ends
+    once a batch of groups is complete, the unfinished samples resume under the next weights), one version of
+    --max_staleness kept for their carried tokens: an on-policy plan at staleness 1, a staleness-1 plan at 2 (column
+    "stale": "2 free partial"). Needs --max_staleness >= 1; refused with dynamic sampling (--generation_rounds above
+    1) and multi-turn episodes. They pay where response lengths are uneven (--mean_response_length)."""
+    mean_response_length: float | None = None
+    """Responses of uneven length: each stops after a geometric number of tokens of this mean, cut at the generation
+    length (the bench's uneven workload: random-init rows stopped by stop ids). A generate call is then priced until
+    its longest row, a partial-rollout call until a batch of groups is complete (docs/planner.md, "Partial rollouts
+    and uneven lengths"). Single-turn only. Default: every response runs to the generation length."""
+    segment_tokens: int | None = None
+    """Tokens a partial rollout's round decodes at most (generation.segment_tokens). Default: a training config's
+    model.generation.segment_tokens, else a quarter of the generation length."""
     json: bool = False
     """Print JSON instead of tables."""
     picture: str | None = None
@@ -451,7 +467,15 @@ def named_size_workload(options: PlanOptions, gpu: bool) -> Workload:
         generation_rounds=options.generation_rounds,
         name=workload_name(actor, critic, algorithm, options.named("num_samples"), options.lora_rank),
         **multi_turn_fields(options),
+        **length_fields(options),
     )
+
+
+def length_fields(options: PlanOptions) -> dict[str, Any]:
+    """The :class:`Workload` fields that ``--mean_response_length`` and ``--segment_tokens`` set (only those given;
+    the workload checks their range)."""
+    given = {"mean_response_length": options.mean_response_length, "segment_tokens": options.segment_tokens}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def multi_turn_fields(options: PlanOptions) -> dict[str, Any]:
@@ -537,6 +561,7 @@ def search(options: PlanOptions, cluster: Cluster, workload: Workload, profile: 
         mcmc_steps=options.mcmc_steps,
         top_k=options.top_k,
         max_staleness=options.max_staleness,
+        partial_rollout=options.partial_rollout,
     )
 
 
@@ -594,7 +619,8 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
         run: What the config runs.
     """
     check_no_named_sizes(options)
-    workload = replace(run.workload, generation_rounds=options.generation_rounds, **multi_turn_fields(options))
+    workload = replace(run.workload, generation_rounds=options.generation_rounds, **multi_turn_fields(options),
+                       **length_fields(options))
     workload = replace(workload, wrappers=wrappers_option(options)) if options.wrappers else workload
     backends = backends_option(options, workload)  # checked before the machine is measured
     cluster, profile, measured_note = measured_machine(options, run, workload, backends)
@@ -723,7 +749,8 @@ def print_report(report: PlanReport) -> None:
     result = report.result
     w = result.workload
     batch = f"batch {w.batch_size}" if w.num_samples == 1 else f"batch {w.batch_size} prompts x {w.num_samples} samples"
-    tokens = (f"generation {w.generation_length} tokens" if w.turns == 1 else
+    uneven = f" (geometric lengths of mean {w.mean_response_length:g})" if w.mean_response_length else ""
+    tokens = (f"generation {w.generation_length} tokens{uneven}" if w.turns == 1 else
               f"{w.turns} turns x {w.generation_length} generated + {w.turns - 1} x {w.observation_length} "
               f"observation tokens = {w.episode_length} tokens per episode")
     heading = (f"{w.name} ({w.algorithm}: {', '.join(w.roles)}) on {result.cluster.name}: {batch}, prompt "
@@ -748,7 +775,8 @@ def print_report(report: PlanReport) -> None:
             c.source,
             c.plan.name,
             " ".join(role_wrappers(c.plan.wrappers)) + ("" if c.plan.unshard_for_generation else " gen:gather/step"),
-            f"{c.plan.max_staleness} free" if c.plan.free_running else str(c.plan.max_staleness),
+            (f"{c.plan.max_staleness} free" if c.plan.free_running else str(c.plan.max_staleness))
+            + (" partial" if c.plan.partial_rollout else ""),
             str(c.choice.generation_batch or "all"),
             str(c.choice.micro_batch or "all"),
             _seconds_per_iteration(e.iteration_s) if e.fits else "-",

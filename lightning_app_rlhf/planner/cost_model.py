@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from lightning_app_rlhf.core.role_table import ACTOR, FROZEN_ROLES, REFERENCE, REWARD, calls_of, role_of
 from lightning_app_rlhf.engine.iteration import Step, iteration_steps, published_roles, relayout_calls
+from lightning_app_rlhf.engine.partial_rollout import POOL_GROUPS_PER_BATCH
 from lightning_app_rlhf.generation.vllm import CPU_KV_CACHE_GIB, GPU_MEMORY_UTILIZATION
 from lightning_app_rlhf.parallel.pipeline_checks import check_pipeline_parallel
 from lightning_app_rlhf.parallel.plan import PlacementPlan
@@ -43,6 +44,7 @@ from lightning_app_rlhf.planner.gpu_efficiency import (
     forward_mfu,
     training_mfu,
 )
+from lightning_app_rlhf.planner.lengths import DROPS_FINISHED_ROWS, decode_steps, simulate_partial
 from lightning_app_rlhf.planner.profiler import VLLM, VLLM_SYNC, Profile, generation_op, wrapper_op
 from lightning_app_rlhf.planner.workload import RoleShape, Workload, ceil_div
 
@@ -100,13 +102,14 @@ class PlanChoice:
     def label(self) -> str:
         """``flattening [ddp/ddp reference:fsdp2] actor.generate 0-7 reference.forward 0-7 ... gen_batch=all
         micro=all``: the plan's name, the trainable roles' wrappers (then each sharded frozen role's), every call
-        with its ranks (:func:`call_ranks`) and the batch sizes."""
+        with its ranks (:func:`call_ranks`), ``partial`` for partial rollouts, and the batch sizes."""
         plan = self.plan
         wrappers = "/".join(plan.wrappers[r] for r in plan.trainable_roles)
         wrappers += "".join(f" {r}:{plan.wrappers[r]}" for r in FROZEN_ROLES if r in plan.wrappers)
         batches = f"gen_batch={self.generation_batch or 'all'} micro={self.micro_batch or 'all'}"
         gather = "" if plan.unshard_for_generation else " gather-per-step"
-        return f"{plan.name} [{wrappers}] {' '.join(call_ranks(plan))}{gather} {batches}"
+        partial = " partial" if plan.partial_rollout else ""
+        return f"{plan.name} [{wrappers}] {' '.join(call_ranks(plan))}{gather}{partial} {batches}"
 
 
 def call_ranks(plan: PlacementPlan) -> list[str]:
@@ -206,6 +209,10 @@ class Estimate:
     refused: bool = False
     """Whether its generation backend cannot run it (:meth:`CostModel.backend_refusal`, the reason in ``rejected``):
     unlike a plan out of memory, no smaller batch makes it run."""
+    trainer_idle_share: float | None = None
+    """The share of the steady state that the last training rank runs no task (waiting for a rollout, or for the
+    other ranks of a collective): what the bench measures as ``trainer_idle_share`` on a free-running plan (its
+    wait for the next rollout over its iterations' time)."""
 
     @property
     def fits(self) -> bool:
@@ -244,6 +251,7 @@ class CostModel:
         self._role_bytes: dict[tuple[str, str, int, int], tuple[int, int, int]] = {}
         self.vllm = workload.generation_backend == VLLM
         """Whether ``actor.generate`` runs on a vLLM engine per generating rank."""
+        self._partial: dict[tuple, PartialPrice] = {}
 
     # ---- memory
 
@@ -436,7 +444,9 @@ class CostModel:
             if self.unshards_once(plan):  # the whole weights, gathered once for the rollout (less the own shard)
                 gathered = w.held_params(ACTOR.name) * db - self.role_bytes(ACTOR.name, plan.wrappers[ACTOR.name],
                                                                              n, 0)[0]
-            g = min(choice.generation_batch or ceil_div(w.samples, n), ceil_div(w.samples, n))
+            # Partial rollouts decode the pool's unfinished rows: up to POOL_GROUPS_PER_BATCH times the rollout's.
+            rows = ceil_div(w.samples * (POOL_GROUPS_PER_BATCH if plan.partial_rollout else 1), n)
+            g = min(choice.generation_batch or rows, rows)
             prefill = w.turn_context(w.turns - 1)  # the longest prefill: the last turn's (the prompt, single-turn)
             logits = (
                 2 * g * shape.vocab * 4 + g * prefill * shape.vocab * db
@@ -855,7 +865,9 @@ class CostModel:
         tp_pass_s = functools.cache(functools.partial(self.tp_pass_s, plan, call, shape))
         if call == ACTOR.call("generate"):
             compute, tp_comm, forwards = self.generate_time(choice, local, op_time, tp_pass_s)
-            compute += self.engine_s("generate")
+            # The engine's own work per generate call: per round with partial rollouts (each round is a call).
+            rounds = self.partial_price(choice, op_time, tp_pass_s).rounds if plan.partial_rollout else 1
+            compute += rounds * self.engine_s("generate")
             if not sharded:
                 return compute, tp_comm
             if self.unshards_once(plan):  # the hybrid engine: one gather of the weights for the whole rollout
@@ -898,6 +910,11 @@ class CostModel:
         are the workload's backend's (:func:`~lightning_app_rlhf.planner.profiler.generation_op`), over
         :meth:`generation_rows` rows at a time.
 
+        With ``mean_response_length`` each chunk decodes until its longest row (on the slowest replica:
+        :func:`~lightning_app_rlhf.planner.lengths.decode_steps`), at the whole chunk per step or, on a backend that
+        drops finished rows, at the rows still generating. With partial rollouts the simulated pool's rounds
+        (:meth:`partial_price`).
+
         Args:
             choice: The plan and its generation batch.
             local: Samples this rank generates.
@@ -905,6 +922,9 @@ class CostModel:
             tp_pass_s: ``(tokens) -> seconds`` of the call's tensor-parallel communication (:meth:`tp_pass_s`).
         """
         w, t = self.workload, choice.plan.tp_degree(ACTOR.call("generate"))
+        if choice.plan.partial_rollout:
+            price = self.partial_price(choice, op_time, tp_pass_s)
+            return price.compute, price.tp_comm, price.forwards
         g = self.generation_rows(choice, local)
         prefill, decode = (generation_op(w.generation_backend, op) for op in ("prefill", "decode"))
         compute, forwards, tp_comm = 0.0, 0, 0.0
@@ -912,15 +932,90 @@ class CostModel:
             b = min(g, local - start)
             for turn in range(w.turns):
                 context = w.turn_context(turn)
-                mid_context = context + (w.generation_length + 1) // 2
                 compute += op_time(prefill, b, context) / t
-                compute += (w.generation_length - 1) * op_time(decode, b, mid_context) / t
                 tp_comm += tp_pass_s(b * context)
+                if w.mean_response_length is not None:  # uneven lengths (single-turn): until the longest row
+                    steps = 0.0
+                    for weight, rows, offset in decode_steps(w.mean_response_length, w.generation_length, b,
+                                                             self.generate_replicas(choice.plan),
+                                                             w.generation_backend in DROPS_FINISHED_ROWS):
+                        compute += weight * op_time(decode, rows, context + round(offset)) / t
+                        tp_comm += weight * tp_pass_s(rows)
+                        steps += weight
+                    forwards += 1 + round(steps)
+                    continue
+                mid_context = context + (w.generation_length + 1) // 2
+                compute += (w.generation_length - 1) * op_time(decode, b, mid_context) / t
                 tp_comm += (w.generation_length - 1) * tp_pass_s(b)
                 forwards += w.generation_length
         if w.environment_s_per_turn:  # each episode's environment steps after each of its turns
             compute += local * w.turns * w.environment_s_per_turn
         return compute, tp_comm, forwards
+
+    def generate_replicas(self, plan: PlacementPlan) -> int:
+        """Data-parallel replicas of ``actor.generate``: each generates its share of the rows."""
+        call = ACTOR.call("generate")
+        return max(1, len(plan.ranks(call)) // (plan.tp_degree(call) * plan.pp_degree(call)))
+
+    def partial_price(self, choice: PlanChoice, op_time: Callable[..., float],
+                      tp_pass_s: Callable[..., float]) -> PartialPrice:
+        """``actor.generate`` with partial rollouts, per call in the steady state: the mean over the simulated calls
+        (:func:`~lightning_app_rlhf.planner.lengths.simulate_partial`, the engine's pool driven by seeded geometric
+        lengths, or every row to ``generation_length`` without ``mean_response_length``) of their rounds, each priced
+        on its slowest replica (a round ends in a gather): per chunk a prefill of the prompt and the longest tokens
+        so far, then decode steps until its longest row of the round, at the whole chunk or, on a backend that drops
+        finished rows, at the rows still generating. Cached per replicas, degrees and generation batch.
+
+        Args:
+            choice: A partial-rollout plan and its generation batch.
+            op_time: ``(op, batch, length) -> seconds`` of one rank (the actor's :meth:`op_time` for the call).
+            tp_pass_s: ``(tokens) -> seconds`` of the call's tensor-parallel communication.
+        """
+        w, plan, call = self.workload, choice.plan, ACTOR.call("generate")
+        t, n = plan.tp_degree(call), self.generate_replicas(plan)
+        key = (plan.ranks(call), t, plan.pp_degree(call), choice.generation_batch)
+        if key in self._partial:
+            return self._partial[key]
+        chunk = None if self.vllm else choice.generation_batch
+        calls = simulate_partial(w.batch_size, w.num_samples, n, chunk, w.generation_length, w.partial_segment,
+                                 w.mean_response_length)
+        prefill, decode = (generation_op(w.generation_backend, op) for op in ("prefill", "decode"))
+        drops = w.generation_backend in DROPS_FINISHED_ROWS
+        compute = tp_comm = forwards = 0.0
+        for rounds in calls:
+            for r in rounds:
+                context = w.prompt_length + r.carried
+                slowest = (0.0, 0.0, 0)
+                for replica in r.replicas:
+                    priced = [0.0, 0.0, 0]
+                    for tokens in replica:
+                        b, steps = len(tokens), max(tokens)
+                        mid = context + (steps + 1) // 2
+                        priced[0] += op_time(prefill, b, context) / t
+                        priced[1] += tp_pass_s(b * context)
+                        priced[2] += steps
+                        active = [sum(x > s for x in tokens) for s in range(1, steps)] if drops else [b] * (steps - 1)
+                        priced[0] += sum(op_time(decode, a, mid) for a in active) / t
+                        priced[1] += sum(tp_pass_s(a) for a in active)
+                    slowest = max(slowest, tuple(priced), key=lambda p: p[0] + p[1])
+                compute, tp_comm, forwards = compute + slowest[0], tp_comm + slowest[1], forwards + slowest[2]
+        gathers = tuple((ceil_div(r.rows, n), r.max_new) for rounds in calls for r in rounds)
+        price = PartialPrice(compute / len(calls), tp_comm / len(calls), round(forwards / len(calls)),
+                             sum(map(len, calls)) / len(calls), gathers, len(calls))
+        self._partial[key] = price
+        return price
+
+    def partial_gather_s(self, choice: PlanChoice, among: str | None) -> float:
+        """Seconds per call of a partial rollout's gathers (``RoleCalls.generate_round``): after each round, its
+        tokens, mask, log-probabilities and stop flags (4 tensors), ``max_new`` columns of each of a replica's rows,
+        averaged over the simulated calls (:meth:`partial_price`)."""
+        call = ACTOR.call("generate")
+        shape = self.workload.actor
+        p = choice.plan
+        op_time = functools.cache(functools.partial(self.op_time, shape, tp=p.tp_degree(call), pp=p.pp_degree(call)))
+        price = self.partial_price(choice, op_time, functools.cache(functools.partial(self.tp_pass_s, p, call, shape)))
+        return sum(self.world_gather_s(p, call, width * (8 + 8 + 4) + 1, 4, among, rows=rows)
+                   for rows, width in price.gathers) / price.calls
 
     def generation_rows(self, choice: PlanChoice, local: int) -> int:
         """Rows a generating rank decodes together, of its ``local`` samples: all of them on vLLM, whose engine
@@ -1075,12 +1170,13 @@ class CostModel:
         return measured if measured is not None else self.all_gather_s(train, moved)
 
     def world_gather_s(self, plan: PlacementPlan, call: str, bytes_per_row: int, tensors: int = 1,
-                       among: str | None = None) -> float:
+                       among: str | None = None, rows: int | None = None) -> float:
         """``Placement.gather_to_world``: every rank of the world (or of the group of the call ``among``: a
         free-running generation side) all-gathers the shapes, then each of the call's ``tensors`` result tensors,
-        padded to the largest shard (one collective each)."""
+        padded to the largest shard (one collective each) of ``rows`` rows (None: the rollout's share of a rank of
+        the call)."""
         group = plan.ranks(among) if among is not None else tuple(range(plan.world_size))
-        rows = ceil_div(self.workload.samples, len(plan.ranks(call)))
+        rows = ceil_div(self.workload.samples, len(plan.ranks(call))) if rows is None else rows
         payload = self.all_gather_s(group, len(group) * rows * bytes_per_row)
         return payload + tensors * self.all_gather_s(group, 0)
 
@@ -1198,7 +1294,10 @@ class CostModel:
             per_row = {ACTOR.call("generate"): rollout, REWARD.call("forward"): (4, 1)}
             nbytes, tensors = per_row.get(step.name, (t_gen * 4, 1))
             name = "gather.rollout" if step.name == ACTOR.call("generate") else f"gather.{role_of(step.name)}"
-            seconds = self.world_gather_s(plan, step.name, nbytes, tensors, step.among)
+            if step.name == ACTOR.call("generate") and plan.partial_rollout:  # a gather after each round
+                seconds = self.partial_gather_s(choice, step.among)
+            else:
+                seconds = self.world_gather_s(plan, step.name, nbytes, tensors, step.among)
             tasks = [Task(name, step.ranks, seconds, compute=False)]
             if step.name == ACTOR.call("generate") and self.engine_s("score"):
                 # The engine's own work on the rollout, on every rank that gathers it (the Python and small tensor
@@ -1258,7 +1357,37 @@ class CostModel:
             if k == last
         ]
         return Estimate(choice, steady, self.workload.samples / steady, call_s, rows, self.capacity, rejected, timeline,
-                        refused=refusal is not None)
+                        refused=refusal is not None,
+                        trainer_idle_share=idle_share(tasks, spans, choice.plan.training_ranks[-1],
+                                                      (ends[first], ends[last])))
+
+
+@dataclass(frozen=True)
+class PartialPrice:
+    """``actor.generate`` with partial rollouts, per call in the steady state (:meth:`CostModel.partial_price`)."""
+
+    compute: float
+    """Compute seconds of the slowest replica, summed over the rounds."""
+    tp_comm: float
+    """Tensor-parallel seconds."""
+    forwards: int
+    """Forwards (prefills and decode steps) of the slowest replica."""
+    rounds: float
+    """Rounds per call (each a generate call of the engine and a gather)."""
+    gathers: tuple[tuple[int, int], ...]
+    """``(rows of the largest shard, columns)`` of every simulated round's gather."""
+    calls: int
+    """Calls simulated (the gathers' count is over all of them)."""
+
+
+def idle_share(tasks: list[Task], spans: list[tuple[float, float]], rank: int, window: tuple[float, float]) -> float:
+    """The share of ``window`` in which ``rank`` runs none of ``tasks`` (their ``spans``): its waits, for a rollout
+    or for the other ranks of a collective."""
+    start, end = window
+    if end <= start:
+        return 0.0
+    busy = sum(max(0.0, min(e, end) - max(s, start)) for t, (s, e) in zip(tasks, spans) if rank in t.ranks)
+    return max(0.0, 1.0 - busy / (end - start))
 
 
 ENGINE_OPS = "engine"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_app_rlhf.core.files import write_atomically
 from lightning_app_rlhf.core.role_table import ACTOR, CRITIC
+from lightning_app_rlhf.core.upstream_warnings import ignore_upstream_warnings
 from lightning_app_rlhf.generation.vllm import CPU_KV_CACHE_GIB, VllmBackend
 from lightning_app_rlhf.parallel.wrappers import available_wrappers
 from lightning_app_rlhf.planner.cluster import (
@@ -382,6 +383,7 @@ def _free_port() -> int:
 
 
 def _collective_worker(rank: int, world_size: int, port: int, device: DeviceType, out: str) -> None:
+    ignore_upstream_warnings()  # a spawned process starts without the command's warning filters
     import datetime
 
     import torch
@@ -455,6 +457,7 @@ def wrapper_op(wrapper: str, op: str) -> str:
 
 def _wrapper_step_worker(rank: int, group: int, port: int, workload: Workload, wrappers: tuple[str, ...],
                          pipelines: bool, repeats: int, out: str) -> None:
+    ignore_upstream_warnings()  # a spawned process starts without the command's warning filters (DeepSpeed's)
     import datetime
 
     import torch
@@ -515,12 +518,12 @@ def _wrapper_added_s(shape: RoleShape, workload: Workload, batch: int, repeats: 
 
     mask = left_padded_mask(batch, workload.prompt_length, workload.sequence_length)
     inputs = {"input_ids": torch.randint(3, shape.vocab, mask.shape), "attention_mask": mask}
-    if shape.kind == "value":
+    if shape.kind != "causal_lm":  # a critic or a reward model: build_critic's ValueModel takes its positions
         inputs["position_ids"] = position_ids_from_mask(mask)
 
     def loss_of(module: torch.nn.Module) -> torch.Tensor:
         out = module(**inputs)
-        return (out if shape.kind == "value" else out.logits).float().mean()
+        return (out if shape.kind != "causal_lm" else out.logits).float().mean()
 
     median_s = functools.partial(median_wall_s, repeats=repeats)
     def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -683,7 +686,7 @@ def _pipeline_added_s(shape: RoleShape, workload: Workload, batch: int, repeats:
     def unpipelined(*args: Any) -> Any:
         out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                     position_ids=inputs.position_ids)
-        return out if shape.kind == "value" else out.logits
+        return out if shape.kind != "causal_lm" else out.logits  # build_critic for a reward model too
 
     median_s = functools.partial(median_wall_s, repeats=repeats)
     bubble, steps = (m + p - 1) / m, m + p - 1

@@ -101,11 +101,13 @@ class Candidate:
             "pp": dict(plan.pp),
             "pipeline_schedule": plan.pipeline_schedule,
             "free_running": plan.free_running,
+            "partial_rollout": plan.partial_rollout,
             "unshard_for_generation": plan.unshard_for_generation,
             "generation_batch": self.choice.generation_batch,
             "micro_batch": self.choice.micro_batch,
             "iteration_s": e.iteration_s if e.fits else None,
             "samples_per_s": e.samples_per_s if e.fits else None,
+            "trainer_idle_share": e.trainer_idle_share if e.fits else None,
             "peak_memory_bytes": e.peak_bytes,
             "capacity_bytes": e.capacity_bytes,
             "rejected": e.rejected,
@@ -186,6 +188,7 @@ def plan_placement(
     mcmc_steps: int = 2000,
     beta: float = 10.0,
     max_staleness: int = 0,
+    partial_rollout: bool = False,
 ) -> PlannerResult:
     """Choose a placement and batch sizes for ``workload`` on ``cluster``.
 
@@ -206,6 +209,9 @@ def plan_placement(
         max_staleness: The staleness bound the plans may use (``PlacementPlan.max_staleness``; 0: on-policy only).
             Above 0, every preset and searched plan whose training can run beside its generation is also priced
             with staleness 1 (:func:`staleness_variants`).
+        partial_rollout: Also price every plan with partial rollouts where ``max_staleness`` leaves a version for
+            their carried tokens (:func:`partial_variants`); refused (naming the fix) with dynamic sampling
+            (``generation_rounds`` above 1) or multi-turn episodes, as the engine refuses them.
 
     Raises:
         PlannerError: Nothing fits (the message shows the memory breakdown of the closest plan).
@@ -213,13 +219,19 @@ def plan_placement(
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: choose one of {SEARCHES}.")
     start = time.perf_counter()
+    if partial_rollout:
+        if max_staleness < 1:
+            raise ValueError("partial_rollout prices plans whose unfinished samples resume under the next weights, "
+                             "one version older than the update that trains on them: give max_staleness >= 1 (plan "
+                             "--max_staleness 1 --partial_rollout), or leave partial_rollout off.")
+        check_partial_pricing(workload)
     model = CostModel(cluster, workload, profile)
     _check_replica_fits(model)
     rules: list[str] = []
     presets = {name: _best_of(model, plans, "preset") for name, plans in _preset_plans(model, rules).items()}
     searched = _searched_candidates(model, list(presets.values()), search, rules, seed=seed,
                                     time_budget_s=time_budget_s, top_k=top_k, mcmc_steps=mcmc_steps, beta=beta,
-                                    max_staleness=max_staleness)
+                                    max_staleness=max_staleness, partial_rollout=partial_rollout)
     fitting = sorted((c for c in [*presets.values(), *searched] if c.estimate.fits), key=_cost)
     if not fitting:
         closest = min(presets.values(), key=lambda c: c.estimate.peak_bytes)
@@ -250,7 +262,7 @@ def plan_placement(
 
 def _searched_candidates(model: CostModel, presets: list[Candidate], search: str, rules: list[str], *, seed: int,
                          time_budget_s: float | None, top_k: int, mcmc_steps: int, beta: float,
-                         max_staleness: int) -> list[Candidate]:
+                         max_staleness: int, partial_rollout: bool = False) -> list[Candidate]:
     """The searched plans of :func:`plan_placement` (its arguments), presets not included: APP's grid with the
     role-block plans, then the MCMC chain seeded with the three cheapest fitting plans so far, then the staleness-1
     variants of every preset and searched plan. Each search appends what it decided to ``rules``."""
@@ -276,7 +288,42 @@ def _searched_candidates(model: CostModel, presets: list[Candidate], search: str
             # nothing fits anywhere: plan_placement's error names the closest preset
     if max_staleness > 0:
         searched += staleness_variants(model, [*presets, *searched])
+    if partial_rollout:
+        searched += partial_variants(model, [*presets, *searched], max_staleness)
     return searched
+
+
+def check_partial_pricing(workload: Workload) -> None:
+    """Raise naming the fix where the planner cannot price ``workload`` with partial rollouts: dynamic sampling (the
+    engine refuses it: its rounds are per update) and multi-turn episodes (the planner simulates the pool of
+    single-turn responses only)."""
+    if workload.generation_rounds > 1:
+        raise ValueError("partial_rollout carries unfinished samples across updates, and dynamic sampling "
+                         f"(generation_rounds {workload.generation_rounds}) collects groups over generation rounds "
+                         "within one update: plan with --generation_rounds 1, or without --partial_rollout.")
+    if workload.turns > 1:
+        raise ValueError(f"The planner prices partial rollouts of single-turn responses only, and this workload runs "
+                         f"episodes of {workload.turns} turns: plan it with --turns 1, or without --partial_rollout.")
+
+
+def partial_variants(model: CostModel, candidates: list[Candidate], max_staleness: int) -> list[Candidate]:
+    """Each distinct candidate priced with partial rollouts (``PlacementPlan.partial_rollout``), one version of
+    staleness more for their carried tokens: an on-policy plan at ``max_staleness`` 1 (the same schedule), a
+    staleness-1 variant (fixed or free-running) at 2; those the bound ``max_staleness`` leaves no version for are
+    skipped. Where lengths are uneven (``Workload.mean_response_length``) a call ends once a batch of groups is
+    complete; with equal lengths they cost a little more (the pool's extra rows and prefills)."""
+    out = []
+    for candidate in _distinct(candidates, len(candidates)):
+        plan = candidate.plan
+        if plan.partial_rollout or plan.max_staleness + 1 > max_staleness:
+            continue
+        try:  # the plan and the engine's rules refuse some (a pipelined call runs with max_staleness 0 only)
+            variant = dataclasses.replace(plan, max_staleness=plan.max_staleness + 1, partial_rollout=True)
+            model.check_plan(variant)
+        except ValueError:
+            continue
+        out.append(Candidate(evaluate(model, variant), candidate.source))
+    return out
 
 
 def staleness_variants(model: CostModel, candidates: list[Candidate]) -> list[Candidate]:
@@ -291,7 +338,12 @@ def staleness_variants(model: CostModel, candidates: list[Candidate]) -> list[Ca
         training = {r for c in plan.calls if c.endswith(".train") for r in plan.ranks(c)}
         if plan.overlap or training & set(plan.ranks(ACTOR.call("generate"))) or scores_on_train_ranks(plan):
             continue
-        out.append(Candidate(evaluate(model, dataclasses.replace(plan, max_staleness=1)), candidate.source))
+        stale = dataclasses.replace(plan, max_staleness=1)
+        try:  # the engine's rules refuse some (a pipelined call runs with max_staleness 0 only)
+            model.check_plan(stale)
+        except ValueError:
+            continue
+        out.append(Candidate(evaluate(model, stale), candidate.source))
         try:  # the plan validates the split: generate and forwards on the same ranks, no tensor-parallel copy there
             free = dataclasses.replace(plan, max_staleness=1, free_running=True)
         except ValueError:

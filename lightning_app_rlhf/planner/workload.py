@@ -359,8 +359,9 @@ class Workload:
     prompt_length: int
     """Padded prompt tokens."""
     generation_length: int
-    """Generated tokens per response, or per turn of a multi-turn episode (:attr:`turns`): the cost model assumes
-    every response (every turn) runs to this length."""
+    """Generated tokens per response (``generation.max_new_tokens``), or per turn of a multi-turn episode
+    (:attr:`turns`): the most a response runs to, and, without :attr:`mean_response_length`, what every response
+    (every turn) runs to."""
     ppo_epochs: int = 1
     """Passes of the train calls over the rollout."""
     num_minibatches: int = 1
@@ -420,6 +421,16 @@ class Workload:
     """LoRA: the trainable roles train rank-``r`` adapters on every attention and MLP projection (plus the critic's
     value head) and keep their base weights frozen; the reference is the actor's base with the adapters disabled, so
     it costs no weights where the actor is held. None: full fine-tuning."""
+    mean_response_length: float | None = None
+    """Responses of uneven length: each response stops after a geometric number of tokens of this mean (a stop at
+    every token with probability ``1 / mean``), cut at :attr:`generation_length`, as the bench's ``uneven`` workload
+    makes them (``bench/presets.py``, ``stop_ids``). The generate call is then priced until its longest row
+    (or, with partial rollouts, until a batch of groups is complete: docs/planner.md, "Partial rollouts and uneven
+    lengths"); the gathers, forwards and train calls keep the padded width :attr:`response_length`. None: every
+    response runs to :attr:`generation_length` (single-turn only)."""
+    segment_tokens: int | None = None
+    """``generation.segment_tokens``: tokens a partial rollout's round decodes at most (``PlacementPlan.
+    partial_rollout``); None: a quarter of :attr:`generation_length` (``GenerationConfig.partial_segment``)."""
     name: str = "workload"
     """A label for tables and errors."""
 
@@ -449,6 +460,32 @@ class Workload:
 
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1 (or None for full fine-tuning), got {self.lora_rank}.")
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        """:attr:`mean_response_length` and :attr:`segment_tokens` in range, each error naming the fix."""
+        mean = self.mean_response_length
+        if mean is not None:
+            if isinstance(mean, bool) or not isinstance(mean, (int, float)) or not 0 < mean <= self.generation_length:
+                raise ValueError(f"Workload mean_response_length must lie in (0, generation_length="
+                                 f"{self.generation_length}], got {mean!r}: give the mean of the uneven responses' "
+                                 "lengths (plan --mean_response_length), or None where every response runs to "
+                                 "generation_length.")
+            if self.turns > 1:
+                raise ValueError(f"Workload mean_response_length prices single-turn responses of uneven length, and "
+                                 f"this workload runs episodes of {self.turns} turns: set mean_response_length None "
+                                 "(every turn runs to generation_length), or turns 1.")
+        segment = self.segment_tokens
+        if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int) or segment < 1):
+            raise ValueError(f"Workload segment_tokens must be an integer >= 1 (generation.segment_tokens: tokens per "
+                             f"round of a partial rollout), or None for a quarter of generation_length, got "
+                             f"{segment!r}.")
+
+    @property
+    def partial_segment(self) -> int:
+        """Tokens a partial rollout's round decodes at most: :attr:`segment_tokens`, or a quarter of
+        :attr:`generation_length` (as ``GenerationConfig.partial_segment``)."""
+        return self.segment_tokens if self.segment_tokens is not None else max(1, self.generation_length // 4)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -643,6 +680,7 @@ def workload_from_module(
         lora_rank=int(module.specs.actor.lora.get("r", 8)) if module.specs.actor.lora is not None else None,
         turns=agent.max_turns if agent is not None else 1,
         max_episode_tokens=agent.max_episode_tokens if agent is not None else None,
+        segment_tokens=getattr(module.generation, "segment_tokens", None),
     )
 
 
