@@ -417,6 +417,19 @@ class PromptSampler(Sampler[int]):
         yield from order[skip * self.batch_size :]
 
 
+class PromptLoader(DataLoader):
+    """The training prompts' ``DataLoader``, resumable in Lightning's sense (it has ``state_dict`` and
+    ``load_state_dict``, so a resume mid-epoch is not warned about): its position is the trainer's iteration, which
+    :class:`PromptSampler` starts at when the loader is built (``start_batch = global_step``), so there is nothing else
+    to save or restore."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore: the sampler already starts at the checkpoint's iteration."""
+
+
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for PPO rollouts, tokenised without special tokens and left-padded per batch.
 
@@ -564,7 +577,7 @@ class PromptDataModule(pl.LightningDataModule):
         sampler = PromptSampler(len(self.dataset), self.batch_size, self.shuffle, self._seed())
         if self.trainer is not None:
             sampler.start_batch = self.trainer.global_step  # restored before dataloaders are built
-        return DataLoader(
+        return PromptLoader(
             self.dataset,
             batch_size=self.batch_size,
             sampler=sampler,

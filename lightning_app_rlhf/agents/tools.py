@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,23 @@ def call_tool(call: ToolCall, tools: dict[str, Callable[..., Any]]) -> tuple[str
     try:
         return str(tool(**call.arguments)), False
     except Exception as err:  # noqa: BLE001 - any failure of the user's tool is the model's observation
+        _report_first_tool_error(call.name, err)
         return f"Error: {type(err).__name__}: {err}", True
+
+
+_tool_error_reported = False
+
+
+def _report_first_tool_error(name: str, error: Exception) -> None:
+    """Warn about the first tool of this process that raises: the model reads the error as the tool's answer, and
+    ``episode/tool_errors`` counts them, but a bug in the tool itself would otherwise go unseen in the console."""
+    global _tool_error_reported
+    if _tool_error_reported:
+        return
+    _tool_error_reported = True
+    warnings.warn(f"The tool {name!r} raised {type(error).__name__}: {error}. The model gets this error as the tool's "
+                  "answer and the run goes on; episode/tool_errors counts the errors (this is the first, printed "
+                  "once).", stacklevel=2)
 
 
 class ToolEnvironment(Environment):

@@ -6,14 +6,30 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import ProcessingSpeedColumn
+from rich.progress import Task
+from rich.text import Text
 from typing_extensions import override
+
+
+class IterationSpeedColumn(ProcessingSpeedColumn):
+    """Lightning's speed column, in seconds per iteration below one iteration per second: an RLHF iteration takes
+    seconds, and ``it/s`` reads ``0.00it/s`` for one of over 200 s."""
+
+    @override
+    def render(self, task: Task) -> Text:
+        speed = task.speed
+        if speed is None:
+            return Text("", style=self.style)
+        return Text(f"{speed:.2f}it/s" if speed >= 1 else f"{1 / speed:.1f}s/it", style=self.style)
 
 
 class RLHFProgressBar(RichProgressBar):
     """Lightning's ``RichProgressBar`` whose training bar reads what bounds the run: ``Iteration 37/600, epoch 2``
     when ``max_steps`` does (an RLHF iteration is one step), ``Epoch 2/9`` when only ``max_epochs`` does (Lightning's
     reading: this epoch's index over the last one's), ``Epoch 2`` when nothing does. The bar itself still counts the
-    epoch's batches.
+    epoch's batches; its speed reads seconds per iteration below one per second (:class:`IterationSpeedColumn`), and
+    the logger's version ``v_num`` is printed as the integer it is.
 
     Lightning's own bar prints ``max_epochs - 1`` as the total, and ``max_epochs`` is -1 when only ``max_steps`` is set:
     ``Epoch 37/-2``. :class:`~lightning_app_rlhf.RLHFModule` replaces a ``RichProgressBar`` given to the Trainer with
@@ -55,6 +71,18 @@ class RLHFProgressBar(RichProgressBar):
         if trainer.max_steps >= 0:  # -1: no step limit
             return f"Iteration {trainer.global_step}/{trainer.max_steps}, epoch {epoch}"
         return f"Epoch {epoch}"
+
+    @override
+    def configure_columns(self, trainer: pl.Trainer) -> list:
+        return [IterationSpeedColumn(style=self.theme.processing_speed) if isinstance(column, ProcessingSpeedColumn)
+                else column for column in super().configure_columns(trainer)]
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float]:
+        metrics = super().get_metrics(trainer, pl_module)
+        if isinstance(metrics.get("v_num"), (int, float)):  # else the bar formats it as a float: "v_num: 7.000"
+            metrics["v_num"] = str(int(metrics["v_num"]))
+        return metrics
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -4,7 +4,9 @@
 - :data:`UPSTREAM_WARNINGS`: deprecations that dependencies raise about their own calls, not ours; the test suite
   ignores them too (where every other deprecation is an error);
 - :data:`INAPPLICABLE_WARNINGS`: advice of Lightning's that does not apply to an RLHF run and that no setting turns
-  off.
+  off;
+- :data:`LIGHTNING_TIPS`: the product tips Lightning logs on every run (litlogger, litmodels), which no setting
+  turns off either.
 
 Plain data and the standard library only. ``tests/conftest.py`` turns :data:`UPSTREAM_WARNINGS` into pytest
 ``filterwarnings`` entries. Add a deprecation only for a warning raised inside a dependency's own code path (its stack
@@ -14,6 +16,7 @@ package causes is fixed where it is caused, not added here.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -91,7 +94,25 @@ INAPPLICABLE_WARNINGS: tuple[UpstreamWarning, ...] = (
 """Lightning's advice that does not apply to an RLHF run; the command line and the module ignore it."""
 
 
+LIGHTNING_TIPS = "💡 Tip:"
+"""How Lightning 2.6 starts the tips it logs (``rank_zero_info``) on every run without LitLogger, and on every run
+that checkpoints without litmodels: advertisements for its cloud services, not advice about the run."""
+
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+"""The loggers Lightning's ``rank_zero_info`` writes to."""
+
+
+class _DropLightningTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LIGHTNING_TIPS)
+
+
 def ignore_upstream_warnings() -> None:
-    """Ignore every warning of :data:`UPSTREAM_WARNINGS` and :data:`INAPPLICABLE_WARNINGS` in this process."""
+    """Ignore every warning of :data:`UPSTREAM_WARNINGS` and :data:`INAPPLICABLE_WARNINGS` in this process, and drop
+    :data:`LIGHTNING_TIPS` from Lightning's logs."""
     for upstream in (*UPSTREAM_WARNINGS, *INAPPLICABLE_WARNINGS):
         upstream.ignore()
+    for name in RANK_ZERO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLightningTips) for f in logger.filters):
+            logger.addFilter(_DropLightningTips())

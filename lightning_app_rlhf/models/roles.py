@@ -506,9 +506,10 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        # The head outside autocast, in its own dtype: values in float32 under bf16-mixed.
+        # The head outside autocast, in its own dtype: values in float32 under bf16-mixed. A fresh tensor, not a view
+        # of the head's output: FSDP2 warns on a view (an in-place op on it would drop its pre-backward hook).
         with torch.autocast(hidden.device.type, enabled=False):
-            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().clone()
 
 
 def build_critic(spec: ModelSpec) -> ValueModel:
