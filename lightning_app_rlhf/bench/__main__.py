@@ -24,6 +24,8 @@ from rich.console import Console
 
 from lightning_app_rlhf.bench.decode import decode
 from lightning_app_rlhf.bench.ours import fit_job, read_timings, run_ours, run_ours_checkpointing
+from lightning_app_rlhf.bench.predict import measure_machine
+from lightning_app_rlhf.bench.predict import predict as predicted_run
 from lightning_app_rlhf.bench.presets import PLACEMENTS, RunSettings
 from lightning_app_rlhf.bench.profile import profile_iteration, profile_table
 from lightning_app_rlhf.bench.report import checkpoint_table, write_report
@@ -213,6 +215,7 @@ def compare_placements(
     placements: list[str] = ["flattening", "interleaving", "separation", "separation_overlap"],  # noqa: B006
     run: RunSettings = RunSettings(preset="small", warmup=1, iterations=3),  # noqa: B008
     out: str = "bench_results/placements.json",
+    predict: bool = False,
 ) -> list[dict[str, Any]]:
     """Flattening vs Interleaving vs Separation (on-policy and overlapped), one thread per process.
 
@@ -226,8 +229,13 @@ def compare_placements(
         run: The settings of every run (:class:`~lightning_app_rlhf.bench.presets.RunSettings`: ``--run.preset``
             for all four roles, ``--run.batch_size`` (global), ``--run.warmup``, ``--run.iterations``).
         out: Where the JSON results go.
+        predict: Also put the planner's prediction beside each measurement (``predicted`` in each row: samples/s,
+            seconds per iteration, the training side's idle share; :mod:`~lightning_app_rlhf.bench.predict`), this
+            machine measured first as ``plan --profile auto`` measures it (ops cached), without the engine's
+            calibration.
     """
     rows = []
+    machines: dict[tuple[str, int], Any] = {}
     for workload in workloads:
         if workload not in PLACEMENT_SETTINGS:
             raise ValueError(f"Unknown workload {workload!r}: choose from {sorted(PLACEMENT_SETTINGS)}.")
@@ -238,8 +246,19 @@ def compare_placements(
                     ranks = run_ours(settings, Path(work))["ranks"]
                 summary = summarize(ranks, settings, count_parameters(settings))
                 rows.append({"workload": workload, "settings": settings.as_dict(), "ours": summary})
+                predicted = ""
+                if predict:
+                    if (workload, count) not in machines:  # measured after the run, not beside it
+                        machines[workload, count] = measure_machine(settings)
+                    rows[-1]["predicted"] = prediction = predicted_run(settings, *machines[workload, count])
+                    idle = prediction["trainer_idle_share"]
+                    predicted = (f" (predicted {prediction['samples_per_s']:.1f}"
+                                 + (f", trainer idle {idle:.0%}" if idle is not None else "") + ")")
+                measured_idle = summary.get("trainer_idle_share")
                 console.print(f"{workload:>16} {count} processes {placement:>18}: "
-                              f"{summary['samples_per_s']['median']:.1f} samples/s")
+                              f"{summary['samples_per_s']['median']:.1f} samples/s"
+                              + (f", trainer idle {measured_idle:.0%}" if measured_idle is not None else "")
+                              + predicted)
     _save(out, "placements", rows)
     return rows
 

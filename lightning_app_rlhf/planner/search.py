@@ -220,11 +220,7 @@ def plan_placement(
         raise ValueError(f"search={search!r}: choose one of {SEARCHES}.")
     start = time.perf_counter()
     if partial_rollout:
-        if max_staleness < 1:
-            raise ValueError("partial_rollout prices plans whose unfinished samples resume under the next weights, "
-                             "one version older than the update that trains on them: give max_staleness >= 1 (plan "
-                             "--max_staleness 1 --partial_rollout), or leave partial_rollout off.")
-        check_partial_pricing(workload)
+        check_partial_pricing(workload, max_staleness)
     model = CostModel(cluster, workload, profile)
     _check_replica_fits(model)
     rules: list[str] = []
@@ -293,10 +289,14 @@ def _searched_candidates(model: CostModel, presets: list[Candidate], search: str
     return searched
 
 
-def check_partial_pricing(workload: Workload) -> None:
-    """Raise naming the fix where the planner cannot price ``workload`` with partial rollouts: dynamic sampling (the
-    engine refuses it: its rounds are per update) and multi-turn episodes (the planner simulates the pool of
-    single-turn responses only)."""
+def check_partial_pricing(workload: Workload, max_staleness: int) -> None:
+    """Raise naming the fix where the planner cannot price ``workload`` with partial rollouts under the staleness
+    bound ``max_staleness``: a bound below 1, dynamic sampling (the engine refuses it: its rounds are per update) and
+    multi-turn episodes (the planner simulates the pool of single-turn responses only)."""
+    if max_staleness < 1:
+        raise ValueError("partial_rollout prices plans whose unfinished samples resume under the next weights, "
+                         "one version older than the update that trains on them: give max_staleness >= 1 (plan "
+                         "--max_staleness 1 --partial_rollout), or leave partial_rollout off.")
     if workload.generation_rounds > 1:
         raise ValueError("partial_rollout carries unfinished samples across updates, and dynamic sampling "
                          f"(generation_rounds {workload.generation_rounds}) collects groups over generation rounds "
