@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import importlib
 import inspect
 import os
 import re
@@ -23,12 +24,14 @@ from typing import Any, NoReturn
 import docstring_parser
 import torch
 from jsonargparse import ActionYesNo, Namespace, set_parsing_settings
+from jsonargparse._typehints import ActionTypeHint
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_app_rlhf.calibration_run import measure_phases
@@ -41,8 +44,10 @@ from lightning_app_rlhf.checkpoint.format import (
 )
 from lightning_app_rlhf.checkpoint.newest import AUTO, newest_complete_checkpoint
 from lightning_app_rlhf.core.upstream_warnings import ignore_upstream_warnings
+from lightning_app_rlhf.core.user_errors import causes, missing_package, one_line, user_frames
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.generation import registered_backends
+from lightning_app_rlhf.models.roles import ModelSpec
 from lightning_app_rlhf.module import RLHFModule
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import known_devices
@@ -55,6 +60,7 @@ from lightning_app_rlhf.planner.command import (
     workload_name,
 )
 from lightning_app_rlhf.planner.workload import workload_from_data
+from lightning_app_rlhf.strategies.placement_setup import checked_plan
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 PLAN = "plan"
@@ -80,15 +86,23 @@ LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")
 class RLHFArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors are one line: a mistyped option gets the nearest valid one ("did you mean
     --model.ppo.kl_coef?"), and the usage, some 150 lines that would bury the error, is left to ``--help``. With
-    ``--debug`` an error raises with its traceback instead."""
+    ``--debug`` an error raises with its traceback instead. An option is never taken for a longer one it begins
+    (``--model.generation.max_new_token`` is an error suggesting ``max_new_tokens``, not that option)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # argparse's prefix matching would read a typo as another option
+        super().__init__(*args, **kwargs)
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        """Exit 2 with ``error: MESSAGE`` (naming the nearest options of unrecognized ones, and ``--help``); raise
-        where jsonargparse would (``exit_on_error=False`` while it tries alternatives) or under ``--debug``."""
+        """Exit 2 with ``error: MESSAGE`` (jsonargparse's many-line refusals in one line, naming the nearest options
+        of unrecognized ones, and ``--help``); raise where jsonargparse would (``exit_on_error=False`` while it tries
+        alternatives) or under ``--debug``."""
         if not self.exit_on_error:
             super().error(message, ex)  # raises: a caller tries something else, or reports it as its own error
-        hint = "" if "Did you mean" in message else suggest_options(message, option_strings(self, ex))
+        message = one_line(message)
+        hint = "" if "Did you mean" in message else (class_option_hint(message) or
+                                                      suggest_options(message, option_strings(self, ex)))
         message = f"{message.rstrip(' .')}.{hint}" if hint else message
         if debug_requested():
             raise argparse.ArgumentError(None, message) from ex
@@ -120,6 +134,40 @@ def suggest_options(message: str, options: Sequence[str]) -> str:
     if len(pairs) == 1:
         return f" Did you mean {pairs[0][1]}?"
     return f" Did you mean {', '.join(f'{close} (for {flag})' for flag, close in pairs)}?" if pairs else ""
+
+
+def init_arg_names(cls: type) -> dict[str, list[str]]:
+    """The arguments of ``cls``'s ``__init__``, and of its bases' where it passes ``**kwargs`` on (as jsonargparse
+    reads them for ``--trainer.strategy.*``), by the class that takes them, ``cls`` first."""
+    names: dict[str, list[str]] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        parameters = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[1:]
+        names[klass.__name__] = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names
+
+
+def class_option_hint(message: str) -> str:
+    """`` Did you mean --trainer.strategy.max_staleness?`` and the class's own options, for a message of
+    :func:`~lightning_app_rlhf.core.user_errors.one_line` refusing an option of a class; "" for any other."""
+    match = re.match(r"(--[\w.]+)\.(\w+) is not an option of ([\w.]+)", message)
+    if match is None:
+        return ""
+    base, key, class_path = match.groups()
+    try:
+        module, _, name = class_path.rpartition(".")
+        by_class = init_arg_names(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return ""
+    everything = list(dict.fromkeys(n for names in by_class.values() for n in names))
+    close = difflib.get_close_matches(key, everything, n=1, cutoff=0.6)
+    hint = f" Did you mean {base}.{close[0]}?" if close else ""
+    (own_class, own), *bases = by_class.items() or [(name, [])]
+    more = f", and those of {', '.join(c for c, _ in bases)}" if bases else ""
+    return f"{hint} The options of {own_class}: {', '.join(own) or 'none'}{more}."
 
 
 def debug_requested() -> bool:
@@ -180,6 +228,7 @@ class RLHFCLI(LightningCLI):
                 subparser_kwargs.setdefault("description", description)
                 subparser = self._prepare_subcommand_parser(self.trainer_class, name, **subparser_kwargs)
             _list_registered_backends(subparser)
+            _accept_strategy_options(subparser)
             if name == "predict":
                 _add_predictions_option(subparser)
             self._subcommand_parsers[name] = subparser
@@ -228,6 +277,7 @@ class RLHFCLI(LightningCLI):
         if subcommand == PLAN:
             self.plan()
         else:
+            check_placement(self.trainer, self.model)  # before the Trainer launches any rank
             super()._run_subcommand(subcommand)
 
     def plan(self) -> None:
@@ -288,8 +338,11 @@ class RLHFCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        """Name a mistyped strategy before Lightning does: its error lists none of the registered names."""
-        strategy = self.config.get(self.config.get("subcommand") or "", {}).get("trainer", {}).get("strategy")
+        """Name a mistyped strategy before Lightning does (its error lists none of the registered names), and a key
+        that no model spec has (``--model.actor.model_name_or_path``, TRL's name for ``path``)."""
+        config = self.config.get(self.config.get("subcommand") or "", {})
+        check_model_spec_keys(config.get("model") or {})
+        strategy = config.get("trainer", {}).get("strategy")
         if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry or "." in strategy:
             return  # a strategy object or class path, or a name Lightning knows
         ours = sorted(name for name in StrategyRegistry if name.startswith("rlhf_"))
@@ -320,6 +373,41 @@ class RLHFCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, PlacementTuner) and callback.ckpt_path is None:
                 callback.ckpt_path = ckpt_path
+
+
+MODEL_ROLES = ("actor", "critic", "reference", "reward_model")
+"""The model arguments of :class:`RLHFModule` that take a :class:`~lightning_app_rlhf.models.roles.ModelSpec`."""
+MODEL_SPEC_ALIASES = {"model_name_or_path": "path", "pretrained_model_name_or_path": "path",
+                      "torch_dtype": "dtype", "lora_config": "lora", "peft_config": "lora"}
+"""Other libraries' names (TRL's ``ModelConfig``, transformers' ``from_pretrained``) for a model spec's fields."""
+
+
+def check_model_spec_keys(model: Namespace | dict[str, Any]) -> None:
+    """Refuse a key that no :class:`~lightning_app_rlhf.models.roles.ModelSpec` has in a model argument given as a
+    mapping (the type also takes any dict, so jsonargparse lets it through to a ``TypeError`` deep in the module),
+    naming the flag and the field meant."""
+    model = model.get("init_args", model) if "class_path" in model else model
+    known = [f.name for f in fields(ModelSpec)]
+    for role in MODEL_ROLES:
+        spec = model.get(role)
+        spec = dict(vars(spec)) if isinstance(spec, Namespace) else spec
+        for key in spec if isinstance(spec, dict) else ():
+            if key in known:
+                continue
+            close = MODEL_SPEC_ALIASES.get(key) or next(iter(difflib.get_close_matches(key, known, n=1)), None)
+            hint = f" Did you mean --model.{role}.{close}?" if close else ""
+            raise ValueError(f"--model.{role}.{key}: a model spec has no field {key!r}.{hint} Its fields: "
+                             f"{', '.join(known)} (docs/models.md).")
+
+
+def check_placement(trainer: Trainer, module: Any) -> None:
+    """Build a placement strategy's plan for this run in this process, before the Trainer launches the ranks, which
+    would each refuse it (an impossible split, say Separation's default ratio on 3 devices): one message, printed
+    once, naming the flags that fix it. Nothing for another strategy."""
+    strategy = trainer.strategy
+    algorithm = getattr(module, "algorithm", None)
+    if isinstance(strategy, PlacementStrategy) and algorithm is not None:
+        checked_plan(strategy.build_plan, algorithm.roles, algorithm.name, trainer.world_size, trainer.num_devices)
 
 
 def run_directories(trainer: Trainer) -> list[Path]:
@@ -359,6 +447,55 @@ def _list_registered_backends(parser: LightningArgumentParser) -> None:
         if action.dest.endswith("generation.backend"):
             action.metavar = "{" + ",".join(names) + "}"
             action.help = f"{action.help or ''} Registered: {', '.join(names)}.".lstrip()
+
+
+class StrategyOptionsAction(ActionTypeHint):
+    """``--trainer.strategy``, whose options (``--trainer.strategy.max_staleness 1``) also follow a registered name
+    (``rlhf_separation``, ``ddp``), given on the command line or in a config file: before the first option the name
+    becomes its class path and the registry's arguments (:func:`registered_strategy_spec`), as if the user had given
+    ``--trainer.strategy lightning_app_rlhf.strategies.SeparationStrategy``. A name alone stays a name."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 4:  # parser, cfg, value, option string: an option given on the command line
+            _, cfg, _, option = args
+            previous = cfg.get(self.dest) if cfg is not None else None
+            if self.get_option_string_base(option) and isinstance(previous, str):
+                cfg.update(registered_strategy_spec(previous, option), self.dest)
+        return super().__call__(*args, **kwargs)
+
+
+def registered_strategy_spec(name: str, option: str = "--trainer.strategy.OPTION") -> Namespace:
+    """The class path and init args that the strategy registry's ``name`` stands for (what Lightning builds for it).
+
+    Raises:
+        ValueError: ``name`` is no registered strategy, or one whose registered arguments no config can hold (a
+            custom preset's plan function defined in ``__main__``): the message names the class path to use.
+    """
+    if name not in StrategyRegistry:
+        close = difflib.get_close_matches(name, list(StrategyRegistry), n=1)
+        hint = f"Did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{option} sets an option of --trainer.strategy, but {name!r} is no registered strategy. "
+                         f"{hint}Give a registered name (rlhf_flattening, rlhf_interleaving, rlhf_separation, ddp, ...) "
+                         "or a class path.")
+    entry = StrategyRegistry[name]
+    class_path = f"{entry['strategy'].__module__}.{entry['strategy'].__qualname__}"
+    init_args = {}
+    for key, value in entry["init_params"].items():
+        if callable(value):
+            value = f"{getattr(value, '__module__', '__main__')}.{getattr(value, '__qualname__', '<?>')}"
+            if value.startswith("__main__.") or "<" in value:  # a lambda, a local function, or one of the script
+                raise ValueError(f"{option}: strategy {name!r} is registered with {key}={entry['init_params'][key]!r}, "
+                                 f"which no config can name, so it takes no options on the command line. Give "
+                                 f"--trainer.strategy {class_path} and its {key} as an importable path instead.")
+        init_args[key] = value
+    return Namespace(class_path=class_path, init_args=Namespace(**init_args))
+
+
+def _accept_strategy_options(parser: LightningArgumentParser) -> None:
+    """Let ``--trainer.strategy``'s options follow a registered name (:class:`StrategyOptionsAction`)."""
+    for action in parser._actions:
+        if action.dest == "trainer.strategy" and type(action) is ActionTypeHint:
+            action.__class__ = StrategyOptionsAction
 
 
 def _add_predictions_option(parser: LightningArgumentParser) -> None:
@@ -474,13 +611,50 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
             parser_class=RLHFArgumentParser,
             parser_kwargs={"description": DESCRIPTION, **({"prog": prog} if prog else {})},
         )
-    except CONFIG_ERRORS as err:  # at parsing, instantiation or the Trainer's setup (batch split, prompt lengths)
-        refused = config_error(err)
-        if refused is None or debug_requested():
+    except Exception as err:  # at parsing, instantiation, the Trainer's setup (batch split, prompt lengths) or a run
+        status = None if debug_requested() else report_user_error(err)
+        if status is None:
             raise
-        # A setting this package refused: its message names the fix, which 30 lines of jsonargparse and Lightning
-        # frames would bury.
-        sys.exit(report_error(refused))
+        sys.exit(status)
+
+
+def report_user_error(error: BaseException) -> int | None:
+    """Print an error the user caused as one ``error:`` line naming the fix, and return the exit status; None for an
+    error whose whole traceback should show (a fault of this package or of a library). 30 to 120 lines of
+    jsonargparse and Lightning frames would bury the one line that matters. In order:
+
+    - a setting this package refused (:func:`config_error`): its message names the fix (status 2);
+    - a package that is not installed (a logger's optional dependency): the ``pip install`` (status 2);
+    - an error raised in the user's own code (a reward function, a prompts function, a callback): that code's frames
+      and exception as Python prints them, then one line (status 1);
+    - a value jsonargparse or Lightning refused while building the classes (a ``MisconfigurationException``, a
+      class's refusal of its arguments): its message in one line (status 2).
+    """
+    refused = config_error(error)
+    if refused is not None:
+        return report_error(refused)
+    missing = missing_package(error)
+    if missing is not None:
+        built = next(iter(re.findall(r"Problem with given class_path '([\w.]+)'", str(error))), None)
+        what = f"{built} cannot be built: " if built else ""
+        sys.stderr.write(f"error: {what}{missing[0].rstrip('.')}. Install it (`{missing[1]}`), or leave out the "
+                         f"option that needs it. ({DEBUG_FLAG} shows the traceback.)\n")
+        return 2
+    user = user_frames(error)
+    if user is not None:
+        raised, frames = user
+        ours = next((e for e in causes(error) if e is not raised and _raised_here(e)), None)
+        message = str(ours) if ours is not None else (f"{type(raised).__name__}: {raised} was raised by your code, "
+                                                      "in the frames above. Fix it there.")
+        sys.stderr.write("".join(frames))
+        sys.stderr.write(f"error: {message} ({DEBUG_FLAG} shows the whole traceback.)\n")
+        return 1
+    refusal = next((e for e in causes(error) if isinstance(e, MisconfigurationException) or (
+        isinstance(e, ValueError) and "Does not validate against any of the Union subtypes" in str(e))), None)
+    if refusal is not None:
+        sys.stderr.write(f"error: {one_line(str(refusal))} ({DEBUG_FLAG} shows the traceback.)\n")
+        return 2
+    return None
 
 
 def console_main() -> None:

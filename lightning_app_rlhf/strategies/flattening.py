@@ -9,6 +9,7 @@ from typing_extensions import override
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
 from lightning_app_rlhf.parallel.placement_presets import placement_preset
 from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.strategies.option_checks import check_wrapper_option
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
@@ -24,6 +25,7 @@ class FlatteningStrategy(PlacementStrategy):
 
     def __init__(self, wrapper: str = "ddp", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        check_wrapper_option(self.strategy_name, wrapper)
         self.wrapper = wrapper
 
     @override

@@ -6,9 +6,10 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_app_rlhf.core.role_table import ROLE_NAMES
+from lightning_app_rlhf.core.role_table import REFERENCE, ROLE_NAMES
 from lightning_app_rlhf.parallel.placement_presets import placement_preset
 from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.strategies.option_checks import check_interleaving_options, check_wrapper_option
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
@@ -29,9 +30,12 @@ class InterleavingStrategy(PlacementStrategy):
         super().__init__(**kwargs)
         self.reference_ratio = reference_ratio
         self.reward_ratio = reward_ratio
+        check_wrapper_option(self.strategy_name, wrapper)
         self.wrapper = wrapper
 
     @override
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+        reference_ratio = self.reference_ratio if REFERENCE.name in roles else None
+        check_interleaving_options(world_size, reference_ratio, self.reward_ratio)
         return placement_preset("interleaving").build_plan(world_size, self.reference_ratio, self.reward_ratio,
                                                            self.wrapper, roles=roles)

@@ -192,6 +192,33 @@ def plan_for(
     return (plan(world_size, roles=roles) if takes_roles else plan(world_size)).for_roles(roles)
 
 
+def checked_plan(
+    plan: PlacementPlan | Callable[..., PlacementPlan],
+    roles: tuple[str, ...],
+    algorithm: str,
+    world_size: int,
+    ranks_per_node: int | None = None,
+) -> PlacementPlan:
+    """The plan for the algorithm's ``roles`` on ``world_size`` ranks, checked: its world size, roles,
+    tensor-parallel and pipeline degrees, and replicas that span nodes of ``ranks_per_node`` processes (default: one
+    node). No process group needed: the command line calls it before launching any rank, so that a plan these
+    settings cannot build is one error, printed once.
+
+    ``plan`` is a plan, a preset builder ``(world_size, roles=...) -> plan``, or a user's ``(world_size) -> plan``.
+    """
+    plan = plan_for(plan, world_size, roles)
+    if plan.world_size != world_size:
+        raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {world_size} processes "
+                         f"(devices x num_nodes). Set --trainer.devices (and --trainer.num_nodes; Fabric: devices, "
+                         f"num_nodes) so that they multiply to {plan.world_size}, or build the plan for {world_size} "
+                         "ranks.")
+    plan.check_roles(roles, algorithm)
+    check_tensor_parallel(plan)
+    check_pipeline_parallel(plan)
+    check_node_boundaries(plan, ranks_per_node or world_size)
+    return plan
+
+
 def place(
     plan: PlacementPlan | Callable[..., PlacementPlan],
     module: nn.Module,
@@ -201,24 +228,11 @@ def place(
     timeout: datetime.timedelta,
     ranks_per_node: int | None = None,
 ) -> PlacedRoles:
-    """Build the plan for the module's algorithm, validate it, and create every call's group (collective); the
-    module's :class:`PlacedRoles`, wrapped once its models exist.
-
-    ``plan`` is a plan, a preset builder ``(world_size, roles=...) -> plan``, or a user's ``(world_size) -> plan``.
-    Bad plans fail here, before any model is built; so do tensor-parallel replicas that span nodes of
-    ``ranks_per_node`` processes (default: one node).
-    """
+    """Build the plan for the module's algorithm, validate it (:func:`checked_plan`), and create every call's group
+    (collective); the module's :class:`PlacedRoles`, wrapped once its models exist. Bad plans fail here, before any
+    model is built."""
     algorithm = module.algorithm
-    plan = plan_for(plan, world_size, algorithm.roles)
-    if plan.world_size != world_size:
-        raise ValueError(f"The plan covers {plan.world_size} ranks but the job runs {world_size} processes "
-                         f"(devices x num_nodes). Set --trainer.devices (and --trainer.num_nodes; Fabric: devices, "
-                         f"num_nodes) so that they multiply to {plan.world_size}, or build the plan for {world_size} "
-                         "ranks.")
-    plan.check_roles(algorithm.roles, algorithm.name)
-    check_tensor_parallel(plan)
-    check_pipeline_parallel(plan)
-    check_node_boundaries(plan, ranks_per_node or world_size)
+    plan = checked_plan(plan, algorithm.roles, algorithm.name, world_size, ranks_per_node)
     return PlacedRoles(create_placement(plan, global_rank, root_device, timeout))
 
 

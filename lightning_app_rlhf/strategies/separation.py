@@ -9,6 +9,7 @@ from typing_extensions import override
 from lightning_app_rlhf.core.role_table import ROLE_NAMES
 from lightning_app_rlhf.parallel.placement_presets import placement_preset
 from lightning_app_rlhf.parallel.plan import PlacementPlan
+from lightning_app_rlhf.strategies.option_checks import check_separation_options, check_wrapper_option
 from lightning_app_rlhf.strategies.placement_strategy import PlacementStrategy
 
 
@@ -55,6 +56,7 @@ class SeparationStrategy(PlacementStrategy):
         self.generation_ranks = generation_ranks
         self.training_ranks = training_ranks
         self.generation_ratio = generation_ratio
+        check_wrapper_option(self.strategy_name, wrapper)
         self.wrapper = wrapper
         if overlap and max_staleness == 0:
             raise ValueError("overlap=True trains one step off-policy, max_staleness=0 on-policy: pass one of them "
@@ -65,6 +67,8 @@ class SeparationStrategy(PlacementStrategy):
 
     @override
     def build_plan(self, world_size: int, roles: tuple[str, ...] = ROLE_NAMES) -> PlacementPlan:
+        explicit = self.generation_ranks is not None or self.training_ranks is not None
+        check_separation_options(world_size, self.generation_ratio, explicit)
         return placement_preset("separation").build_plan(
             world_size, self.generation_ranks, self.training_ranks, self.generation_ratio, self.wrapper,
             self.max_staleness, roles=roles, free_running=self.free_running,
