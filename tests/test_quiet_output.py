@@ -77,3 +77,12 @@ def test_the_first_error_of_a_tool_is_printed_once_with_its_name(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert call_tool(call, {"divide": divide})[1]  # the second is counted, not printed
+
+
+def test_the_bar_counts_all_of_the_epochs_batches_when_max_steps_ends_it_early():
+    """A 2-batch epoch that ``max_steps`` stops after its first batch reads ``1/2``, not Lightning's ``1/1``."""
+    from types import SimpleNamespace
+
+    bar = RLHFProgressBar()
+    bar._trainer = SimpleNamespace(num_training_batches=2, max_epochs=-1, max_steps=3, global_step=2)
+    assert bar.total_train_batches == 2

@@ -28,8 +28,9 @@ class RLHFProgressBar(RichProgressBar):
     """Lightning's ``RichProgressBar`` whose training bar reads what bounds the run: ``Iteration 37/600, epoch 2``
     when ``max_steps`` does (an RLHF iteration is one step), ``Epoch 2/9`` when only ``max_epochs`` does (Lightning's
     reading: this epoch's index over the last one's), ``Epoch 2`` when nothing does. The bar itself still counts the
-    epoch's batches; its speed reads seconds per iteration below one per second (:class:`IterationSpeedColumn`), and
-    the logger's version ``v_num`` is printed as the integer it is.
+    epoch's batches, all of them (Lightning's counts only those before ``max_steps``: ``1/1`` in the last epoch of
+    a run that stops after its first of 2 batches); its speed reads seconds per iteration below one per second
+    (:class:`IterationSpeedColumn`), and the logger's version ``v_num`` is printed as the integer it is.
 
     Lightning's own bar prints ``max_epochs - 1`` as the total, and ``max_epochs`` is -1 when only ``max_steps`` is set:
     ``Epoch 37/-2``. :class:`~lightning_app_rlhf.RLHFModule` replaces a ``RichProgressBar`` given to the Trainer with
@@ -71,6 +72,11 @@ class RLHFProgressBar(RichProgressBar):
         if trainer.max_steps >= 0:  # -1: no step limit
             return f"Iteration {trainer.global_step}/{trainer.max_steps}, epoch {epoch}"
         return f"Epoch {epoch}"
+
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        return self.trainer.num_training_batches
 
     @override
     def configure_columns(self, trainer: pl.Trainer) -> list:
