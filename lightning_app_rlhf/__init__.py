@@ -1,6 +1,8 @@
 """lightning-app-rlhf: RLHF with PPO for PyTorch Lightning, with placement of the four roles."""
 
-from lightning_app_rlhf.core.config import GenerationConfig, PPOConfig
+from lightning_app_rlhf.agents import Environment, StepResult, ToolEnvironment
+from lightning_app_rlhf.callbacks import default_callbacks
+from lightning_app_rlhf.core.config import AgentConfig, GenerationConfig, PPOConfig
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.engine.update_guard import DivergenceError
 from lightning_app_rlhf.models.calls import RewardFunctionError
@@ -16,7 +18,9 @@ from lightning_app_rlhf.strategies import (
 )
 
 __all__ = [
+    "AgentConfig",
     "DivergenceError",
+    "Environment",
     "FlatteningStrategy",
     "GenerationConfig",
     "InterleavingStrategy",
@@ -29,5 +33,8 @@ __all__ = [
     "RewardFunctionError",
     "RewardSignatureError",
     "SeparationStrategy",
+    "StepResult",
+    "ToolEnvironment",
     "ValueModel",
+    "default_callbacks",
 ]

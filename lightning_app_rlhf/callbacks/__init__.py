@@ -1,5 +1,6 @@
 """Lightning callbacks for RLHF runs."""
 
+from lightning_app_rlhf.callbacks.defaults import default_callbacks, missing_default_callbacks
 from lightning_app_rlhf.callbacks.export_actor import ExportActor
 from lightning_app_rlhf.callbacks.log_completions import LogCompletions
 from lightning_app_rlhf.callbacks.placement_summary import PlacementSummary
@@ -20,4 +21,6 @@ __all__ = [
     "RLHFProgressBar",
     "RLHFRunSummary",
     "RoleLearningRateMonitor",
+    "default_callbacks",
+    "missing_default_callbacks",
 ]
