@@ -44,11 +44,12 @@ from lightning_app_rlhf.checkpoint.format import (
 )
 from lightning_app_rlhf.checkpoint.newest import AUTO, newest_complete_checkpoint
 from lightning_app_rlhf.core.upstream_warnings import ignore_upstream_warnings
-from lightning_app_rlhf.core.user_errors import causes, missing_package, one_line, user_frames
+from lightning_app_rlhf.core.user_errors import causes, first_report, missing_package, one_line, user_frames
 from lightning_app_rlhf.data import PromptDataModule
 from lightning_app_rlhf.generation import registered_backends
 from lightning_app_rlhf.models.roles import ModelSpec
 from lightning_app_rlhf.module import RLHFModule
+from lightning_app_rlhf.parallel.failures import PlacementError
 from lightning_app_rlhf.parallel.plan import PlacementPlan
 from lightning_app_rlhf.planner.cluster import known_devices
 from lightning_app_rlhf.planner.command import (
@@ -256,6 +257,7 @@ class RLHFCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.tokenizer", "data.tokenizer")
+        _accept_strategy_options(parser)  # also without subcommands (``run=False``)
 
     @override
     def instantiate_classes(self) -> None:
@@ -453,13 +455,14 @@ class StrategyOptionsAction(ActionTypeHint):
     """``--trainer.strategy``, whose options (``--trainer.strategy.max_staleness 1``) also follow a registered name
     (``rlhf_separation``, ``ddp``), given on the command line or in a config file: before the first option the name
     becomes its class path and the registry's arguments (:func:`registered_strategy_spec`), as if the user had given
-    ``--trainer.strategy lightning_app_rlhf.strategies.SeparationStrategy``. A name alone stays a name."""
+    ``--trainer.strategy lightning_app_rlhf.strategies.SeparationStrategy``. A name alone stays a name; a class path
+    is jsonargparse's as before."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 4:  # parser, cfg, value, option string: an option given on the command line
             _, cfg, _, option = args
             previous = cfg.get(self.dest) if cfg is not None else None
-            if self.get_option_string_base(option) and isinstance(previous, str):
+            if self.get_option_string_base(option) and isinstance(previous, str) and "." not in previous:
                 cfg.update(registered_strategy_spec(previous, option), self.dest)
         return super().__call__(*args, **kwargs)
 
@@ -612,7 +615,12 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
             parser_kwargs={"description": DESCRIPTION, **({"prog": prog} if prog else {})},
         )
     except Exception as err:  # at parsing, instantiation, the Trainer's setup (batch split, prompt lengths) or a run
-        status = None if debug_requested() else report_user_error(err)
+        if debug_requested():
+            raise
+        consequence = any(isinstance(e, PlacementError) for e in causes(err))  # of another rank's failure
+        if not first_report(wait_s=3.0 if consequence else 0.0):
+            sys.exit(1)  # another rank of this job reported it (the same error, or the one this rank stopped for)
+        status = report_user_error(err)
         if status is None:
             raise
         sys.exit(status)
@@ -648,6 +656,10 @@ def report_user_error(error: BaseException) -> int | None:
                                                       "in the frames above. Fix it there.")
         sys.stderr.write("".join(frames))
         sys.stderr.write(f"error: {message} ({DEBUG_FLAG} shows the whole traceback.)\n")
+        return 1
+    failed = next((e for e in causes(error) if isinstance(e, PlacementError)), None)
+    if failed is not None:  # another rank died or stopped answering, and reported nothing (killed, out of memory)
+        sys.stderr.write(f"error: {failed}\n")
         return 1
     refusal = next((e for e in causes(error) if isinstance(e, MisconfigurationException) or (
         isinstance(e, ValueError) and "Does not validate against any of the Union subtypes" in str(e))), None)

@@ -6,16 +6,22 @@ framework's frames around them.
   subtypes ...", 8 to 20 lines) as one sentence naming the option and what it expects;
 - :func:`missing_package`: the ``ImportError`` of an optional package that is not installed (a logger's), and the
   ``pip install`` that fixes it;
-- :func:`user_frames`: the frames of the user's own code in an error's traceback, as Python prints them.
+- :func:`user_frames`: the frames of the user's own code in an error's traceback, as Python prints them;
+- :func:`first_report`: whether this rank is the first of its job to report an error (the others, which hit the
+  same error or stopped because of it, then print nothing).
 
 Plain standard library: the command line (``cli.py``) decides when to print what (``--debug`` prints everything).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
 import sysconfig
+import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +142,43 @@ def user_frames(error: BaseException) -> tuple[BaseException, list[str]] | None:
         if first is not None:
             return cause, [*traceback.format_list(frames[first:]), *traceback.format_exception_only(cause)]
     return None
+
+
+REPORTS = Path(tempfile.gettempdir(), "lightning_app_rlhf-errors")
+"""Where the ranks of a job on one machine note that one of them reported an error."""
+REPORT_STALE_S = 600.0
+"""A note older than this is another job's (same port, same process group), not this one's."""
+
+
+def first_report(wait_s: float = 0.0) -> bool:
+    """Whether this process is the first rank of its job (on this machine) to report an error: always outside a
+    multi-process job (no ``MASTER_PORT``). The ranks hit the same error together (a reward
+    that raises on every rank) or stop because another rank failed; one report says it once.
+
+    Args:
+        wait_s: Wait this long for another rank to claim the report first: for an error that is the consequence of
+            another rank's (a collective that failed because that rank died), whose own report names the cause.
+    """
+    port = os.environ.get("MASTER_PORT")  # not WORLD_SIZE: Lightning's teardown unsets it before the error gets here
+    if not port:
+        return True
+    note = REPORTS / f"{os.environ.get('MASTER_ADDR', 'localhost')}-{port}-{os.getpgid(0)}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if time.time() - note.stat().st_mtime < REPORT_STALE_S:
+                return False  # another rank of this job reported
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    try:
+        REPORTS.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):
+            if time.time() - note.stat().st_mtime >= REPORT_STALE_S:
+                note.unlink()  # an earlier job's
+        os.close(os.open(note, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False  # another rank claimed it just now
+    except OSError:
+        return True  # no shared directory: every rank reports
+    return True

@@ -60,13 +60,14 @@ def check_separation_options(world_size: int, generation_ratio: float, explicit_
         return
     count = ranks_of(generation_ratio, world_size)
     why = ("not a whole number" if count.denominator != 1 else
-           "leaving none to train" if count >= world_size else "none")
-    choices = ", ".join(ratio_text(k, world_size) for k in range(1, world_size))
+           "leaving none to train" if count >= world_size else "none to generate")
+    choices = (", ".join(ratio_text(k, world_size) for k in range(1, world_size)) if world_size <= 8 else
+               f"a multiple of 1/{world_size} below 1 (e.g. {ratio_text(world_size // 2, world_size)})")
     sizes = _world_sizes(lambda n: _whole(generation_ratio, n, 1, n - 1), world_size)
     devices = f", or run {sizes} processes (--trainer.devices)" if sizes else ""
-    raise ValueError(f"rlhf_separation on {world_size} ranks: generation_ratio {generation_ratio} gives "
-                     f"{float(count):g} generating ranks, {why}. Set --trainer.strategy.generation_ratio "
-                     f"(generation_ratio=) to one of {choices}{devices}.")
+    raise ValueError(f"rlhf_separation: the generation ratio {generation_ratio} on {world_size} ranks gives "
+                     f"{float(count):g} ranks, {why}. Set --trainer.strategy.generation_ratio (generation_ratio=) "
+                     f"to {'one of ' if world_size <= 8 else ''}{choices}{devices}.")
 
 
 def check_interleaving_options(world_size: int, reference_ratio: float | None, reward_ratio: float) -> None:
@@ -82,16 +83,20 @@ def check_interleaving_options(world_size: int, reference_ratio: float | None, r
 
     if fits(world_size):
         return
-    ratios = {"reference_ratio": reference_ratio, "reward_ratio": reward_ratio}
-    bad = [f"{name} {ratio} gives {float(ranks_of(ratio, world_size)):g} ranks"
-           for name, ratio in ratios.items() if ratio is not None and not _whole(ratio, world_size, 1, world_size)]
-    what = ", ".join(bad) + ", not a whole number" if bad else "the two ratios sum to more than 1"
+    ratios = {"reference": reference_ratio, "reward": reward_ratio}
+    bad = [(name, ratio, float(ranks_of(ratio, world_size))) for name, ratio in ratios.items()
+           if ratio is not None and not _whole(ratio, world_size, 1, world_size)]
+    parts = [f"the {name} ratio {ratio}" + (f" on {world_size} ranks" if i == 0 else "") + f" gives {count:g} ranks"
+             for i, (name, ratio, count) in enumerate(bad)]
+    what = (" and ".join(parts) + (", not whole numbers" if len(bad) > 1 else ", not a whole number") if bad else
+            f"the reference ratio {reference_ratio} and the reward ratio {reward_ratio} on {world_size} ranks sum "
+            "to more than 1 (the two groups are disjoint)")
     half = world_size // 2
     example = (f"e.g. {ratio_text(half, world_size)} and {ratio_text(world_size - half, world_size)}"
                if reference_ratio is not None else f"e.g. {ratio_text(half, world_size)}")
     flags = ("--trainer.strategy.reference_ratio and --trainer.strategy.reward_ratio to multiples of "
-             f"1/{world_size} that sum to at most 1" if reference_ratio is not None else
-             f"--trainer.strategy.reward_ratio to a multiple of 1/{world_size}")
+             f"1/{world_size} (reference_ratio=, reward_ratio=) that sum to at most 1" if reference_ratio is not None else
+             f"--trainer.strategy.reward_ratio (reward_ratio=) to a multiple of 1/{world_size}")
     sizes = _world_sizes(fits, world_size)
     devices = f", or run {sizes} processes (--trainer.devices)" if sizes else ""
-    raise ValueError(f"rlhf_interleaving on {world_size} ranks: {what}. Set {flags} ({example}){devices}.")
+    raise ValueError(f"rlhf_interleaving: {what}. Set {flags} ({example}){devices}.")
