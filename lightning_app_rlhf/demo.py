@@ -125,3 +125,18 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", padding_side="left"
     )
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<eos>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+"""ChatML's shape with the demo tokenizer's own end token ``<eos>``: append-only, as multi-turn episodes need."""
+
+
+def chat_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """:func:`build_tokenizer` with a chat template (:data:`CHAT_TEMPLATE`), for multi-turn episodes on the demo's tiny
+    models: ``--model.tokenizer lightning_app_rlhf.demo.chat_tokenizer``. The plain demo tokenizer has none, and an
+    environment refuses a tokenizer without one. A random-init tiny model plays episodes with it, but almost never
+    writes a valid tool call: docs/agents.md's SmolLM2 run does."""
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

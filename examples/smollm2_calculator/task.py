@@ -93,6 +93,12 @@ def train_test_split(train_size: int = 400, test_size: int = 50, seed: int = 0
     return rows[test_size:], rows[:test_size]
 
 
+def train_prompts() -> list[dict[str, Any]]:
+    """The training rows of the default split: ``--data.prompts examples.smollm2_calculator.task:train_prompts``
+    (``examples/configs/agent_calculator_cpu.yaml``)."""
+    return train_test_split()[0]
+
+
 def last_number(text: str) -> float | None:
     numbers = NUMBER.findall(text.replace(",", ""))
     return float(numbers[-1]) if numbers else None

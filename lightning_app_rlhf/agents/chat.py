@@ -44,7 +44,9 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any, tools: Sequence[Callable[..., Any]], end_of_turn_ids: Sequence[int]) -> None:
         if not tokenizer.chat_template:
             raise ValueError("Multi-turn rollouts render observations with the tokenizer's chat template, and this "
-                             "tokenizer has none: use an instruct model's tokenizer, or set tokenizer.chat_template.")
+                             "tokenizer has none: use an instruct model's tokenizer (docs/agents.md runs SmolLM2's), "
+                             "or set tokenizer.chat_template; on the demo's tiny models, --model.tokenizer "
+                             "lightning_app_rlhf.demo.chat_tokenizer is the demo tokenizer with one.")
         self.tokenizer = tokenizer
         self.tools = list(tools)
         self.template_tools = bool(self.tools) and template_renders_tools(tokenizer)
