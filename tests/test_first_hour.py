@@ -241,12 +241,16 @@ def test_a_reward_that_raises_shows_its_own_frames_and_one_line(tmp_path, device
                                "--trainer.devices", devices, "--trainer.strategy", strategy,
                                "--model.generation.max_new_tokens", "4"),
                      cwd=tmp_path, check=False)
-    assert result.returncode == 1, result.stderr[-3000:]
+    # 1, or SIGKILL where Lightning's watch of the ranks it started ends rank 0 first ("Child process with PID ...
+    # terminated with code 1. Forcefully terminating all other processes", one line of its own)
+    assert result.returncode in (1, -9), result.stderr[-3000:]
     err = result.stderr
     frames = re.findall(r'^  File "([^"]+)"', err, re.MULTILINE)
     assert "Traceback" not in err and set(frames) == {str(tmp_path / "my_reward.py")}, err[-3000:]
-    report = err[err.index('  File "'):].rstrip().splitlines()
+    assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err[-3000:]
+    report = err[err.index('  File "'):].splitlines()
+    report = report[:next(i for i, line in enumerate(report) if line.startswith("error:")) + 1]
     assert report[0].startswith(f'  File "{tmp_path / "my_reward.py"}", line 2, in reward'), report
     assert "ZeroDivisionError: float division by zero" in report
     assert report[-1].startswith("error: The reward function 'my_reward.reward' raised ZeroDivisionError"), report
-    assert len(report) <= 8 and sum(line.startswith("error:") for line in report) == 1, report
+    assert len(report) <= 8, report

@@ -134,14 +134,25 @@ def is_user_file(filename: str) -> bool:
 
 def user_frames(error: BaseException) -> tuple[BaseException, list[str]] | None:
     """The innermost error in ``error``'s chain that was raised in the user's own code, and its traceback from the
-    first frame of that code on, formatted as Python prints them (frames and the exception's line, without the
-    ``Traceback`` heading); None when no error of the chain went through the user's code."""
+    user's code on, formatted as Python prints them (frames and the exception's line, without the ``Traceback``
+    heading); None when no error of the chain was. Raised in the user's code: the innermost frames of the user's
+    files come after every frame of this package (a library the user's code called may follow them); the frames
+    printed start with the user's block of frames that ends there (not with a script of the user's that called this
+    package, which then raised on its own)."""
     for cause in reversed(list(causes(error))):
         frames = traceback.extract_tb(cause.__traceback__)
-        first = next((i for i, frame in enumerate(frames) if is_user_file(frame.filename)), None)
-        if first is not None:
-            return cause, [*traceback.format_list(frames[first:]), *traceback.format_exception_only(cause)]
+        users = [i for i, frame in enumerate(frames) if is_user_file(frame.filename)]
+        if not users or any(_in_package(frame.filename) for frame in frames[users[-1]:]):
+            continue
+        first = users[-1]
+        while first > 0 and is_user_file(frames[first - 1].filename):
+            first -= 1
+        return cause, [*traceback.format_list(frames[first:]), *traceback.format_exception_only(cause)]
     return None
+
+
+def _in_package(filename: str) -> bool:
+    return not filename.startswith("<") and Path(filename).resolve().is_relative_to(PACKAGE)
 
 
 REPORTS = Path(tempfile.gettempdir(), "lightning_app_rlhf-errors")
