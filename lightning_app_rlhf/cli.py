@@ -27,7 +27,7 @@ from jsonargparse import ActionYesNo, Namespace, set_parsing_settings
 from jsonargparse._typehints import ActionTypeHint
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_app_rlhf.calibration_run import measure_phases
 from lightning_app_rlhf.callbacks.placement_tuner import PlacementTuner
-from lightning_app_rlhf.callbacks.prediction_writer import PredictionWriter
+from lightning_app_rlhf.callbacks.defaults import missing_default_callbacks
 from lightning_app_rlhf.checkpoint.format import (
     CheckpointError,
     is_sharded_checkpoint,
@@ -356,11 +356,12 @@ class RLHFCLI(LightningCLI):
 
     def before_predict(self) -> None:
         """Add the default :class:`PredictionWriter` (``--predictions``) unless the trainer has a prediction writer
-        of its own (``--trainer.callbacks``)."""
+        of its own (``--trainer.callbacks``). Drop the checkpoint callbacks a config lists for ``fit``: ``predict``
+        saves no checkpoint, and Lightning would restore theirs from ``--ckpt_path`` only to warn that the run's
+        directory changed."""
         setting = self.config_init[self.subcommand].get("predictions", True)
-        if setting is False or any(isinstance(c, BasePredictionWriter) for c in self.trainer.callbacks):
-            return
-        self.trainer.callbacks.append(PredictionWriter(None if setting is True else setting))
+        callbacks = [c for c in self.trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+        self.trainer.callbacks = callbacks + missing_default_callbacks(callbacks, "predict", setting)
 
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path auto``; a PlacementTuner must see ``--ckpt_path`` before the models are built, to

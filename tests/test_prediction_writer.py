@@ -36,6 +36,8 @@ def _predict(tmp_path: Path, checkpoint: Path, *args: str | Path) -> str:
     result = run_cli("predict", "--config", DEMO_CONFIG, "--ckpt_path", checkpoint,
                      "--trainer.logger.init_args.save_dir", tmp_path / "runs",
                      "--model.eval_generation.max_new_tokens", "6", *args, cwd=tmp_path, timeout=240)
+    # predict saves no checkpoint: no checkpoint callback restored from the fit's, so no "dirpath has changed"
+    assert "dirpath has changed" not in result.stdout + result.stderr
     return result.stdout
 
 

@@ -645,6 +645,12 @@ def plan_training_run(options: PlanOptions, run: TrainingRun) -> PlanReport:
             plan = None
     elif cluster.world_size == 1:
         plan = flattening_plan(1, roles=workload.roles)  # one process holds every role, as RLHFModule does
+    elif run.strategy == "auto":  # Lightning's default: RLHFModule holds every role in one process
+        report.notes.append(
+            f"The configured trainer.strategy is Lightning's default 'auto': every role in one process (Flattening "
+            f"on 1 rank). For these {cluster.world_size} ranks fit with a placement strategy: --trainer.strategy "
+            "rlhf_flattening, rlhf_interleaving or rlhf_separation."
+        )
     else:
         report.notes.append(
             f"The configured trainer.strategy {run.strategy} is not a placement strategy, so no plan of its is "
