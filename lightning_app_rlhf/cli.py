@@ -660,7 +660,7 @@ def report_user_error(error: BaseException) -> int | None:
         return 1
     failed = next((e for e in causes(error) if isinstance(e, PlacementError)), None)
     if failed is not None:  # another rank died or stopped answering, and reported nothing (killed, out of memory)
-        sys.stderr.write(f"error: {failed}\n")
+        sys.stderr.write(f"error: {type(failed).__name__}: {failed}\n")  # its class: what failed, not a setting
         return 1
     refusal = next((e for e in causes(error) if isinstance(e, MisconfigurationException) or (
         isinstance(e, ValueError) and "Does not validate against any of the Union subtypes" in str(e))), None)

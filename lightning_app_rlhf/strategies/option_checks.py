@@ -5,6 +5,7 @@ the plan."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fractions import Fraction
 
 from lightning_app_rlhf.core.wrapper_names import WRAPPER_TRAITS
@@ -35,10 +36,10 @@ def ratio_text(count: int, world_size: int) -> str:
     return repr(count / world_size)
 
 
-def _world_sizes(fits: object, world_size: int) -> str:
+def _world_sizes(fits: Callable[[int], bool], world_size: int) -> str:
     """The nearest world sizes below and above ``world_size`` for which ``fits(n)`` holds, as "2 or 4"."""
-    below = next((n for n in range(world_size - 1, 1, -1) if fits(n)), None)  # type: ignore[operator]
-    above = next((n for n in range(world_size + 1, MAX_WORLD_SIZE_HINT + 1) if fits(n)), None)  # type: ignore[operator]
+    below = next((n for n in range(world_size - 1, 1, -1) if fits(n)), None)
+    above = next((n for n in range(world_size + 1, MAX_WORLD_SIZE_HINT + 1) if fits(n)), None)
     return " or ".join(str(n) for n in (below, above) if n is not None)
 
 
