@@ -27,6 +27,11 @@ tests/test_vllm_backend.py's (each starts a vLLM engine, 30-60 s on 2 cores; wha
 the algorithm), so the per-algorithm fit matrix leaves them out."""
 
 
+SMOLLM2_CONFIGS = {"agent_calculator_cpu"}
+"""Configs of the 135M model: building it once per algorithm takes 45 s on 2 cores, so they build in the slow run;
+the default run fits agent_calculator_cpu as docs/agents.md prints it (tests/test_agents_docs.py)."""
+
+
 def _needs_missing_vllm(config: Path) -> bool:
     from lightning_app_rlhf.generation import vllm_available
 
@@ -48,7 +53,8 @@ def test_the_matrix_covers_the_shipped_configs_and_the_named_algorithms():
     assert {"ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"} <= set(ALGORITHM_NAMES)
 
 
-@pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda c: c.stem)
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow) if c.stem in SMOLLM2_CONFIGS else c
+                                    for c in SHIPPED_CONFIGS], ids=lambda c: c.stem)
 def test_every_algorithm_builds_from_the_shipped_config(tmp_path, monkeypatch, config):
     """The CLI builds the module, the data and the Trainer of ``config`` with each ``--model.algorithm``, and the
     strategy's plan places exactly that algorithm's roles. The config is parsed once: what changes per algorithm is
