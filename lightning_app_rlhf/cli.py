@@ -619,7 +619,7 @@ def main(args: list[str] | None = None, prog: str | None = None) -> RLHFCLI:
         if debug_requested():
             raise
         consequence = any(isinstance(e, PlacementError) for e in causes(err))  # of another rank's failure
-        if not first_report(wait_s=10.0 if consequence else 0.0):
+        if not first_report(wait_s=10.0 if consequence else 0.0, claim=not consequence):
             sys.exit(1)  # another rank of this job reported it (the same error, or the one this rank stopped for)
         status = report_user_error(err)
         if status is None:

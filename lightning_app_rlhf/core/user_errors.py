@@ -161,7 +161,7 @@ REPORT_STALE_S = 600.0
 """A note older than this is another job's (same port, same process group), not this one's."""
 
 
-def first_report(wait_s: float = 0.0) -> bool:
+def first_report(wait_s: float = 0.0, claim: bool = True) -> bool:
     """Whether this process is the first rank of its job (on this machine) to report an error: always outside a
     multi-process job (no ``MASTER_PORT``). The ranks hit the same error together (a reward
     that raises on every rank) or stop because another rank failed; one report says it once.
@@ -169,6 +169,9 @@ def first_report(wait_s: float = 0.0) -> bool:
     Args:
         wait_s: Wait this long for another rank to claim the report first: for an error that is the consequence of
             another rank's (a collective that failed because that rank died), whose own report names the cause.
+        claim: Claim the report (the others then stay silent). False for a consequence: where no rank reported a
+            cause (a rank was killed, or ran out of memory), every survivor prints its own line, each naming the
+            collective it waited in and the rank that stopped answering.
     """
     port = os.environ.get("MASTER_PORT")  # not WORLD_SIZE: Lightning's teardown unsets it before the error gets here
     if not port:
@@ -182,6 +185,8 @@ def first_report(wait_s: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             break
         time.sleep(0.1)
+    if not claim:
+        return True
     try:
         REPORTS.mkdir(exist_ok=True)
         with contextlib.suppress(OSError):
