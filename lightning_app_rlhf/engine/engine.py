@@ -251,7 +251,7 @@ class RLHFEngine:
         drawn = fill_pool(pool, state.batch, state.prompts, keys, more if refill is not None else None)
         if self.episodes is not None:
             self.episodes.replay(pool)
-            self._answer_episodes(self.episodes.reset, pool.unstarted(), step.among)
+            self._reset_episodes(pool.unstarted(), step.among)
         rounds = 0
         while not pool.call_done(state.prompts, self.policy_version):
             entering(f"iteration {iteration}: call actor.generate (partial rollout, round {rounds})")
@@ -261,7 +261,7 @@ class RLHFEngine:
                                             step.among)
             pool.record(rows, out, self.policy_version)
             if self.episodes is not None:
-                self._answer_episodes(self.episodes.step, pool.awaiting_step(), step.among)
+                self._step_episodes(pool.awaiting_step(), step.among)
                 self.episodes.close_finished(pool)
             rounds += 1
         state.marks["generated"] = self._now()
@@ -270,30 +270,41 @@ class RLHFEngine:
         state.stats.update({**stats, "rollout/partial_rounds": float(rounds),
                             "rollout/partial_refills": float(drawn)})
 
-    def _answer_episodes(self, ask: Callable[[list[PartialSample]], dict[str, torch.Tensor] | None],
-                         samples: list[PartialSample], among: str | None) -> None:
-        """Multi-turn partial rollouts: the owners of ``samples``' environments reset them (``ask`` is
-        :meth:`EpisodeEnvironments.reset`) or step them on their ended turns (:meth:`EpisodeEnvironments.step`); the
-        answers are gathered to every rank of the pool, which applies them alike."""
-        assert self.partial is not None and self.episodes is not None
-        if not samples:  # the same on every rank of the pool: all skip the gather
-            return
-        entering(f"{type(self.episodes.prototype).__name__}: {ask.__name__} ({len(samples)} episodes)")
-        step = ask == self.episodes.step
-        specs = ({"observation": TensorSpec(torch.long, 2, -1), "outcome": TensorSpec(torch.float64, 2)} if step
-                 else {"prompt": TensorSpec(torch.long, 2, -1), "seconds": TensorSpec(torch.float64, 1)})
-        out = self.placement.gather_to_world(ACTOR.call("generate"), ask(samples), specs, among)
+    def _reset_episodes(self, samples: list[PartialSample], among: str | None) -> None:
+        """Multi-turn partial rollouts: the owners of ``samples``' environments reset them
+        (:meth:`EpisodeEnvironments.reset`); every rank of the pool takes the rendered prompts."""
+        assert self.episodes is not None
+        out = self._gather_answers(self.episodes.reset, samples, among,
+                                   {"prompt": TensorSpec(torch.long, 2, -1), "seconds": TensorSpec(torch.float64, 1)})
         for i, sample in enumerate(self.episodes.in_gather_order(samples)):
-            if not step:
-                prompt = out["prompt"][i]
-                sample.prompt_ids, sample.started = prompt[prompt >= 0].tolist(), True
-                sample.seconds += float(out["seconds"][i])
-                continue
+            prompt = out["prompt"][i]
+            sample.prompt_ids, sample.started = prompt[prompt >= 0].tolist(), True
+            sample.seconds += float(out["seconds"][i])
+
+    def _step_episodes(self, samples: list[PartialSample], among: str | None) -> None:
+        """Multi-turn partial rollouts: the owners of ``samples``' environments step them on their ended turns
+        (:meth:`EpisodeEnvironments.step`); every rank of the pool applies the answers alike."""
+        assert self.partial is not None and self.episodes is not None
+        out = self._gather_answers(self.episodes.step, samples, among, {"observation": TensorSpec(torch.long, 2, -1),
+                                                                        "outcome": TensorSpec(torch.float64, 2)})
+        for i, sample in enumerate(self.episodes.in_gather_order(samples)):
             reward, done, answered, calls, errors, seconds = out["outcome"][i].tolist()
             observation = out["observation"][i]
             self.partial.answer(sample, TurnOutcome(reward, bool(done),
                                                     observation[observation >= 0].tolist() if answered else None,
                                                     int(calls), int(errors), seconds), self.policy_version)
+
+    def _gather_answers(self, ask: Callable[[list[PartialSample]], dict[str, torch.Tensor] | None],
+                        samples: list[PartialSample], among: str | None,
+                        specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+        """``ask``'s answers for ``samples`` (each rank's for the episodes it owns), gathered to every rank of the pool
+        in :meth:`EpisodeEnvironments.in_gather_order`; nothing where there are no samples (the same on every rank
+        of the pool: all skip the gather)."""
+        if not samples:
+            return {name: torch.empty(0) for name in specs}
+        assert self.episodes is not None
+        entering(f"{type(self.episodes.prototype).__name__}: {ask.__name__} ({len(samples)} episodes)")
+        return self.placement.gather_to_world(ACTOR.call("generate"), ask(samples), specs, among)
 
     def _step_forward(self, step: Step, state: IterationState) -> None:
         role = role_of(step.name)

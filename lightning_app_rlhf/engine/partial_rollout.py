@@ -401,7 +401,6 @@ class EpisodeEnvironments:
                 continue
             env, prompt, _ = start_episode(self.prototype, self._row(s), self.renderer, self.tokenizer)
             runs = _runs(s.mask)
-            answered = [env]  # closed below where the replay fails
             try:
                 if prompt != s.prompt_ids:
                     raise ValueError(f"rendered another prompt for sample {s.index}/{s.sample}")
@@ -413,8 +412,7 @@ class EpisodeEnvironments:
                         raise ValueError(f"answered turn {turn + 1} of sample {s.index}/{s.sample} with another "
                                          "observation")
             except ValueError as error:
-                for e in answered:
-                    e.close()
+                env.close()
                 raise ValueError(f"A resumed run rebuilds each partial episode's environment by replaying its turns, "
                                  f"and {name} {error} than before the checkpoint: make reset and step depend only on "
                                  "the row and the turns' text, or resume with partial_rollout false from a "
